@@ -1,0 +1,139 @@
+/* nptrace event record: the one layout every BPF program writes to the ring buffer.
+ *
+ * Mirrored by nptrace/events.py; tests/unit/test_layout.py compiles static asserts of every
+ * offset and size with clang -target bpf, so a change here that is not made there fails CI.
+ * Rules: fixed-width types, largest first within each group, explicit padding, addresses as
+ * __u8[16] (IPv4 in the first 4 bytes), no __int128, no packed.
+ *
+ * Tuples describe the PACKET the event is about, in its direction on the wire: for a reset
+ * that is sender -> receiver of the RST, for a drop the dropped packet's source -> destination.
+ * Ports are host order.
+ */
+#ifndef NPTRACE_EVENTS_H
+#define NPTRACE_EVENTS_H
+
+#define NPT_ABI_VERSION 1
+
+enum npt_type {
+	NPT_T_DROP        = 1,  /* a TCP (or ICMP-about-TCP) packet was freed with a drop reason */
+	NPT_T_RST_SENT    = 2,  /* the local TCP stack sent a reset */
+	NPT_T_RST_RECV    = 3,  /* a local socket received a reset */
+	NPT_T_ICMP_UNREACH = 4, /* the node sent an ICMP error about a TCP packet (REJECT, no route) */
+	NPT_T_SYNACK_RETX = 5,  /* a SYN-ACK was retransmitted: the client's ACK never arrived */
+	NPT_T_WIRE_RST    = 6,  /* tc saw a RST on an interface */
+	NPT_T_ASYM_IFACE  = 7,  /* tc: a reply left by another interface than its request came in */
+	NPT_T_ASYM_SRC    = 8,  /* tc: a reply's source is not the address the client connected to */
+	NPT_T_SYN_RETX    = 9,  /* tc: a SYN was seen again for the same flow (silent drop upstream) */
+	NPT_T_NF_VIEW     = 10, /* netfilter-hook program: the packet as seen at a hook/priority */
+	NPT_T_WIRE_ICMP   = 11, /* tc saw an ICMP unreachable about a TCP flow */
+	NPT_T_MAX
+};
+
+enum npt_hook {
+	NPT_H_KFREE_SKB     = 1,  /* tracepoint skb:kfree_skb */
+	NPT_H_TCP_SEND_RST  = 2,  /* tracepoint tcp:tcp_send_reset */
+	NPT_H_TCP_RECV_RST  = 3,  /* tracepoint tcp:tcp_receive_reset */
+	NPT_H_ICMP_SEND     = 4,  /* tracepoint icmp:icmp_send */
+	NPT_H_SYNACK_RETX   = 5,  /* tracepoint tcp:tcp_retransmit_synack */
+	NPT_H_TC_INGRESS    = 6,  /* tc clsact ingress */
+	NPT_H_TC_EGRESS     = 7,  /* tc clsact egress */
+	NPT_H_NF_HOOK       = 8,  /* BPF_PROG_TYPE_NETFILTER; aux = pf<<24 | hooknum<<16 | prio */
+	NPT_H_KPROBE        = 9,  /* kprobe enrichment; aux = which function (enum npt_kfunc) */
+	NPT_H_MAX
+};
+
+enum npt_dir {
+	NPT_D_UNKNOWN   = 0,
+	NPT_D_INGRESS   = 1,  /* arrived on ifindex */
+	NPT_D_EGRESS    = 2,  /* leaving by ifindex */
+	NPT_D_LOCAL     = 3,  /* generated or consumed by a local socket */
+};
+
+/* flags */
+#define NPT_F_HAS_CT     0x01  /* ct_* fields hold the skb's conntrack entry */
+#define NPT_F_ENCAP      0x02  /* tuple is the inner (VXLAN) packet; outer_* hold the outer header */
+#define NPT_F_HAS_SOCK   0x04  /* a socket was attached (reset sent by a socket, not a bare packet) */
+#define NPT_F_TRUNC      0x08  /* headers could not all be read; tuple may be partial */
+#define NPT_F_ICMP_QUOTE 0x10  /* tuple is the TCP packet an ICMP error quotes; outer_* hold the
+				  ICMP packet's own addresses; reason = type << 8 | code */
+
+/* nf_conn.status bits we report (include/uapi/linux/netfilter/nf_conntrack_common.h) */
+#define NPT_IPS_EXPECTED     (1 << 0)
+#define NPT_IPS_SEEN_REPLY   (1 << 1)
+#define NPT_IPS_ASSURED      (1 << 2)
+#define NPT_IPS_CONFIRMED    (1 << 3)
+#define NPT_IPS_SRC_NAT      (1 << 4)
+#define NPT_IPS_DST_NAT      (1 << 5)
+#define NPT_IPS_SRC_NAT_DONE (1 << 7)
+#define NPT_IPS_DST_NAT_DONE (1 << 8)
+
+struct npt_event {
+	/* common header: every record starts with it */
+	__u64 ts_ns;        /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+	__u64 skb;          /* correlation key, never dereferenced by user space */
+	__u32 ifindex;      /* device the packet was on (0 if none) */
+	__u16 type;         /* enum npt_type */
+	__u16 abi;          /* NPT_ABI_VERSION */
+	/* 24 */
+	__u64 location;     /* kfree_skb: the freeing call site (kernel text address) */
+	__u32 netns;        /* inode of the network namespace (device's, else socket's) */
+	__u32 reason;       /* drop: enum skb_drop_reason; rst sent: enum sk_rst_reason;
+			       icmp: type << 8 | code */
+	__u32 ct_status;    /* nf_conn.status (NPT_IPS_*) when NPT_F_HAS_CT */
+	__u32 mark;         /* skb->mark */
+	/* 48 */
+	__u8  saddr[16];
+	__u8  daddr[16];
+	/* 80 */
+	__u16 sport;
+	__u16 dport;
+	__u16 family;       /* AF_INET (2) or AF_INET6 (10) */
+	__u8  l4proto;      /* IPPROTO_TCP, or IPPROTO_ICMP for an error about TCP */
+	__u8  tcpflags;     /* FIN 0x01 SYN 0x02 RST 0x04 PSH 0x08 ACK 0x10 */
+	/* 88 */
+	__u8  hook;         /* enum npt_hook */
+	__u8  dir;          /* enum npt_dir */
+	__u8  state;        /* TCP state of the socket, if any */
+	__u8  flags;        /* NPT_F_* */
+	__u32 aux;          /* per type: ASYM_IFACE request ifindex; SYN_RETX count; NF_HOOK hook */
+	/* 96: conntrack tuples (original and reply direction), valid with NPT_F_HAS_CT */
+	__u8  ct_osrc[16];
+	__u8  ct_odst[16];
+	__u8  ct_rsrc[16];
+	__u8  ct_rdst[16];
+	/* 160 */
+	__u16 ct_osport;
+	__u16 ct_odport;
+	__u16 ct_rsport;
+	__u16 ct_rdport;
+	/* 168: outer header of an encapsulated packet, valid with NPT_F_ENCAP */
+	__u8  outer_saddr[16];
+	__u8  outer_daddr[16];
+	/* 200 */
+	__u32 vni;          /* VXLAN network identifier */
+	__u32 seq;          /* TCP sequence number of the packet (host order) */
+	__u32 ack_seq;      /* TCP acknowledgment number (host order) */
+	__u32 aux2;         /* per type: ASYM_SRC the address index; spare otherwise */
+	/* 216 */
+};
+
+/* Exact per-CPU counters, kept whether or not the ring buffer has room.
+ * Key of the `counts` map; the value is a __u64 count. */
+struct npt_count_key {
+	__u32 ifindex;
+	__u32 reason;
+	__u32 netns;
+	__u16 type;
+	__u8  hook;
+	__u8  _pad;
+};
+
+/* Index into the `stats` per-CPU array. */
+enum npt_stat {
+	NPT_S_EMITTED   = 0,  /* records written to the ring buffer */
+	NPT_S_LOST      = 1,  /* records lost: ring buffer full */
+	NPT_S_FILTERED  = 2,  /* events the in-kernel filters rejected */
+	NPT_S_MAX       = 8,
+};
+
+#endif /* NPTRACE_EVENTS_H */

@@ -1,0 +1,169 @@
+/* Socket- and drop-level view: which packets the kernel freed with a drop reason, which resets
+ * the local TCP stack sent or received, which ICMP errors it sent about TCP, and which SYN-ACKs
+ * it had to retransmit.
+ *
+ * Hooks (stable tracepoints; every one is optional and probed by nptrace/features.py):
+ *   skb:kfree_skb            reason field since Linux 5.17 (rx_sk since 6.12, unused)
+ *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10
+ *   tcp:tcp_receive_reset    since 4.15
+ *   icmp:icmp_send           since 6.10
+ *   tcp:tcp_retransmit_synack since 4.16
+ * Fallback where a tracepoint is missing: kprobes.bpf.c (tcp_drop, tcp_v4_send_reset), if
+ * the kernel has kprobes. Overhead: kfree_skb is hit by every freed-as-dropped skb on the node;
+ * the reason filter (drop_reasons map) runs before any skb read, so an uninteresting drop costs
+ * one array lookup.
+ *
+ * bcc builds each tracepoint's args struct from tracefs `format`, i.e. from this kernel. The
+ * enums those formats name are not defined by the borrowed headers: declare stand-ins.
+ */
+enum skb_drop_reason { NPT_SKB_DROP_REASON_STANDIN };
+enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
+
+#include "npt_common.h"
+
+#define NPT_SOCKADDR_FAMILY 0
+#define NPT_SOCKADDR_PORT   2
+#define NPT_SOCKADDR_IN4    4   /* struct sockaddr_in.sin_addr */
+#define NPT_SOCKADDR_IN6    8   /* struct sockaddr_in6.sin6_addr */
+
+#if NPT_TP_KFREE_SKB
+TRACEPOINT_PROBE(skb, kfree_skb)
+{
+	u32 reason = (u32)args->reason;
+	u16 proto = bpf_ntohs(args->protocol);
+	if (proto != NPT_ETH_P_IP && proto != NPT_ETH_P_IPV6)
+		return 0;
+	if (reason >= NPT_MAX_REASONS)
+		reason = NPT_MAX_REASONS - 1;
+	u8 *want = drop_reasons.lookup(&reason);
+	if (!want || !*want)
+		return 0;
+
+	struct npt_event e;
+	npt_init(&e, NPT_T_DROP, NPT_H_KFREE_SKB);
+	int l4 = npt_read_skb(&e, args->skbaddr);
+	if (l4 != NPT_IPPROTO_TCP && !(e.flags & NPT_F_ICMP_QUOTE))
+		return 0;
+	e.reason = (u32)args->reason;  /* after npt_read_skb: an ICMP quote stores type/code */
+	e.location = (u64)args->location;
+	e.dir = NPT_D_UNKNOWN;  /* freed on input, forward or output: the location tells */
+	npt_emit(&e);
+	return 0;
+}
+#endif
+
+#if NPT_TP_TCP_SEND_RESET
+TRACEPOINT_PROBE(tcp, tcp_send_reset)
+{
+	struct npt_event e;
+	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
+	void *skb = (void *)args->skbaddr, *sk = (void *)args->skaddr;
+	if (skb)
+		npt_read_skb(&e, skb);    /* interface, netns and conntrack of the offending packet */
+	if (!e.netns)
+		e.netns = npt_netns_of_sk(sk);
+	if (sk)
+		e.flags |= NPT_F_HAS_SOCK;
+	/* The tracepoint already reverses an skb's tuple, so saddr/daddr are the RST's own. */
+	u16 fam = 0, p = 0;
+	bpf_probe_read_kernel(&fam, 2, args->saddr + NPT_SOCKADDR_FAMILY);
+	if (fam != NPT_AF_INET && fam != NPT_AF_INET6)
+		return 0;
+	__builtin_memset(e.saddr, 0, 16);
+	__builtin_memset(e.daddr, 0, 16);
+	if (fam == NPT_AF_INET) {
+		bpf_probe_read_kernel(e.saddr, 4, args->saddr + NPT_SOCKADDR_IN4);
+		bpf_probe_read_kernel(e.daddr, 4, args->daddr + NPT_SOCKADDR_IN4);
+	} else {
+		bpf_probe_read_kernel(e.saddr, 16, args->saddr + NPT_SOCKADDR_IN6);
+		bpf_probe_read_kernel(e.daddr, 16, args->daddr + NPT_SOCKADDR_IN6);
+	}
+	bpf_probe_read_kernel(&p, 2, args->saddr + NPT_SOCKADDR_PORT); e.sport = bpf_ntohs(p);
+	bpf_probe_read_kernel(&p, 2, args->daddr + NPT_SOCKADDR_PORT); e.dport = bpf_ntohs(p);
+	e.family = fam;
+	e.l4proto = NPT_IPPROTO_TCP;
+	e.tcpflags = 0x04;
+	e.state = (u8)args->state;
+	e.reason = (u32)args->reason;
+	e.dir = NPT_D_LOCAL;
+	npt_emit(&e);
+	return 0;
+}
+#endif
+
+#if NPT_TP_TCP_RECEIVE_RESET
+TRACEPOINT_PROBE(tcp, tcp_receive_reset)
+{
+	struct npt_event e;
+	npt_init(&e, NPT_T_RST_RECV, NPT_H_TCP_RECV_RST);
+	void *sk = (void *)args->skaddr;
+	e.netns = npt_netns_of_sk(sk);
+	e.flags |= NPT_F_HAS_SOCK;
+	e.family = args->family;
+	/* The socket's local address is the RST's destination. */
+	if (args->family == NPT_AF_INET6) {
+		bpf_probe_read_kernel(e.saddr, 16, args->daddr_v6);
+		bpf_probe_read_kernel(e.daddr, 16, args->saddr_v6);
+	} else {
+		bpf_probe_read_kernel(e.saddr, 4, args->daddr);
+		bpf_probe_read_kernel(e.daddr, 4, args->saddr);
+	}
+	e.sport = args->dport;
+	e.dport = args->sport;
+	e.l4proto = NPT_IPPROTO_TCP;
+	e.tcpflags = 0x04;
+	u8 st = 0;
+	if (sk)
+		NPT_READ(st, sk, NPT_OFF_sock_common__skc_state);
+	e.state = st;
+#if NPT_HAVE_sock__sk_rx_dst_ifindex
+	if (sk)
+		NPT_READ(e.ifindex, sk, NPT_OFF_sock__sk_rx_dst_ifindex);
+#endif
+	e.dir = NPT_D_LOCAL;
+	npt_emit(&e);
+	return 0;
+}
+#endif
+
+#if NPT_TP_ICMP_SEND
+TRACEPOINT_PROBE(icmp, icmp_send)
+{
+	/* REJECT (kube-proxy's "has no endpoints"), no route, port unreachable for UDP...:
+	 * only errors about TCP are kept; the tuple is the offending packet's. */
+	if (args->type != 3 && args->type != 11)
+		return 0;
+	struct npt_event e;
+	npt_init(&e, NPT_T_ICMP_UNREACH, NPT_H_ICMP_SEND);
+	if (npt_read_skb(&e, (void *)args->skbaddr) != NPT_IPPROTO_TCP)
+		return 0;
+	e.reason = (u32)args->type << 8 | (u32)args->code;
+	e.dir = NPT_D_INGRESS;
+	npt_emit(&e);
+	return 0;
+}
+#endif
+
+#if NPT_TP_TCP_RETRANSMIT_SYNACK
+TRACEPOINT_PROBE(tcp, tcp_retransmit_synack)
+{
+	struct npt_event e;
+	npt_init(&e, NPT_T_SYNACK_RETX, NPT_H_SYNACK_RETX);
+	e.netns = npt_netns_of_sk((void *)args->skaddr);
+	e.family = args->family;
+	if (args->family == NPT_AF_INET6) {
+		bpf_probe_read_kernel(e.saddr, 16, args->saddr_v6);
+		bpf_probe_read_kernel(e.daddr, 16, args->daddr_v6);
+	} else {
+		bpf_probe_read_kernel(e.saddr, 4, args->saddr);
+		bpf_probe_read_kernel(e.daddr, 4, args->daddr);
+	}
+	e.sport = args->sport;
+	e.dport = args->dport;
+	e.l4proto = NPT_IPPROTO_TCP;
+	e.tcpflags = 0x12;
+	e.dir = NPT_D_LOCAL;
+	npt_emit(&e);
+	return 0;
+}
+#endif

@@ -1,0 +1,113 @@
+"""Run configuration, and its translation into BPF compile-time switches.
+
+`build_cflags` is pure (unit-tested): what reaches the BPF C is decided here, never by
+rewriting the C text. Sets of values (ports, CIDRs) go into maps at load time; only the gates
+that say "this filter is on" are compile-time, so an unused filter costs nothing per packet.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+# Tracepoint name -> the -D switch that compiles its program in.
+TRACEPOINTS = {
+    "skb/kfree_skb": "NPT_TP_KFREE_SKB",
+    "tcp/tcp_send_reset": "NPT_TP_TCP_SEND_RESET",
+    "tcp/tcp_receive_reset": "NPT_TP_TCP_RECEIVE_RESET",
+    "icmp/icmp_send": "NPT_TP_ICMP_SEND",
+    "tcp/tcp_retransmit_synack": "NPT_TP_TCP_RETRANSMIT_SYNACK",
+}
+
+DEFAULT_VXLAN_PORTS = (4789, 8472)
+
+
+class ConfigError(ValueError):
+    """Bad user input; the CLI shows the message as one line."""
+
+
+@dataclass(frozen=True)
+class PortRange:
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str) -> "PortRange":
+        try:
+            lo, _, hi = text.partition("-")
+            r = cls(int(lo), int(hi or lo))
+        except ValueError:
+            raise ConfigError(f"bad port or range {text!r}: want N or N-M") from None
+        if not (0 < r.lo <= r.hi <= 65535):
+            raise ConfigError(f"bad port range {text!r}: ports are 1-65535, low before high")
+        return r
+
+
+@dataclass(frozen=True)
+class IfaceSpec:
+    """`[NETNS/]IFNAME` from --iface; netns None is the namespace nptrace runs in."""
+    netns: str | None
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> "IfaceSpec":
+        ns, sep, name = text.rpartition("/")
+        if not name or (sep and not ns) or len(name) > 15:
+            raise ConfigError(f"bad interface {text!r}: want IFNAME or NETNS/IFNAME")
+        return cls(ns or None, name)
+
+    def __str__(self) -> str:
+        return f"{self.netns}/{self.name}" if self.netns else self.name
+
+
+@dataclass(frozen=True)
+class Config:
+    ifaces: tuple[IfaceSpec, ...] = ()
+    ports: tuple[PortRange, ...] = ()
+    hosts: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
+    ringbuf_pages: int = 4096          # 16 MiB of 4 KiB pages
+    flow_table_size: int = 65536
+    max_counts: int = 16384
+    tracepoints: tuple[str, ...] = tuple(TRACEPOINTS)
+    extra: dict = field(default_factory=dict)
+
+    def port_set(self) -> set[int]:
+        out: set[int] = set()
+        for r in self.ports:
+            out.update(range(r.lo, r.hi + 1))
+        return out
+
+
+def parse_hosts(values) -> tuple:
+    out = []
+    for v in values:
+        try:
+            out.append(ipaddress.ip_network(v, strict=False))
+        except ValueError:
+            raise ConfigError(f"bad --host {v!r}: want an address or CIDR") from None
+    return tuple(out)
+
+
+def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
+                 offset_flags: list[str] = ()) -> list[str]:
+    """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all)."""
+    pages = cfg.ringbuf_pages
+    if pages <= 0 or pages & (pages - 1):
+        raise ConfigError(f"ring buffer pages must be a power of two, got {pages}")
+    flags = [
+        f"-DNPT_RINGBUF_PAGES={pages}",
+        f"-DNPT_MAX_COUNTS={cfg.max_counts}",
+        f"-DNPT_FLOW_TABLE_SIZE={cfg.flow_table_size}",
+        f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
+        f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
+        f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",
+        # bcc's borrowed headers warn about attributes clang does not know; the noise hides
+        # real errors in the load log.
+        "-Wno-ignored-attributes",
+        "-Wno-unused-function",
+    ]
+    for tp, macro in TRACEPOINTS.items():
+        on = tp in cfg.tracepoints and (available_tracepoints is None or tp in available_tracepoints)
+        flags.append(f"-D{macro}={1 if on else 0}")
+    flags.extend(offset_flags)
+    return flags

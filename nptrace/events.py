@@ -1,0 +1,283 @@
+"""Decoded form of `struct npt_event` (bpf/nptrace_events.h).
+
+Two mirrors of the C layout live here: a ctypes Structure (`RawEvent`), which the layout test
+compiles against the header with clang, and a `struct.Struct` (`RECORD`) built from it, which the
+hot path uses because unpacking bytes is several times faster than ctypes attribute access.
+Nothing here imports bcc.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+
+ABI_VERSION = 1
+
+
+class EvType(enum.IntEnum):
+    DROP = 1
+    RST_SENT = 2
+    RST_RECV = 3
+    ICMP_UNREACH = 4
+    SYNACK_RETX = 5
+    WIRE_RST = 6
+    ASYM_IFACE = 7
+    ASYM_SRC = 8
+    SYN_RETX = 9
+    NF_VIEW = 10
+    WIRE_ICMP = 11
+
+
+class Hook(enum.IntEnum):
+    KFREE_SKB = 1
+    TCP_SEND_RST = 2
+    TCP_RECV_RST = 3
+    ICMP_SEND = 4
+    SYNACK_RETX = 5
+    TC_INGRESS = 6
+    TC_EGRESS = 7
+    NF_HOOK = 8
+    KPROBE = 9
+
+
+HOOK_NAMES = {
+    Hook.KFREE_SKB: "skb:kfree_skb",
+    Hook.TCP_SEND_RST: "tcp:tcp_send_reset",
+    Hook.TCP_RECV_RST: "tcp:tcp_receive_reset",
+    Hook.ICMP_SEND: "icmp:icmp_send",
+    Hook.SYNACK_RETX: "tcp:tcp_retransmit_synack",
+    Hook.TC_INGRESS: "tc:ingress",
+    Hook.TC_EGRESS: "tc:egress",
+    Hook.NF_HOOK: "netfilter",
+    Hook.KPROBE: "kprobe",
+}
+
+
+class Dir(enum.IntEnum):
+    UNKNOWN = 0
+    INGRESS = 1
+    EGRESS = 2
+    LOCAL = 3
+
+
+F_HAS_CT = 0x01
+F_ENCAP = 0x02
+F_HAS_SOCK = 0x04
+F_TRUNC = 0x08
+F_ICMP_QUOTE = 0x10
+
+IPS_SEEN_REPLY = 1 << 1
+IPS_ASSURED = 1 << 2
+IPS_CONFIRMED = 1 << 3
+IPS_SRC_NAT = 1 << 4
+IPS_DST_NAT = 1 << 5
+IPS_SRC_NAT_DONE = 1 << 7
+IPS_DST_NAT_DONE = 1 << 8
+
+TCP_FIN, TCP_SYN, TCP_RST, TCP_PSH, TCP_ACK = 0x01, 0x02, 0x04, 0x08, 0x10
+
+_A16 = ct.c_uint8 * 16
+
+
+class RawEvent(ct.Structure):
+    """ctypes mirror of struct npt_event; field names equal the C names."""
+    _fields_ = [
+        ("ts_ns", ct.c_uint64),
+        ("skb", ct.c_uint64),
+        ("ifindex", ct.c_uint32),
+        ("type", ct.c_uint16),
+        ("abi", ct.c_uint16),
+        ("location", ct.c_uint64),
+        ("netns", ct.c_uint32),
+        ("reason", ct.c_uint32),
+        ("ct_status", ct.c_uint32),
+        ("mark", ct.c_uint32),
+        ("saddr", _A16),
+        ("daddr", _A16),
+        ("sport", ct.c_uint16),
+        ("dport", ct.c_uint16),
+        ("family", ct.c_uint16),
+        ("l4proto", ct.c_uint8),
+        ("tcpflags", ct.c_uint8),
+        ("hook", ct.c_uint8),
+        ("dir", ct.c_uint8),
+        ("state", ct.c_uint8),
+        ("flags", ct.c_uint8),
+        ("aux", ct.c_uint32),
+        ("ct_osrc", _A16),
+        ("ct_odst", _A16),
+        ("ct_rsrc", _A16),
+        ("ct_rdst", _A16),
+        ("ct_osport", ct.c_uint16),
+        ("ct_odport", ct.c_uint16),
+        ("ct_rsport", ct.c_uint16),
+        ("ct_rdport", ct.c_uint16),
+        ("outer_saddr", _A16),
+        ("outer_daddr", _A16),
+        ("vni", ct.c_uint32),
+        ("seq", ct.c_uint32),
+        ("ack_seq", ct.c_uint32),
+        ("aux2", ct.c_uint32),
+    ]
+
+
+class RawCountKey(ct.Structure):
+    """ctypes mirror of struct npt_count_key (key of the `counts` map)."""
+    _fields_ = [
+        ("ifindex", ct.c_uint32),
+        ("reason", ct.c_uint32),
+        ("netns", ct.c_uint32),
+        ("type", ct.c_uint16),
+        ("hook", ct.c_uint8),
+        ("_pad", ct.c_uint8),
+    ]
+
+
+LAYOUTS = {"npt_event": RawEvent, "npt_count_key": RawCountKey}
+
+
+def _struct_format(cls: type[ct.Structure]) -> str:
+    """A struct-module format equal to the ctypes layout (checked by a unit test)."""
+    codes = {1: "B", 2: "H", 4: "I", 8: "Q"}
+    out = "<"
+    for name, typ in cls._fields_:
+        if issubclass(typ, ct.Array):
+            out += f"{ct.sizeof(typ)}s"
+        else:
+            out += codes[ct.sizeof(typ)]
+    return out
+
+
+RECORD = struct.Struct(_struct_format(RawEvent))
+SIZE = RECORD.size
+FIELDS = tuple(name for name, _ in RawEvent._fields_)
+# Positions in the tuple RECORD.unpack gives, for the hot paths that stay on tuples.
+IDX = {name: i for i, name in enumerate(FIELDS)}
+COUNT_KEY = struct.Struct(_struct_format(RawCountKey))
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def ntop(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw)
+    return socket.inet_ntop(socket.AF_INET, raw[:4])
+
+
+@dataclass(frozen=True, slots=True)
+class CtTuples:
+    """The skb's conntrack entry: original direction (client -> NodePort) and reply (pod -> ?)."""
+    orig_src: str
+    orig_sport: int
+    orig_dst: str
+    orig_dport: int
+    reply_src: str
+    reply_sport: int
+    reply_dst: str
+    reply_dport: int
+    status: int
+
+    @property
+    def dnat(self) -> bool:
+        return bool(self.status & IPS_DST_NAT)
+
+    @property
+    def snat(self) -> bool:
+        return bool(self.status & IPS_SRC_NAT)
+
+    @property
+    def seen_reply(self) -> bool:
+        return bool(self.status & IPS_SEEN_REPLY)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    ts_ns: int
+    type: EvType
+    hook: Hook
+    dir: Dir
+    skb: int
+    ifindex: int
+    netns: int
+    reason: int
+    saddr: str
+    sport: int
+    daddr: str
+    dport: int
+    family: int
+    l4proto: int
+    tcpflags: int
+    state: int
+    flags: int
+    mark: int
+    aux: int
+    aux2: int
+    seq: int
+    ack_seq: int
+    location: int
+    ct: CtTuples | None = None
+    outer_saddr: str | None = None
+    outer_daddr: str | None = None
+    vni: int = 0
+    raw: bytes = b""
+
+    @property
+    def flow(self) -> tuple[str, int, str, int]:
+        return (self.saddr, self.sport, self.daddr, self.dport)
+
+    @property
+    def is_rst(self) -> bool:
+        return self.type in (EvType.RST_SENT, EvType.RST_RECV, EvType.WIRE_RST)
+
+
+def decode(buf: bytes | bytearray | memoryview) -> Event:
+    """Decode one record. `buf` may be longer than the record (perf samples are padded)."""
+    if len(buf) < SIZE:
+        raise DecodeError(f"record of {len(buf)} bytes, need {SIZE}")
+    return from_tuple(RECORD.unpack_from(buf), bytes(buf[:SIZE]))
+
+
+def from_tuple(t: tuple, raw: bytes = b"") -> Event:
+    (ts_ns, skb, ifindex, typ, abi, location, netns, reason, ct_status, mark, saddr, daddr,
+     sport, dport, family, l4proto, tcpflags, hook, dir_, state, flags, aux,
+     ct_osrc, ct_odst, ct_rsrc, ct_rdst, ct_osport, ct_odport, ct_rsport, ct_rdport,
+     outer_saddr, outer_daddr, vni, seq, ack_seq, aux2) = t
+    if abi != ABI_VERSION:
+        raise DecodeError(f"record ABI {abi}, this nptrace reads ABI {ABI_VERSION}")
+    try:
+        typ_e, hook_e, dir_e = EvType(typ), Hook(hook), Dir(dir_)
+    except ValueError as e:
+        raise DecodeError(f"bad record: {e}") from None
+    fam = family or socket.AF_INET
+    ctt = None
+    if flags & F_HAS_CT:
+        ctt = CtTuples(ntop(fam, ct_osrc), ct_osport, ntop(fam, ct_odst), ct_odport,
+                       ntop(fam, ct_rsrc), ct_rsport, ntop(fam, ct_rdst), ct_rdport, ct_status)
+    osrc = odst = None
+    if flags & (F_ENCAP | F_ICMP_QUOTE):
+        osrc, odst = ntop(socket.AF_INET, outer_saddr), ntop(socket.AF_INET, outer_daddr)
+    return Event(ts_ns, typ_e, hook_e, dir_e, skb, ifindex, netns, reason,
+                 ntop(fam, saddr), sport, ntop(fam, daddr), dport, fam, l4proto, tcpflags,
+                 state, flags, mark, aux, aux2, seq, ack_seq, location, ctt, osrc, odst, vni, raw)
+
+
+def encode(**fields) -> bytes:
+    """Build a raw record (tests, fixtures, benchmarks). Addresses may be given as strings."""
+    vals = dict.fromkeys(FIELDS, 0)
+    vals["abi"] = ABI_VERSION
+    vals["family"] = socket.AF_INET
+    for k in FIELDS:
+        if RawEvent._fields_[IDX[k]][1] is _A16:
+            vals[k] = bytes(16)
+    for k, v in fields.items():
+        if k not in vals:
+            raise KeyError(k)
+        if isinstance(v, str):
+            fam = socket.AF_INET6 if ":" in v else socket.AF_INET
+            v = socket.inet_pton(fam, v).ljust(16, b"\0")
+        vals[k] = int(v) if isinstance(v, enum.IntEnum) else v
+    return RECORD.pack(*(vals[k] for k in FIELDS))

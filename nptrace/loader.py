@@ -1,0 +1,207 @@
+"""Compile, load and attach the BPF programs through bcc. The ONLY module that imports bcc.
+
+One bcc BPF() object holds every hook family (the bpf/*.bpf.c files, concatenated), so all of
+them share one ring buffer, one exact-counter map and one stats array. They are concatenated
+rather than #included because bcc generates TRACEPOINT_PROBE argument structs only for probes
+in the main text, and rewrites map calls (`events.ringbuf_output(...)`) only in the main
+text: the shared helpers in npt_common.h are therefore inlined first (its include guard makes
+the families' own #include of it a no-op). (STYLE.md proposes one
+BPF() per family; bcc 0.26 cannot share a ring buffer between objects without pinning, and a
+second ring buffer would mean a second consumer.)
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from nptrace import events as ev
+from nptrace.config import Config, build_cflags
+from nptrace.errors import FeatureMissing, LoadError
+from nptrace.reasons import ReasonTable, interesting_drops
+
+BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
+# Hook families in load order; each file gates its programs with its own -DNPT_* switches.
+FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c")
+
+
+def source_text(families=FAMILIES) -> str:
+    parts = []
+    for name in families:
+        path = BPF_DIR / name
+        if not path.exists() and name not in FAMILIES[:2]:
+            continue
+        try:
+            parts.append(f"/* ---- {name} ---- */\n" + path.read_text())
+        except OSError as e:
+            raise LoadError(f"cannot read BPF source {path}: {e.strerror} "
+                            f"(set NPTRACE_BPF_DIR to the project's bpf/ folder)") from None
+    return "\n".join(parts)
+
+
+def all_cflags(cfg: Config, available_tracepoints, offset_flags) -> list[str]:
+    return [f"-I{BPF_DIR}"] + build_cflags(cfg, available_tracepoints, offset_flags)
+
+
+@contextmanager
+def _capture_stderr():
+    """libbcc prints compiler diagnostics straight to fd 2; keep them for the error message
+    instead of spraying header warnings over the user's terminal."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        box = {"text": ""}
+        try:
+            yield box
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            box["text"] = tmp.read().decode(errors="replace")
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    keep = [ln for ln in text.splitlines() if ln.strip() and "warning:" not in ln]
+    return "\n".join(keep[-lines:])
+
+
+@dataclass
+class TrialResult:
+    ok: bool
+    error: str = ""
+
+
+class Probes:
+    """A loaded and attached set of nptrace programs."""
+
+    def __init__(self, cfg: Config, offset_flags: list[str], drops: ReasonTable,
+                 available_tracepoints: set[str]):
+        from bcc import BPF  # noqa: the only bcc import site
+
+        self.cfg = cfg
+        self.cflags = all_cflags(cfg, available_tracepoints, offset_flags)
+        self.attached: list[str] = []
+        t0 = time.monotonic()
+        with _capture_stderr() as log:
+            try:
+                self.bpf = BPF(text=source_text(), cflags=self.cflags)
+            except Exception as e:
+                err = e
+            else:
+                err = None
+        if err is not None:
+            raise LoadError(f"BPF compile/load failed: {err}", _tail(log["text"]))
+        self.compile_s = time.monotonic() - t0
+        for tp, macro in _tracepoint_macros().items():
+            if f"-D{macro}=1" in self.cflags:
+                self.attached.append(tp)
+        self._fill_drop_reasons(drops)
+        self._fill_filters()
+        self._ring = None
+
+    # --- configuration maps -------------------------------------------------------------
+    def _fill_drop_reasons(self, drops: ReasonTable) -> None:
+        table = self.bpf["drop_reasons"]
+        limit = len(table)
+        for v in interesting_drops(drops, limit):
+            table[ct.c_int(v)] = ct.c_uint8(1)
+        if not len(drops):
+            # No enum in BTF (kernel < 5.17): reason is always 0; keep every drop.
+            table[ct.c_int(0)] = ct.c_uint8(1)
+
+    def _fill_filters(self) -> None:
+        if self.cfg.ports:
+            m = self.bpf["filter_ports"]
+            for p in sorted(self.cfg.port_set())[:1024]:
+                m[ct.c_uint16(p)] = ct.c_uint8(1)
+        if self.cfg.hosts:
+            m = self.bpf["filter_hosts"]
+            for net in self.cfg.hosts:
+                k = m.Key()
+                # IPv4 addresses sit in the first 4 bytes of the 16-byte field, so an IPv4
+                # /N is a /N over the same bytes.
+                k.prefixlen = net.prefixlen
+                raw = net.network_address.packed.ljust(16, b"\0")
+                ct.memmove(ct.addressof(k.addr), raw, 16)
+                m[k] = ct.c_uint8(1)
+
+    # --- event delivery -----------------------------------------------------------------
+    def open_ring(self, callback) -> None:
+        """callback(raw: bytes) per record, from poll()."""
+        size = ev.SIZE
+
+        def _cb(_ctx, data, length):
+            callback(ct.string_at(data, min(length, size)))
+            return 0
+        self._cb = _cb  # keep a reference: bcc keeps only a C pointer
+        self.bpf["events"].open_ring_buffer(_cb)
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+
+    def ring_map_fd(self) -> int:
+        return self.bpf["events"].map_fd
+
+    # --- counters -----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        arr = self.bpf["stats"]
+        names = {0: "emitted", 1: "lost", 2: "filtered"}
+        out = {}
+        for idx, name in names.items():
+            out[name] = int(sum(arr.getvalue(ct.c_int(idx))))
+        return out
+
+    def counts(self) -> dict[tuple[int, int, int, int, int], int]:
+        """(type, hook, reason, ifindex, netns) -> exact count."""
+        out = {}
+        for k, v in self.bpf["counts"].items():
+            out[(k.type, k.hook, k.reason, k.ifindex, k.netns)] = int(sum(v))
+        return out
+
+    def close(self) -> None:
+        try:
+            self.bpf.cleanup()
+        except Exception:
+            pass
+
+
+def _tracepoint_macros():
+    from nptrace.config import TRACEPOINTS
+    return TRACEPOINTS
+
+
+def trial_load(kind: str) -> TrialResult:
+    """A real trial of a program type the kernel may refuse (features.py / `nptrace doctor`)."""
+    from bcc import BPF
+    texts = {
+        "fentry": "KFUNC_PROBE(tcp_v4_rcv) { return 0; }",
+        "kprobe": 'int npt_trial(void *ctx) { return 0; }',
+        "tracepoint": "TRACEPOINT_PROBE(sock, inet_sock_set_state) { return 0; }",
+    }
+    if kind not in texts:
+        return TrialResult(False, f"unknown trial {kind}")
+    try:
+        with _capture_stderr() as log:
+            try:
+                b = BPF(text=texts[kind], cflags=["-Wno-ignored-attributes"])
+                if kind == "kprobe":
+                    b.attach_kprobe(event="tcp_v4_rcv", fn_name="npt_trial")
+                b.cleanup()
+                ok, msg = True, ""
+            except Exception as e:
+                ok, msg = False, str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not ok:
+            detail = _tail(log["text"], 2)
+            return TrialResult(False, f"{msg}{': ' + detail if detail else ''}")
+        return TrialResult(True)
+    except Exception as e:  # a trial must never take doctor down
+        return TrialResult(False, str(e))
+
+
+def require_tracepoints(available: set[str]) -> None:
+    if "skb/kfree_skb" not in available and "tcp/tcp_send_reset" not in available:
+        raise FeatureMissing("tracepoints skb:kfree_skb and tcp:tcp_send_reset", "4.15")

@@ -1,0 +1,59 @@
+"""Kernel reason codes: drop reasons (enum skb_drop_reason), reset reasons (enum sk_rst_reason).
+
+Names come from the running kernel's BTF (the numbering changes between releases: a reason
+added in one release shifts the ones after it), never from a hard-coded table. The tables
+here only say which NAMES are routine and not worth an event.
+"""
+from __future__ import annotations
+
+DROP_PREFIX = "SKB_DROP_REASON_"
+RST_PREFIX = "SK_RST_REASON_"
+
+# Freed-as-dropped on healthy traffic: duplicates, queue merges, normal close. They are still
+# never hidden from counters; they only do not produce ring-buffer records.
+ROUTINE_DROPS = frozenset({
+    "NOT_DROPPED_YET", "CONSUMED", "MAX",
+    "TCP_OLD_DATA",        # duplicate segment already acked (retransmission overlap)
+    "TCP_OFOMERGE",        # out-of-order segment merged into the queue
+    "TCP_OLD_ACK",         # ACK for data already acked
+    "DUP_FRAG",
+    "SOCKET_RCVBUFF",      # socket receive buffer full: local pressure, not a path fault
+    "PROTO_MEM",
+    "FULL_RING",
+})
+
+
+def strip(name: str, prefix: str) -> str:
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+class ReasonTable:
+    """Value -> short name for one enum, e.g. 16 -> "IP_RPFILTER"."""
+
+    def __init__(self, values: dict[int, str], prefix: str):
+        self.names = {v: strip(n, prefix) for v, n in values.items()}
+        self.values = {n: v for v, n in self.names.items()}
+
+    def name(self, value: int) -> str:
+        return self.names.get(value, f"REASON_{value}")
+
+    def value(self, name: str) -> int | None:
+        return self.values.get(name)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def interesting_drops(table: ReasonTable, limit: int) -> list[int]:
+    """Reason values, below `limit` (the BPF array size), that produce ring-buffer records."""
+    return sorted(v for v, n in table.names.items() if v < limit and n not in ROUTINE_DROPS)
+
+
+def load_tables(btf) -> tuple[ReasonTable, ReasonTable]:
+    """(drop reasons, reset reasons) from BTF; an enum the kernel lacks gives an empty table."""
+    def enum(name, prefix):
+        try:
+            return ReasonTable(btf.enum(name), prefix)
+        except Exception:
+            return ReasonTable({}, prefix)
+    return enum("skb_drop_reason", DROP_PREFIX), enum("sk_rst_reason", RST_PREFIX)

@@ -1,0 +1,62 @@
+"""The Python mirrors in nptrace/events.py must equal bpf/nptrace_events.h, checked by clang."""
+import ctypes as ct
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nptrace import events
+
+BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+PRELUDE = """
+typedef unsigned char __u8; typedef unsigned short __u16;
+typedef unsigned int __u32; typedef unsigned long long __u64;
+#include <stddef.h>
+#include "nptrace_events.h"
+"""
+
+
+def static_asserts(cname, py):
+    yield f'_Static_assert(sizeof(struct {cname}) == {ct.sizeof(py)}, "{cname} size");'
+    for name, *_ in py._fields_:
+        f = getattr(py, name)
+        yield f'_Static_assert(offsetof(struct {cname}, {name}) == {f.offset}, "{name} offset");'
+        yield f'_Static_assert(sizeof(((struct {cname} *)0)->{name}) == {f.size}, "{name} size");'
+
+
+@pytest.mark.parametrize("cname", sorted(events.LAYOUTS))
+def test_layout_matches_header(cname, tmp_path):
+    clang = shutil.which("clang")
+    if not clang:
+        pytest.skip("clang not installed (scripts/setup.sh installs it)")
+    src = tmp_path / "layout.c"
+    src.write_text(PRELUDE + "\n".join(static_asserts(cname, events.LAYOUTS[cname])) + "\n")
+    r = subprocess.run([clang, "-target", "bpf", "-fsyntax-only", f"-I{BPF_DIR}", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("cname", sorted(events.LAYOUTS))
+def test_no_implicit_padding(cname):
+    py = events.LAYOUTS[cname]
+    assert sum(getattr(py, n).size for n, *_ in py._fields_) == ct.sizeof(py)
+
+
+def test_struct_format_equals_ctypes():
+    assert events.RECORD.size == ct.sizeof(events.RawEvent)
+    assert events.COUNT_KEY.size == ct.sizeof(events.RawCountKey)
+
+
+def test_abi_version_matches_header():
+    text = (BPF_DIR / "nptrace_events.h").read_text()
+    assert f"#define NPT_ABI_VERSION {events.ABI_VERSION}\n" in text
+
+
+def test_enums_match_header():
+    text = (BPF_DIR / "nptrace_events.h").read_text()
+    for prefix, enum in (("NPT_T_", events.EvType), ("NPT_H_", events.Hook), ("NPT_D_", events.Dir)):
+        for member in enum:
+            m = re.search(rf"\b{prefix}{member.name}\s*=\s*(\d+)", text)
+            assert m and int(m.group(1)) == member.value, f"{prefix}{member.name}"
