@@ -129,6 +129,21 @@ class Probes:
                 ct.memmove(ct.addressof(k.addr), raw, 16)
                 m[k] = ct.c_uint8(1)
 
+    # --- tc programs (bpf/tc.bpf.c, compiled in with -DNPT_WITH_TC=1) --------------------
+    def tc_program_fds(self) -> tuple[int, int]:
+        """(ingress fd, egress fd) of the SCHED_CLS programs, for nptrace/tc.py to attach."""
+        from bcc import BPF
+        try:
+            ing = self.bpf.load_func("npt_tc_ingress", BPF.SCHED_CLS)
+            egr = self.bpf.load_func("npt_tc_egress", BPF.SCHED_CLS)
+        except Exception as e:
+            raise LoadError(f"tc programs failed to load: {e}") from None
+        return ing.fd, egr.fd
+
+    def map(self, name: str):
+        """A bcc table by name, for modules that fill config maps (no bcc import needed there)."""
+        return self.bpf[name]
+
     # --- event delivery -----------------------------------------------------------------
     def open_ring(self, callback) -> None:
         """callback(raw: bytes) per record, from poll()."""

@@ -1,0 +1,158 @@
+"""Command line. Thin: parse, build a Config, hand over. Typed errors become one line on stderr
+and exit code 2 here, in one place, so an expected failure never prints a traceback."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from nptrace import __version__
+from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
+from nptrace.errors import NptraceError
+
+EXIT_USAGE = 2
+
+
+class Fail(click.ClickException):
+    exit_code = EXIT_USAGE
+
+
+def one_line_errors(fn):
+    """Expected errors -> `nptrace: <message>` and exit 2."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (NptraceError, ConfigError) as e:
+            tail = getattr(e, "log_tail", "")
+            if tail:
+                click.echo(tail, err=True)
+            raise Fail(str(e)) from None
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"],
+                               "auto_envvar_prefix": "NPTRACE"})
+@click.version_option(__version__, prog_name="nptrace")
+def main_group():
+    """Name the cause of TCP resets and drops on Kubernetes NodePort / LoadBalancer traffic.
+
+    \b
+    Examples:
+      nptrace doctor                        what this kernel and node offer
+      nptrace run                           trace every namespace, readable lines
+      nptrace run --json --duration 30      JSON lines for 30 s
+      nptrace run --iface eth0 --iface npt-node1/eth1 --port 30000-32767
+      nptrace lab list                      the built-in repro scenarios
+    """
+
+
+def _run_options(fn):
+    opts = [
+        click.option("--json", "as_json", is_flag=True,
+                     help="One JSON object per line per event on stdout (status goes to stderr)."),
+        click.option("--duration", type=float, metavar="SECONDS",
+                     help="Stop by itself after SECONDS."),
+        click.option("--iface", "ifaces", multiple=True, metavar="[NETNS/]IFNAME",
+                     help="Also watch this interface's packets with tc (repeatable)."),
+        click.option("--port", "ports", multiple=True, metavar="N[-M]",
+                     help="Only flows with this port on either side (repeatable; default all)."),
+        click.option("--host", "hosts", multiple=True, metavar="CIDR",
+                     help="Only flows with an address in CIDR on either side (repeatable)."),
+        click.option("--ring-pages", type=int, default=4096, show_default=True,
+                     help="Ring buffer size in 4 KiB pages (power of two)."),
+        click.option("--ready-file", hidden=True,
+                     help="Write this file once every probe is attached."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def build_config(ifaces, ports, hosts, ring_pages) -> Config:
+    return Config(ifaces=tuple(IfaceSpec.parse(i) for i in ifaces),
+                  ports=tuple(PortRange.parse(p) for p in ports),
+                  hosts=parse_hosts(hosts), ringbuf_pages=ring_pages)
+
+
+@main_group.command()
+@_run_options
+@one_line_errors
+def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
+    """Trace resets and drops and print each with its cause.
+
+    \b
+    Examples:
+      nptrace run --json --duration 10 | jq .cause
+      nptrace run --iface npt-node1/eth0 --port 30080
+    """
+    from nptrace.sinks.console import Console
+    from nptrace.sinks.jsonl import JsonLines
+    from nptrace.tracer import Tracer, log
+
+    if duration is not None and duration <= 0:
+        raise ConfigError("--duration must be a positive number of seconds")
+    cfg = build_config(ifaces, ports, hosts, ring_pages)
+    tracer = Tracer(cfg, [], ready_file=ready_file)
+    sink = JsonLines(tracer.epoch_offset_ns) if as_json else Console(tracer.epoch_offset_ns)
+    tracer.sinks.append(sink)
+    try:
+        tracer.start()
+        tracer.run(duration)
+    finally:
+        tracer.stop()
+    if not as_json:
+        log("summary:\n" + sink.summary())
+
+
+@main_group.command("dump-bpf")
+@_run_options
+@one_line_errors
+def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
+    """Print the BPF source and cflags `run` would compile (no root needed)."""
+    from nptrace import btf, loader, offsets
+    from nptrace.tracer import available_tracepoints
+    cfg = build_config(ifaces, ports, hosts, ring_pages)
+    flags = loader.all_cflags(cfg, available_tracepoints() or None, offsets.cflags(btf.default()))
+    click.echo("/* cflags: " + " ".join(flags) + " */")
+    click.echo(loader.source_text())
+
+
+def _register_optional():
+    """Subcommands owned by their own modules."""
+    try:
+        from nptrace.doctor import doctor_command
+        main_group.add_command(doctor_command, "doctor")
+    except ImportError:
+        pass
+    try:
+        from nptrace.lab.cli import lab
+        main_group.add_command(lab, "lab")
+    except ImportError:
+        pass
+
+
+_register_optional()
+
+
+def main(argv=None):
+    """Entry point. Every expected failure is one line on stderr: `nptrace: error: ...`."""
+    try:
+        rc = main_group.main(args=argv, prog_name="nptrace", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("nptrace: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        msg = e.format_message()
+        if isinstance(e, click.UsageError) and e.ctx is not None:
+            msg += f" (see: {e.ctx.command_path} --help)"
+        click.echo(f"nptrace: error: {msg}", err=True)
+        sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

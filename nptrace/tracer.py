@@ -1,0 +1,177 @@
+"""The live pipeline: probes -> decoder -> classifier -> sinks, with start-up checks and a clean
+stop. Status and start-up lines go to stderr; stdout belongs to the sinks."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nptrace import events as ev
+from nptrace.classify import Classifier, Context
+from nptrace.config import TRACEPOINTS, Config
+from nptrace.errors import InterfaceError, PrivilegeError
+
+TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+
+
+def log(msg: str) -> None:
+    print(f"nptrace: {msg}", file=sys.stderr, flush=True)
+
+
+def tracefs() -> Path | None:
+    for p in TRACEFS:
+        if (p / "events").is_dir():
+            return p
+    # tracefs is often not mounted on minimal hosts; mounting it is harmless and needed.
+    subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS[0])], capture_output=True)
+    return TRACEFS[0] if (TRACEFS[0] / "events").is_dir() else None
+
+
+def available_tracepoints() -> set[str]:
+    root = tracefs()
+    if root is None:
+        return set()
+    return {tp for tp in TRACEPOINTS if (root / "events" / tp / "format").exists()}
+
+
+def check_privileges() -> None:
+    """Before the slow compile: CAP_SYS_ADMIN, or CAP_BPF + CAP_PERFMON + CAP_NET_ADMIN."""
+    try:
+        from nptrace.features import has_bpf_caps
+        ok = has_bpf_caps()
+    except ImportError:  # features.py absent: fall back to the uid
+        ok = os.geteuid() == 0
+    if not ok:
+        raise PrivilegeError("needs root or CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN to load BPF: "
+                             "run with sudo")
+
+
+def check_ifaces(cfg: Config) -> None:
+    """Unknown namespace or interface: fail before compiling anything."""
+    for spec in cfg.ifaces:
+        if spec.netns and not (Path("/run/netns") / spec.netns).exists():
+            raise InterfaceError(f"network namespace {spec.netns!r} not found (ip netns list)")
+        cmd = (["ip", "-n", spec.netns] if spec.netns else ["ip"]) + ["link", "show", "dev", spec.name]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            where = f" in namespace {spec.netns}" if spec.netns else ""
+            raise InterfaceError(f"interface {spec.name!r} not found{where} (ip link)")
+
+
+class Tracer:
+    def __init__(self, cfg: Config, sinks: list, ready_file: str | None = None,
+                 context: Context | None = None):
+        self.cfg = cfg
+        self.sinks = sinks
+        self.ready_file = ready_file
+        self.ctx = context
+        self.probes = None
+        self.tc = None
+        self.stop_requested = False
+        self.decoded = 0
+        self.bad_records = 0
+        self.epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self) -> float:
+        t0 = time.monotonic()
+        check_privileges()
+        check_ifaces(self.cfg)
+        from nptrace import btf, loader, offsets, reasons
+        from nptrace.netns import Names
+        kbtf = btf.default()
+        offset_flags = offsets.cflags(kbtf)
+        drops, rsts = reasons.load_tables(kbtf)
+        tps = available_tracepoints()
+        loader.require_tracepoints(tps)
+        missing = [tp for tp in self.cfg.tracepoints if tp not in tps]
+        if missing:
+            log(f"tracepoints not in this kernel, skipped: {', '.join(missing)}")
+        self.probes = loader.Probes(self.cfg, offset_flags + self._tc_cflags(), drops, tps)
+        if self.cfg.ifaces:
+            self._attach_tc()
+        names = Names()
+        if self.ctx is None:
+            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface)
+        self.classifier = Classifier(self.ctx)
+        self.probes.open_ring(self._on_record)
+        elapsed = time.monotonic() - t0
+        what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
+        log(f"attached {what} in {elapsed:.2f}s "
+            f"(kprobes: {'yes' if Path('/sys/bus/event_source/devices/kprobe').exists() else 'absent'})")
+        if self.ready_file:
+            Path(self.ready_file).write_text(f"{os.getpid()}\n")
+        return elapsed
+
+    def _tc_cflags(self) -> list[str]:
+        if not self.cfg.ifaces:
+            return []
+        try:
+            from nptrace.tc import tc_cflags
+        except ImportError:
+            return []
+        return tc_cflags(self.cfg)
+
+    def _attach_tc(self) -> None:
+        from nptrace import tc
+        self.tc = tc.attach(self.probes, self.cfg)
+
+    # -- run -----------------------------------------------------------------------------
+    def _on_record(self, raw: bytes) -> None:
+        try:
+            e = ev.decode(raw)
+        except ev.DecodeError:
+            self.bad_records += 1
+            return
+        self.decoded += 1
+        v = self.classifier.feed(e)
+        if v is not None:
+            for s in self.sinks:
+                s.write(v)
+
+    def run(self, duration: float | None = None) -> None:
+        def _stop(_sig, _frm):
+            self.stop_requested = True
+        old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        end = time.monotonic() + duration if duration else None
+        try:
+            while not self.stop_requested:
+                timeout = 200
+                if end is not None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    timeout = max(1, min(timeout, int(left * 1000)))
+                self.probes.poll(timeout)
+            self.probes.poll(0)   # drain what arrived before the stop
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    # -- stop ----------------------------------------------------------------------------
+    def stop(self) -> dict:
+        if self.probes is None and self.tc is None:
+            return {}    # never started: nothing to detach or report
+        stats = {}
+        if self.probes is not None:
+            try:
+                stats = self.probes.stats()
+            except Exception:
+                stats = {}
+        if self.tc is not None:
+            self.tc.close()
+            self.tc = None
+        if self.probes is not None:
+            self.probes.close()
+            self.probes = None
+        for s in self.sinks:
+            s.close()
+        lost = stats.get("lost", 0)
+        log(f"stopped: {self.decoded} events decoded, {lost} lost"
+            + (f", {self.bad_records} undecodable" if self.bad_records else ""))
+        if lost:
+            log(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
+                "(raise --ring-pages)")
+        return stats

@@ -1,0 +1,22 @@
+"""Test markers: privileged tests load BPF or build network namespaces. They run wherever the
+process can (CI runs as root) and skip, with the reason printed, only where it cannot."""
+import os
+
+import pytest
+
+
+def has_bpf_caps() -> bool:
+    try:
+        from nptrace.features import has_bpf_caps as probe
+        return probe()
+    except ImportError:
+        return os.geteuid() == 0
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None if has_bpf_caps() else "needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)"
+    for item in items:
+        if "/privileged/" in str(item.fspath):
+            item.add_marker(pytest.mark.privileged)
+        if reason and "privileged" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
