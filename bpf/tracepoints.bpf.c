@@ -30,7 +30,7 @@ enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 TRACEPOINT_PROBE(skb, kfree_skb)
 {
 	u32 reason = (u32)args->reason;
-	u16 proto = bpf_ntohs(args->protocol);
+	u16 proto = args->protocol;   /* the tracepoint stores ntohs(skb->protocol) */
 	if (proto != NPT_ETH_P_IP && proto != NPT_ETH_P_IPV6)
 		return 0;
 	if (reason >= NPT_MAX_REASONS)

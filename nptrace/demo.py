@@ -33,21 +33,25 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
-                   prefix: str | None = None, settle: float = 1.0):
+                   prefix: str | None = None, settle: float = 1.0, watch: bool = True,
+                   inode_sink: dict | None = None):
     """Up, trace, trigger, stop, down. Returns (lab info, attempts, JSON events, stderr)."""
     from nptrace import lab
     info = lab.up(name, backend=backend, prefix=prefix)
+    if inode_sink is not None:   # netns inodes exist only while the lab is up
+        for ns in info.namespaces.values():
+            inode_sink[ns] = os.stat(f"/run/netns/{ns}").st_ino
     try:
         with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
             ready = Path(tmp) / "ready"
             out = Path(tmp) / "events.json"
             err = Path(tmp) / "stderr"
-            watch = []
-            for w in getattr(info, "watch", ()) or ():
-                watch += ["--iface", w]
+            ifaces = []
+            for w in (info.watch if watch else ()):
+                ifaces += ["--iface", w]
             with open(out, "w") as fo, open(err, "w") as fe:
                 proc = subprocess.Popen(_nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
-                                                          *watch, *extra_args],
+                                                          *ifaces, *extra_args],
                                         stdout=fo, stderr=fe)
                 try:
                     wait_ready(ready, proc)

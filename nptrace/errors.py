@@ -16,13 +16,18 @@ class InterfaceError(NptraceError):
     pass
 
 
-try:  # features.py owns the probe errors; re-exported so callers have one place to import
-    from nptrace.features import FeatureMissing, PrivilegeError  # noqa: F401
-except ImportError:  # pragma: no cover - only while features.py is absent
-    class FeatureMissing(NptraceError):
-        def __init__(self, name: str, min_kernel: str):
-            super().__init__(f"{name} not supported (requires >= {min_kernel})")
-            self.name, self.min_kernel = name, min_kernel
+PRIVILEGE_HINT = "needs root or CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN: run with sudo"
 
-    class PrivilegeError(NptraceError):
-        pass
+
+class FeatureMissing(NptraceError):
+    """A kernel feature is absent. Message format of cilium/ebpf internal/feature.go."""
+
+    def __init__(self, name: str, min_kernel: str | None, hint: str = ""):
+        need = f">= {min_kernel}" if min_kernel else "kernel support"
+        super().__init__(f"{name} not supported (requires {need})" + (f": {hint}" if hint else ""))
+        self.name, self.min_kernel, self.hint = name, min_kernel, hint
+
+
+class PrivilegeError(NptraceError):
+    def __init__(self, message: str = PRIVILEGE_HINT):
+        super().__init__(message)

@@ -1,0 +1,165 @@
+"""`nptrace doctor`: what this kernel, this process and this node allow, and what is lost.
+
+One row per probe (nptrace/features.py) and per node check (nptrace/node.py): area, check,
+status (ok, warn, missing, fail, unknown), detail, and for anything not ok what nptrace cannot
+see because of it. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
+with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.loader and bcc,
+imported only inside the command and only on the real root.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from nptrace import features as feat
+from nptrace import node as nodemod
+
+__all__ = ["Report", "Row", "build_report", "doctor_command", "exit_code", "render"]
+
+STATUSES = ("ok", "warn", "missing", "fail", "unknown")
+_COLORS = {"ok": {"fg": "green"}, "warn": {"fg": "yellow", "bold": True},
+           "missing": {"fg": "yellow"}, "fail": {"fg": "red", "bold": True},
+           "unknown": {"fg": "cyan"}}
+_DETAIL_WIDTH = 64   # pad details up to this; longer ones just push their cost right
+
+
+@dataclass(frozen=True)
+class Row:
+    area: str
+    check: str
+    status: str
+    detail: str
+    cost: str = ""      # what is lost; shown only when status is not ok
+    remedy: str = ""
+
+    def to_dict(self) -> dict:
+        return {"area": self.area, "check": self.check, "status": self.status,
+                "detail": self.detail, "cost": self.cost, "remedy": self.remedy}
+
+
+@dataclass(frozen=True)
+class Report:
+    kernel: str
+    rows: tuple[Row, ...]
+    ok: bool            # tracing is possible
+    reason: str         # one line; "" when ok
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "exit_code": exit_code(self), "reason": self.reason,
+                "kernel": self.kernel, "rows": [r.to_dict() for r in self.rows]}
+
+
+def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None) -> Report:
+    rows = [Row(r.area, r.name, r.status, r.detail, "" if r.status == "ok" else r.cost)
+            for r in features.results]
+    if node_checks is not None:
+        area = f"node ({node_checks.netns})" if node_checks.netns else "node"
+        rows += [Row(area, f.check, f.status, f.detail, "" if f.status == "ok" else f.cost,
+                     f.remedy) for f in node_checks.findings]
+    fails = features.failures
+    reason = ""
+    if fails:
+        why = [feat.PROBES[r.name].fail_reason or f"{r.name}: {r.detail}" for r in fails]
+        reason = "tracing is not possible: " + "; ".join(why)
+    return Report(features.kernel, tuple(rows), not fails, reason)
+
+
+def exit_code(report: Report) -> int:
+    return 0 if report.ok else 1
+
+
+def _style(text: str, status: str, color: bool) -> str:
+    return click.style(text, **_COLORS.get(status, {})) if color else text
+
+
+def render(report: Report, color: bool = False) -> str:
+    head = ("AREA", "CHECK", "STATUS", "DETAIL", "COST")
+    w = [max([len(head[i])] + [len(getattr(r, f)) for r in report.rows])
+         for i, f in enumerate(("area", "check", "status"))]
+    wd = min(_DETAIL_WIDTH, max([len(head[3])] + [len(r.detail) for r in report.rows]))
+    has_cost = any(r.cost for r in report.rows)
+
+    def line(area, check, status, detail, cost, st=None):
+        cells = [area.ljust(w[0]), check.ljust(w[1]),
+                 (_style(status, st, color) if st else status) + " " * (w[2] - len(status))]
+        cells.append(detail.ljust(wd) if has_cost else detail)
+        if has_cost:
+            cells.append(cost)
+        return "  ".join(cells).rstrip()
+
+    out = [f"nptrace doctor: kernel {report.kernel or 'unknown'}", ""]
+    out.append(line(*head[:4], head[4] if has_cost else ""))
+    for r in report.rows:
+        out.append(line(r.area, r.check, r.status, r.detail, r.cost, r.status))
+    remedies = [r for r in report.rows if r.remedy]
+    if remedies:
+        out += ["", "remedies:"]
+        out += [f"  {r.check}: {r.remedy}" for r in remedies]
+    counts = {s: sum(r.status == s for r in report.rows) for s in STATUSES}
+    tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "ok")
+    out.append("")
+    if report.ok:
+        out.append("result: tracing is possible" + (f" ({tally})" if tally else ""))
+    else:
+        out.append(_style("result: " + report.reason, "fail", color))
+    return "\n".join(out) + "\n"
+
+
+class _NodeFailure(click.ClickException):
+    exit_code = 2
+
+
+def _trial_function():
+    """nptrace.loader.trial_load (bcc), or None when the loader cannot be imported."""
+    try:
+        from nptrace.loader import trial_load
+    except Exception:
+        return None
+    return trial_load
+
+
+@click.command("doctor", epilog="""\b
+Examples:
+  sudo nptrace doctor                 kernel, privileges and node settings
+  sudo nptrace doctor --json | jq '.rows[] | select(.status != "ok")'
+  sudo nptrace doctor --netns npt-node1   node settings inside a lab node
+""")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@click.option("--netns", metavar="NAME",
+              help="Check rp_filter, conntrack and kube-proxy rules inside this named "
+                   "network namespace instead of the current one.")
+@click.option("--trials/--no-trials", default=True, show_default=True,
+              help="Trial-load programs the kernel may refuse (fentry); needs root and bcc.")
+@click.option("--mount-tracefs", is_flag=True,
+              help="Mount tracefs at /sys/kernel/tracing if it is not mounted.")
+@click.option("--color/--no-color", default=None, help="Colour the status column (default: on a tty).")
+@click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default="/", hidden=True)
+@click.pass_context
+def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
+    """Report what this kernel and node allow, and what is lost without each feature.
+
+    Exit status 0 when tracing is possible, 1 when it is not.
+    """
+    real = root == Path("/")
+    trial_fn = None
+    if trials and real and feat.has_bpf_caps(root):
+        trial_fn = _trial_function()
+    features = feat.probe(root, trials=trial_fn, mount_tracefs=mount_tracefs and real)
+    try:
+        node_checks = nodemod.check(root, netns=netns)
+    except nodemod.NodeError as e:
+        raise _NodeFailure(str(e)) from None
+    report = build_report(features, node_checks)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(render(report, color=sys.stdout.isatty() if color is None else color),
+                   nl=False, color=True)
+    if not report.ok:
+        click.echo(f"nptrace doctor: {report.reason}", err=True)
+    ctx.exit(exit_code(report))

@@ -1,0 +1,683 @@
+"""What this kernel and this process can do, read from plain files (behind `nptrace doctor`).
+
+Every check is a file read under `root`, so unit tests point `root` at a fixture tree
+(tests/fixtures/features/<case>/) the way retis reads test_data/. The only things that are
+not file reads are injected: `trials(kind)` loads a real BPF program (nptrace/loader.py owns
+bcc), and tracefs is mounted only when asked and only on the real root.
+
+Each probe has a name, a minimum kernel, a check, whether it is required and what is lost
+without it. Required probes that fail make tracing impossible (`Features.tracing_possible`);
+optional ones cost a cause or a view and are logged and skipped.
+
+Evidence used, besides the paths named per probe: the kernel config (/proc/config.gz, or
+/boot/config-<release>), and module lists (/proc/modules, /sys/module/<m>,
+/lib/modules/<release>/modules.builtin and modules.dep). A kernel built without module support
+has no /proc/modules, so built-in code without parameters (sch_ingress, nf_tables) is visible
+only in the config.
+"""
+from __future__ import annotations
+
+import gzip
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple, Protocol
+
+__all__ = [
+    "FeatureMissing",
+    "Features",
+    "PrivilegeError",
+    "Probe",
+    "ProbeResult",
+    "PROBES",
+    "TRACEPOINTS",
+    "TrialResult",
+    "has_bpf_caps",
+    "kernel_version",
+    "probe",
+    "tracepoint_fields",
+]
+
+# uapi/linux/capability.h. CAP_PERFMON and CAP_BPF exist from 5.8 (commit a17b53c4a4b5).
+CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
+_CAP_NAMES = {CAP_NET_ADMIN: "CAP_NET_ADMIN", CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+              CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
+
+PRIVILEGE_HINT = "needs root or CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN: run with sudo"
+TRACEFS_MOUNT = "mount -t tracefs nodev /sys/kernel/tracing"
+
+
+from nptrace.errors import FeatureMissing, PrivilegeError  # noqa: E402,F401 (re-exported)
+
+
+class TrialResult(NamedTuple):
+    """What a trial load returns; nptrace.loader.TrialResult has the same two fields."""
+    ok: bool
+    error: str = ""
+
+
+class _Trial(Protocol):
+    ok: bool
+    error: str
+
+
+Trials = Callable[[str], _Trial]
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    area: str
+    min_kernel: str | None  # None: gated by config or privilege, not by version
+    required: bool
+    cost: str               # what is lost without it
+    fail_reason: str = ""   # one-line reason for `nptrace doctor` when a required probe fails
+    # Present on every kernel >= min_kernel (tracepoints and their fields, the ring buffer);
+    # False where a config option or the kernel's policy decides (kprobes, fentry, clsact).
+    by_version: bool = False
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    name: str
+    area: str
+    present: bool | None    # None: could not tell (not tried, unreadable)
+    status: str             # ok | warn | missing | fail | unknown
+    detail: str
+    min_kernel: str | None
+    required: bool
+    cost: str
+    # A by-version probe on a kernel at or above min_kernel: missing anyway points at a broken
+    # probe, so kernel-gated tests should fail rather than skip (cilium/ebpf checkVersion).
+    expected: bool = False
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "area": self.area, "present": self.present,
+                "status": self.status, "detail": self.detail, "min_kernel": self.min_kernel,
+                "required": self.required, "cost": self.cost, "expected": self.expected}
+
+
+# Tracepoints the probes use, with the kernel that added each (trace/events/*.h).
+TRACEPOINTS: dict[str, str] = {
+    "skb/kfree_skb": "2.6.30",             # added with the drop monitor
+    "tcp/tcp_send_reset": "4.15",          # with the other tcp tracepoints
+    "tcp/tcp_receive_reset": "4.15",
+    "icmp/icmp_send": "6.10",              # trace/events/icmp.h
+    "tcp/tcp_retransmit_synack": "4.15",
+    "fib/fib_table_lookup": "4.11",        # trace/events/fib.h
+}
+
+_P = Probe
+PROBES: dict[str, Probe] = {p.name: p for p in (
+    _P("capabilities", "privileges", None, True,
+       "cannot load BPF programs or attach tc filters",
+       "not root (" + PRIVILEGE_HINT + ")"),
+    _P("bpf syscall", "kernel", "3.18", True,
+       "no BPF at all", "no BPF: kernel built without CONFIG_BPF_SYSCALL"),
+    _P("btf", "kernel", "5.4", True,
+       "no struct offsets for this kernel: sk_buff/nf_conn fields cannot be read",
+       "no BTF: /sys/kernel/btf/vmlinux missing (kernel needs CONFIG_DEBUG_INFO_BTF=y)"),
+    _P("tracefs", "kernel", "4.1", True,
+       "tracepoints cannot be attached",
+       "no tracefs: " + TRACEFS_MOUNT),
+    _P("skb:kfree_skb", "tracepoints", TRACEPOINTS["skb/kfree_skb"], True,
+       "no drop events: rp_filter, netfilter drops and no_listener drops are not seen",
+       "no drop hook: neither skb:kfree_skb nor kprobes", by_version=True),
+    _P("skb:kfree_skb reason", "tracepoints", "5.17", False,
+       "drops cannot be told apart (IP_RPFILTER vs NETFILTER_DROP vs NO_SOCKET): cause unknown",
+       by_version=True),
+    _P("tcp:tcp_send_reset", "tracepoints", TRACEPOINTS["tcp/tcp_send_reset"], False,
+       "resets sent by the local TCP stack (no_listener) are not seen", by_version=True),
+    _P("tcp:tcp_send_reset reason", "tracepoints", "6.10", False,
+       "why the stack reset (NO_SOCKET vs state errors) is unknown", by_version=True),
+    _P("tcp:tcp_receive_reset", "tracepoints", TRACEPOINTS["tcp/tcp_receive_reset"], False,
+       "resets received by local sockets (peer_reset) are not seen", by_version=True),
+    _P("icmp:icmp_send", "tracepoints", TRACEPOINTS["icmp/icmp_send"], False,
+       "REJECT with ICMP (kube-proxy's no-endpoints rule) is seen only as a NETFILTER_DROP",
+       by_version=True),
+    _P("tcp:tcp_retransmit_synack", "tracepoints", TRACEPOINTS["tcp/tcp_retransmit_synack"], False,
+       "lost handshakes (SYN-ACK retransmits) are not seen", by_version=True),
+    _P("fib:fib_table_lookup", "tracepoints", TRACEPOINTS["fib/fib_table_lookup"], False,
+       "the reverse route behind an rp_filter drop is not shown", by_version=True),
+    _P("kprobes", "hooks", "4.1", False,
+       "no kernel-function hooks: no fallback when a tracepoint is missing"),
+    _P("fentry", "hooks", "5.5", False,
+       "no fentry/fexit hooks: tracepoints are used instead"),
+    _P("ring buffer", "hooks", "5.8", False,
+       "perf buffer used instead: per-CPU buffers, one wakeup per event, order across CPUs lost",
+       by_version=True),
+    _P("tc clsact", "hooks", "4.5", False,
+       "no wire view: resets sent by iptables REJECT --reject-with tcp-reset are not seen"),
+    _P("netfilter bpf", "hooks", "6.4", False,
+       "no view of packets at a netfilter hook (after DNAT): NAT is read from conntrack only"),
+    _P("netfilter backend", "netfilter", None, False,
+       "no nf_tables or iptables: kube-proxy rules cannot be read"),
+    _P("ipvs", "netfilter", None, False,
+       "IPVS-mode kube-proxy traffic cannot be attributed (only matters in ipvs mode)"),
+    _P("conntrack", "netfilter", None, False,
+       "conntrack_invalid and snat cannot be named; DNAT'd tuples are not recovered"),
+)}
+del _P
+
+
+# --- small readers ------------------------------------------------------------------------
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except (OSError, ValueError):
+        return None
+
+
+def _exists(path: Path) -> bool | None:
+    """None when a parent is unreadable (tracefs is mode 0700: non-root cannot look)."""
+    try:
+        path.stat()
+    except PermissionError:
+        return None
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+def kernel_version(release: str) -> tuple[int, int, int] | None:
+    """'6.18.44-fc-v857' -> (6, 18, 44); '5.4.0-150-generic' -> (5, 4, 0)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release.strip())
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _vt(version: str) -> tuple[int, int, int]:
+    v = kernel_version(version)
+    assert v is not None, version
+    return v
+
+
+def kernel_config(root: Path, release: str) -> dict[str, str]:
+    """CONFIG_* -> 'y'/'m'/value/'n'; empty when the kernel publishes no config."""
+    candidates = [root / "proc/config.gz"]
+    if release:
+        candidates.append(root / "boot" / f"config-{release}")
+    for path in candidates:
+        try:
+            data = path.read_bytes()
+            if path.suffix == ".gz":
+                data = gzip.decompress(data)
+        except (OSError, EOFError, gzip.BadGzipFile):
+            continue
+        cfg: dict[str, str] = {}
+        for line in data.decode(errors="replace").splitlines():
+            if line.startswith("CONFIG_"):
+                key, _, value = line.partition("=")
+                cfg[key] = value.strip('"')
+            elif line.startswith("# CONFIG_") and line.endswith(" is not set"):
+                cfg[line[2:-len(" is not set")]] = "n"
+        return cfg
+    return {}
+
+
+def _config_on(cfg: dict[str, str], sym: str) -> bool | None:
+    if not cfg:
+        return None
+    return cfg.get(sym, "n") in ("y", "m")
+
+
+def _module(root: Path, release: str, name: str) -> tuple[bool | None, str]:
+    """Is module `name` loaded, built in or installed? (evidence, where it was seen)."""
+    looked = False
+    mods = _read(root / "proc/modules")
+    if mods is not None:
+        looked = True
+        if any(line.split(" ", 1)[0] == name for line in mods.splitlines()):
+            return True, "loaded"
+    if _exists(root / "sys/module" / name):
+        return True, f"/sys/module/{name}"
+    if release:
+        pattern = re.compile(rf"(^|/){re.escape(name)}\.ko(\.[a-z]+)?(:|$)", re.M)
+        for fname, how in (("modules.builtin", "built in"), ("modules.dep", "module available")):
+            text = _read(root / "lib/modules" / release / fname)
+            if text is not None:
+                looked = True
+                if pattern.search(text):
+                    return True, how
+    return (False if looked else None), ""
+
+
+def _cap_eff(root: Path) -> int | None:
+    text = _read(root / "proc/self/status")
+    if text is None:
+        return None
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)\s*$", text, re.M)
+    return int(m.group(1), 16) if m else None
+
+
+def _caps_ok(cap_eff: int | None, version: tuple[int, int, int] | None) -> bool:
+    if cap_eff is None:
+        return False
+    if cap_eff >> CAP_SYS_ADMIN & 1:
+        return True
+    # Before 5.8 there is no CAP_BPF/CAP_PERFMON: only CAP_SYS_ADMIN loads tracing programs.
+    if version is not None and version < (5, 8, 0):
+        return False
+    return all(cap_eff >> c & 1 for c in (CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN))
+
+
+def has_bpf_caps(root: Path = Path("/")) -> bool:
+    """CapEff of this process allows loading and attaching our programs."""
+    root = Path(root)
+    return _caps_ok(_cap_eff(root), kernel_version(_read(root / "proc/sys/kernel/osrelease") or ""))
+
+
+def _caps_detail(cap_eff: int | None) -> str:
+    if cap_eff is None:
+        return "CapEff unreadable in /proc/self/status"
+    have = [n.removeprefix("CAP_") for c, n in sorted(_CAP_NAMES.items()) if cap_eff >> c & 1]
+    return f"CapEff {cap_eff:#x}: " + (" ".join(have) if have else "none of SYS_ADMIN BPF PERFMON NET_ADMIN")
+
+
+def tracepoint_fields(tracefs: Path, tp: str) -> tuple[str, ...]:
+    """Field names of tracepoint 'cat/name' from its format file, without common_* fields."""
+    text = _read(Path(tracefs) / "events" / tp / "format")
+    if text is None:
+        return ()
+    names = []
+    for m in re.finditer(r"field:([^;]*);", text):
+        decl = m.group(1).strip()
+        name = re.sub(r"\[.*?\]", "", decl.split()[-1]) if decl else ""
+        if name and not name.startswith("common_"):
+            names.append(name)
+    return tuple(names)
+
+
+def _find_tracefs(root: Path, mount: bool) -> tuple[Path | None, str]:
+    # /sys/kernel/tracing since 4.1; older systems only have it inside debugfs (retis
+    # core/inspect/kernel.rs looks in the same order).
+    candidates = [root / "sys/kernel/tracing", root / "sys/kernel/debug/tracing"]
+    unreadable = None
+    for path in candidates:
+        seen = _exists(path / "events")
+        if seen:
+            return path, str(Path("/") / path.relative_to(root))
+        if seen is None:
+            unreadable = path
+    if unreadable is not None:
+        return unreadable, "unreadable (mode 0700: not root)"
+    if mount and root == Path("/"):
+        target = candidates[0]
+        r = subprocess.run(["mount", "-t", "tracefs", "nodev", str(target)],
+                           capture_output=True, text=True)
+        if r.returncode == 0 and _exists(target / "events"):
+            return target, f"{target} (mounted by nptrace)"
+        err = (r.stderr or r.stdout).strip().splitlines()
+        return None, f"not mounted, and `{TRACEFS_MOUNT}` failed: {err[-1] if err else r.returncode}"
+    return None, f"not mounted: {TRACEFS_MOUNT}"
+
+
+# --- the result -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Features:
+    root: Path
+    kernel: str                           # osrelease, "" if unreadable
+    version: tuple[int, int, int] | None
+    tracefs: Path | None                  # under root; None when not mounted
+    tracepoints: dict[str, bool]          # "skb/kfree_skb" -> present
+    fields: dict[str, tuple[str, ...]]    # "skb/kfree_skb" -> field names (present ones)
+    results: tuple[ProbeResult, ...]
+    cap_eff: int | None = None
+    config: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def result(self, name: str) -> ProbeResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def has(self, name: str) -> bool:
+        return bool(self.result(name).present)
+
+    def require(self, name: str) -> None:
+        """Raise the typed error for a probe that did not pass (before a slow bcc compile)."""
+        r = self.result(name)
+        if r.present:
+            return
+        if name == "capabilities":
+            raise PrivilegeError(f"{PRIVILEGE_HINT} ({_caps_detail(self.cap_eff)})")
+        raise FeatureMissing(r.name, r.min_kernel, r.detail)
+
+    def tracepoint_fields(self, tp: str) -> tuple[str, ...]:
+        return self.fields.get(tp, ())
+
+    @property
+    def available_tracepoints(self) -> set[str]:
+        return {tp for tp, ok in self.tracepoints.items() if ok}
+
+    @property
+    def caps_ok(self) -> bool:
+        return self.has("capabilities")
+
+    @property
+    def btf(self) -> bool:
+        return self.has("btf")
+
+    @property
+    def kfree_skb_reason(self) -> bool:
+        return self.has("skb:kfree_skb reason")
+
+    @property
+    def tcp_send_reset_reason(self) -> bool:
+        return self.has("tcp:tcp_send_reset reason")
+
+    @property
+    def kprobes(self) -> bool:
+        return self.has("kprobes")
+
+    @property
+    def fentry(self) -> bool | None:
+        return self.result("fentry").present
+
+    @property
+    def ringbuf(self) -> bool:
+        return self.has("ring buffer")
+
+    @property
+    def clsact(self) -> bool | None:
+        return self.result("tc clsact").present
+
+    @property
+    def nf_prog(self) -> bool | None:
+        return self.result("netfilter bpf").present
+
+    @property
+    def ipvs(self) -> bool:
+        return self.has("ipvs")
+
+    @property
+    def conntrack(self) -> bool:
+        return self.has("conntrack")
+
+    @property
+    def failures(self) -> tuple[ProbeResult, ...]:
+        return tuple(r for r in self.results if r.status == "fail")
+
+    @property
+    def tracing_possible(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "tracefs": str(self.tracefs) if self.tracefs else None,
+                "tracepoints": dict(self.tracepoints),
+                "probes": [r.to_dict() for r in self.results]}
+
+
+class _Builder:
+    """Collects ProbeResults; turns (present, detail) into a status by the probe's spec."""
+
+    def __init__(self, version: tuple[int, int, int] | None):
+        self.version = version
+        self.results: list[ProbeResult] = []
+
+    def at_least(self, min_kernel: str) -> bool | None:
+        return None if self.version is None else self.version >= _vt(min_kernel)
+
+    def add(self, name: str, present: bool | None, detail: str, status: str | None = None):
+        spec = PROBES[name]
+        expected = bool(spec.by_version and spec.min_kernel and self.at_least(spec.min_kernel))
+        if status is None:
+            if present:
+                status = "ok"
+            elif present is None:
+                status = "unknown"
+            else:
+                status = "fail" if spec.required else "missing"
+        if present is False and spec.min_kernel and self.version is not None and not detail \
+                and not self.at_least(spec.min_kernel):
+            detail = f"kernel {_fmt(self.version)} < {spec.min_kernel}"
+        self.results.append(ProbeResult(spec.name, spec.area, present, status, detail,
+                                        spec.min_kernel, spec.required, spec.cost, expected))
+
+
+def _fmt(v: tuple[int, int, int]) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def _run_trial(trials: Trials | None, kind: str) -> tuple[bool | None, str]:
+    """(True/False, error) from a real load; (None, why) when no trial could be made."""
+    if trials is None:
+        return None, "not tried"
+    try:
+        r = trials(kind)
+    except Exception as e:  # a trial must never take the probe down
+        return False, f"trial load raised {type(e).__name__}: {e}"
+    error = (getattr(r, "error", "") or "").strip()
+    # bcc says "Need super-user privileges to run" for any EPERM, even as root; the rest of
+    # the message has the kernel's answer.
+    error = error.removeprefix("Need super-user privileges to run: ")
+    if not getattr(r, "ok", False) and error.startswith("unknown trial"):
+        return None, "not tried (the loader has no such trial)"
+    return bool(r.ok), error.splitlines()[0] if error else ""
+
+
+def probe(root: Path = Path("/"), trials: Trials | None = None,
+          mount_tracefs: bool = False) -> Features:
+    """Probe the kernel under `root`. `trials(kind)` (kinds: fentry, clsact, nf_prog) does real
+    loads; without it those probes fall back to file evidence or report "not tried"."""
+    root = Path(root)
+    release = (_read(root / "proc/sys/kernel/osrelease") or "").strip()
+    version = kernel_version(release)
+    cfg = kernel_config(root, release)
+    b = _Builder(version)
+    ver = f"kernel {_fmt(version)}" if version else "kernel version unknown"
+
+    # Capabilities, checked before anything slow (STYLE.md §5).
+    cap_eff = _cap_eff(root)
+    b.add("capabilities", _caps_ok(cap_eff, version), _caps_detail(cap_eff))
+
+    # unprivileged_bpf_disabled exists only when the bpf() syscall is built in (4.4+).
+    if _exists(root / "proc/sys/kernel/unprivileged_bpf_disabled"):
+        b.add("bpf syscall", True, "/proc/sys/kernel/unprivileged_bpf_disabled")
+    else:
+        on = _config_on(cfg, "CONFIG_BPF_SYSCALL")
+        b.add("bpf syscall", bool(on),
+              "CONFIG_BPF_SYSCALL=y" if on else "no /proc/sys/kernel/unprivileged_bpf_disabled")
+
+    vmlinux = root / "sys/kernel/btf/vmlinux"
+    has_btf = bool(_exists(vmlinux))
+    b.add("btf", has_btf, "/sys/kernel/btf/vmlinux" if has_btf else
+          "no /sys/kernel/btf/vmlinux (kernel needs CONFIG_DEBUG_INFO_BTF=y)")
+
+    tracefs, where = _find_tracefs(root, mount_tracefs)
+    readable = tracefs is not None and bool(_exists(tracefs / "events"))
+    b.add("tracefs", True if readable else (None if tracefs else False), where)
+
+    # Tracepoints: the format file exists exactly when the event does.
+    tracepoints: dict[str, bool] = {}
+    fields: dict[str, tuple[str, ...]] = {}
+    for tp in TRACEPOINTS:
+        tracepoints[tp] = bool(readable and _exists(tracefs / "events" / tp / "format"))
+        if tracepoints[tp]:
+            fields[tp] = tracepoint_fields(tracefs, tp)
+
+    kprobes, kdetail = _kprobes(root, tracefs if readable else None, cfg)
+
+    unseen = "tracefs not readable" if tracefs is not None else "no tracefs"
+
+    def tp_row(tp: str, name: str):
+        if not readable:
+            b.add(name, None, unseen)
+            return
+        if tracepoints[tp]:
+            b.add(name, True, "")
+            return
+        if name == "skb:kfree_skb" and kprobes:
+            # Before the tracepoint had a reason (5.17), bcc tools/tcpdrop.py used kprobe tcp_drop.
+            b.add(name, False, "absent; falling back to kprobe tcp_drop", status="warn")
+            return
+        b.add(name, False, _missing_detail(b, name, f"no events/{tp}"))
+
+    def field_row(tp: str, name: str, fld: str):
+        if not readable:
+            b.add(name, None, unseen)
+        elif not tracepoints[tp]:
+            b.add(name, False, f"no {tp.replace('/', ':')} tracepoint")
+        elif fld in fields[tp]:
+            b.add(name, True, f"field {fld!r}")
+        else:
+            b.add(name, False, _missing_detail(b, name, f"no {fld!r} field in its format"))
+
+    tp_row("skb/kfree_skb", "skb:kfree_skb")
+    field_row("skb/kfree_skb", "skb:kfree_skb reason", "reason")   # commit c504e5c2f964, 5.17
+    tp_row("tcp/tcp_send_reset", "tcp:tcp_send_reset")
+    field_row("tcp/tcp_send_reset", "tcp:tcp_send_reset reason", "reason")  # sk_rst_reason, 6.10
+    tp_row("tcp/tcp_receive_reset", "tcp:tcp_receive_reset")
+    tp_row("icmp/icmp_send", "icmp:icmp_send")
+    tp_row("tcp/tcp_retransmit_synack", "tcp:tcp_retransmit_synack")
+    tp_row("fib/fib_table_lookup", "fib:fib_table_lookup")
+
+    b.add("kprobes", kprobes, kdetail)
+
+    # fentry needs BTF and a trampoline (5.5), and even then a kernel may refuse it (this
+    # project's 6.18 VM returns EPERM): only a real load tells.
+    if b.at_least("5.5") is False:
+        b.add("fentry", False, "")
+    elif not has_btf:
+        b.add("fentry", False, "needs BTF")
+    else:
+        ok, err = _run_trial(trials, "fentry")
+        b.add("fentry", ok, "trial load ok" if ok else
+              (f"trial load failed: {err}" if ok is False and err else err))
+
+    b.add("ring buffer", *_ringbuf(root, b, has_btf))
+
+    clsact, where = _module(root, release, "sch_ingress")   # clsact lives in sch_ingress.c
+    if not clsact:
+        on = _config_on(cfg, "CONFIG_NET_SCH_INGRESS")
+        clsact, where = (on, "CONFIG_NET_SCH_INGRESS") if on is not None else (clsact, where)
+    if b.at_least("4.5") is False:
+        b.add("tc clsact", False, "")
+    else:
+        ok, err = _run_trial(trials, "clsact") if clsact is not False else (False, "")
+        if ok is None:
+            b.add("tc clsact", clsact, f"sch_ingress {where}" if clsact else
+                  "no evidence of sch_ingress (module list and kernel config unreadable)")
+        else:
+            b.add("tc clsact", ok, "trial attach ok" if ok else
+                  (err or "sch_ingress not built (CONFIG_NET_SCH_INGRESS)"))
+
+    # BPF_PROG_TYPE_NETFILTER and its link: 6.4 (commit fd9c663b9ad6), CONFIG_NETFILTER_BPF_LINK.
+    if b.at_least("6.4") is False:
+        b.add("netfilter bpf", False, "")
+    elif _config_on(cfg, "CONFIG_NETFILTER_BPF_LINK") is False:
+        b.add("netfilter bpf", False, "CONFIG_NETFILTER_BPF_LINK is not set")
+    else:
+        ok, err = _run_trial(trials, "nf_prog")
+        if ok is None and version is None:
+            b.add("netfilter bpf", None, "kernel version unknown; not tried")
+        elif ok is None:
+            b.add("netfilter bpf", True, f"{ver} >= 6.4 (not trial-loaded)")
+        else:
+            b.add("netfilter bpf", ok, "trial load ok" if ok else err)
+
+    b.add("netfilter backend", *_netfilter_backend(root, release, cfg))
+    b.add("ipvs", *_ipvs(root, release, cfg))
+
+    count = _int(_read(root / "proc/sys/net/netfilter/nf_conntrack_count"))
+    cmax = _int(_read(root / "proc/sys/net/netfilter/nf_conntrack_max"))
+    if count is not None and cmax is not None:
+        b.add("conntrack", True, f"{count}/{cmax} entries")
+    else:
+        b.add("conntrack", False, "no /proc/sys/net/netfilter/nf_conntrack_{count,max}")
+
+    return Features(root=root, kernel=release, version=version,
+                    tracefs=tracefs if readable else None, tracepoints=tracepoints,
+                    fields=fields, results=tuple(b.results), cap_eff=cap_eff, config=cfg)
+
+
+def _missing_detail(b: _Builder, name: str, what: str) -> str:
+    spec = PROBES[name]
+    if b.version is None or not spec.min_kernel:
+        return what
+    if b.at_least(spec.min_kernel):
+        if not spec.by_version:
+            return what
+        return f"{what}; unexpected on kernel {_fmt(b.version)} (>= {spec.min_kernel})"
+    return f"{what} (kernel {_fmt(b.version)} < {spec.min_kernel})"
+
+
+def _kprobes(root: Path, tracefs: Path | None, cfg: dict[str, str]) -> tuple[bool, str]:
+    # The kprobe PMU (4.17) and kprobe_events (tracefs) exist only with CONFIG_KPROBES.
+    if _exists(root / "sys/bus/event_source/devices/kprobe"):
+        return True, "/sys/bus/event_source/devices/kprobe"
+    if tracefs is not None and _exists(tracefs / "kprobe_events"):
+        return True, "kprobe_events in tracefs"
+    if _config_on(cfg, "CONFIG_KPROBES"):
+        return True, "CONFIG_KPROBES=y"
+    if cfg:
+        return False, "CONFIG_KPROBES is not set"
+    return False, "no kprobe PMU and no kprobe_events"
+
+
+def _ringbuf(root: Path, b: _Builder, has_btf: bool) -> tuple[bool, str]:
+    # BPF_MAP_TYPE_RINGBUF: 5.8 (commit 457f44363a88). bcc tools/f2fsslower.py asks BTF for
+    # struct bpf_ringbuf instead of trusting the version, which distribution backports break.
+    by_version = b.at_least("5.8")
+    if has_btf:
+        try:
+            from nptrace import btf as _btf
+            kernel = _btf.default() if root == Path("/") else _btf.load(root / "sys/kernel/btf/vmlinux")
+            if kernel.has("bpf_ringbuf"):
+                return True, "BTF has struct bpf_ringbuf"
+            if by_version is not None:
+                return False, "BTF has no struct bpf_ringbuf"
+        except Exception:  # unreadable or not real BTF (fixtures): fall back to the version
+            pass
+    if by_version is None:
+        return False, "kernel version unknown"
+    if by_version:
+        return True, f"kernel {_fmt(b.version)} >= 5.8"
+    return False, ""
+
+
+def _netfilter_backend(root: Path, release: str, cfg: dict[str, str]) -> tuple[bool | None, str]:
+    nft, where = _module(root, release, "nf_tables")
+    if not nft:
+        on = _config_on(cfg, "CONFIG_NF_TABLES")
+        if on is not None:
+            nft, where = on, "CONFIG_NF_TABLES"
+    names = _read(root / "proc/net/ip_tables_names")
+    legacy = names.split() if names else []
+    parts = [f"nf_tables ({where})" if nft else
+             ("nf_tables unknown" if nft is None else "no nf_tables")]
+    if names is None and _exists(root / "proc/net/ip_tables_names"):
+        parts.append("legacy iptables unreadable (not root)")
+    elif names is None:
+        parts.append("no legacy iptables")
+    else:
+        parts.append("legacy iptables tables: " + (" ".join(legacy) if legacy else "none loaded"))
+    present = bool(nft) or names is not None
+    if not present and nft is None and _exists(root / "proc/net/netfilter"):
+        return None, "netfilter present; nf_tables unknown"
+    return present, "; ".join(parts)
+
+
+def _ipvs(root: Path, release: str, cfg: dict[str, str]) -> tuple[bool, str]:
+    table = _read(root / "proc/net/ip_vs")
+    if table is not None:
+        services = sum(1 for line in table.splitlines() if line.startswith(("TCP ", "UDP ", "SCTP ")))
+        return True, f"/proc/net/ip_vs: {services} virtual services"
+    ok, where = _module(root, release, "ip_vs")
+    if ok:
+        return True, f"ip_vs {where}"
+    on = _config_on(cfg, "CONFIG_IP_VS")
+    if on:
+        return True, "CONFIG_IP_VS"
+    return False, "CONFIG_IP_VS is not set" if on is False else "no /proc/net/ip_vs, no ip_vs module"
