@@ -95,7 +95,8 @@ struct npt_event {
 	__u8  dir;          /* enum npt_dir */
 	__u8  state;        /* TCP state of the socket, if any */
 	__u8  flags;        /* NPT_F_* */
-	__u32 aux;          /* per type: ASYM_IFACE request ifindex; SYN_RETX count; NF_HOOK hook */
+	__u32 aux;          /* per type: ASYM_IFACE request ifindex; SYN_RETX count; NF_HOOK hook;
+			       RST_SENT: TCP flags of the packet the reset answers */
 	/* 96: conntrack tuples (original and reply direction), valid with NPT_F_HAS_CT */
 	__u8  ct_osrc[16];
 	__u8  ct_odst[16];

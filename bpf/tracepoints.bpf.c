@@ -58,8 +58,11 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 	struct npt_event e;
 	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
 	void *skb = (void *)args->skbaddr, *sk = (void *)args->skaddr;
-	if (skb)
+	if (skb) {
 		npt_read_skb(&e, skb);    /* interface, netns and conntrack of the offending packet */
+		e.aux = e.tcpflags;       /* what was answered: a SYN-ACK from a stranger means an
+					     un-NATed reply, a SYN means no listener */
+	}
 	if (!e.netns)
 		e.netns = npt_netns_of_sk(sk);
 	if (sk)

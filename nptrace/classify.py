@@ -33,6 +33,11 @@ KIND = {
 INHERITS = frozenset({"peer_reset", "unknown"})
 # Events that are only evidence for others: never a verdict line of their own.
 EVIDENCE_ONLY = frozenset({EvType.SYNACK_RETX, EvType.NF_VIEW})
+# Drop reasons that healthy traffic also shows (teardown races, requests killed by a RST):
+# labeled only when their flow already has a cause, never reported as unknown on their own.
+WEAK_DROPS = frozenset({"NOT_SPECIFIED", "TCP_INVALID_SEQUENCE", "TCP_RESET", "TCP_CLOSE",
+                        "SOCKET_CLOSE", "TCP_FLAGS", "TCP_ZEROWINDOW", "TCP_OVERWINDOW",
+                        "TCP_OFO_DROP", "TCP_INVALID_ACK_SEQUENCE", "TCP_ACK_UNSENT_DATA"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,10 @@ class Context:
     iface_name: Callable[[int, int], str | None] = _no_names
     # (addr, port) -> "ns/svc:port" (services.py); None when no rules are known.
     service_of: Callable[[str, int], str | None] = lambda a, p: None
+    # netns inode -> services.ServiceMap of that namespace's netfilter rules, or None.
+    rules: Callable[[int], object | None] = lambda netns: None
+    # (netns inode, address) -> the interface the route to address leaves by, or None.
+    route_iface: Callable[[int, str], str | None] = lambda netns, addr: None
     window_ns: int = 30 * 1_000_000_000     # how long a flow's history is kept
     max_flows: int = 65536                  # bound on the correlation state
 
@@ -161,6 +170,8 @@ class Classifier:
         else:
             cause, conf, hint = "unknown", 0.0, ("no rule explains this event; the evidence "
                                                  "lists what the kernel showed")
+        if cause == "unknown" and not flow.cause and self._weak(ev, rname):
+            return None
         if flow.cause and cause in INHERITS:
             # The same connection already showed its cause (the RST the client receives was
             # sent because of it): say so rather than blame the peer.
@@ -169,11 +180,22 @@ class Classifier:
             flow.cause, flow.confidence, flow.hint = cause, conf, hint
         service = _service(ev, ctx)
         evidence = tuple(_evidence(e, r, ctx) for e, r in history[-8:]) + (_evidence(ev, rname, ctx),)
+        hint = _fill(hint, iface=iface or f"ifindex {ev.ifindex}", port=str(ev.dport),
+                     sport=str(ev.sport), daddr=ev.daddr, saddr=ev.saddr,
+                     service=service or "the Service")
         return Verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOK_NAMES[ev.hook], rname,
-                       cause, conf, hint.format(iface=iface or f"ifindex {ev.ifindex}",
-                                                port=ev.dport, sport=ev.sport, daddr=ev.daddr,
-                                                saddr=ev.saddr, service=service or "the Service"),
-                       iface, service, evidence)
+                       cause, conf, hint, iface, service, evidence)
+
+    @staticmethod
+    def _weak(ev: Event, rname: str) -> bool:
+        return ev.type == EvType.DROP and rname in WEAK_DROPS
+
+
+def _fill(text: str, **vals: str) -> str:
+    """Fill {name} placeholders; rule texts quoted in hints keep their own braces (nft sets)."""
+    for k, v in vals.items():
+        text = text.replace("{" + k + "}", v)
+    return text
 
 
 def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Verdict]:
@@ -221,23 +243,166 @@ def _evidence(ev: Event, rname: str, ctx: Context) -> Evidence:
 # --- rules: (event, reason name, earlier events of the flow, ctx) -> (cause, confidence, hint)
 Rule = Callable[[Event, str, list, Context], "tuple[str, float, str] | None"]
 
+SYNACK = TCP_SYN | TCP_ACK
+
+
+def _answered(ev: Event) -> int:
+    """TCP flags of the packet a NO_SOCKET reset or drop was about."""
+    return ev.aux if ev.type == EvType.RST_SENT else ev.tcpflags
+
+
+def _is_nf_reject(ev: Event, rname: str) -> bool:
+    return (ev.type == EvType.DROP and rname == "NETFILTER_DROP") or \
+        (ev.type in (EvType.ICMP_UNREACH, EvType.WIRE_ICMP) and ev.reason >> 8 == 3
+         and ev.reason & 0xff in (3, 9, 10, 13))
+
+
+def _orig_dst(ev: Event) -> tuple[str, int]:
+    if ev.ct is not None and ev.ct.dnat:
+        return ev.ct.orig_dst, ev.ct.orig_dport
+    return ev.daddr, ev.dport
+
 
 def rule_rp_filter(ev, rname, history, ctx):
     if ev.type == EvType.DROP and rname == "IP_RPFILTER":
+        back = ctx.route_iface(ev.netns, ev.saddr)
+        via = f" while the route back to {{saddr}} leaves by {back}" if back else ""
         return ("rp_filter", 0.95,
-                "reverse-path filter dropped a packet from {saddr} arriving on {iface}: the route "
-                "back to the source uses another interface. Use loose mode: sysctl -w "
-                "net.ipv4.conf.{iface}.rp_filter=2 (and conf.all), or fix the return route")
+                "strict reverse-path filter dropped a packet from {saddr} arriving on {iface}"
+                + via + ": use loose mode (sysctl -w net.ipv4.conf.all.rp_filter=2 and "
+                "net.ipv4.conf.<iface>.rp_filter=2 for {iface}) or route replies back the way "
+                "requests came")
+    return None
+
+
+def rule_unexpected_reply(ev, rname, history, ctx):
+    """A SYN-ACK its receiver never asked for: the reply left with the pod's own source."""
+    if ev.type == EvType.ASYM_SRC:
+        return ("snat", 0.85,
+                "the reply from {saddr}:{sport} leaves without being translated back to the "
+                "address the client connected to: masquerade the forwarded traffic "
+                "(externalTrafficPolicy: Cluster) or keep replies on the node that DNATed them "
+                "(externalTrafficPolicy: Local)")
+    if rname == "NO_SOCKET" and ev.type in (EvType.RST_SENT, EvType.DROP) \
+            and _answered(ev) & SYNACK == SYNACK:
+        peer = (ev.daddr, ev.dport) if ev.type == EvType.RST_SENT else (ev.saddr, ev.sport)
+        return ("snat", 0.9,
+                f"{peer[0]}:{peer[1]} answered a connection the client made to another address: "
+                "the reply was not un-NATed (it left by another node or path than the DNAT); "
+                "the client reset it. Masquerade forwarded NodePort traffic "
+                "(externalTrafficPolicy: Cluster with KUBE-POSTROUTING MASQUERADE) or use "
+                "externalTrafficPolicy: Local, or the PROXY protocol to keep the client address")
+    return None
+
+
+def rule_wrong_iface(ev, rname, history, ctx):
+    if ev.type == EvType.ASYM_IFACE:
+        back = ctx.iface_name(ev.netns, ev.aux) or f"ifindex {ev.aux}"
+        return ("wrong_iface", 0.85,
+                f"the request came in on {back} but the reply leaves by {{iface}}: a stateful "
+                "middlebox or the peer on the other path will drop or reset it. Add policy "
+                "routing (ip rule from <secondary address> table N) so replies leave by the "
+                "interface the request came in on")
+    return None
+
+
+def rule_conntrack_invalid(ev, rname, history, ctx):
+    if not (ev.type == EvType.DROP and rname == "NETFILTER_DROP"):
+        return None
+    if ev.ct is not None or ev.tcpflags & TCP_SYN:
+        return None
+    smap = ctx.rules(ev.netns)
+    if smap is None:
+        return None
+    for r in smap.verdict_rules(ev.daddr, ev.dport):
+        if r.reason == "conntrack_invalid":
+            return ("conntrack_invalid", 0.85,
+                    f"conntrack marked a mid-connection packet INVALID (out of window or for a "
+                    f"forgotten connection) and {r.where()} dropped it: `{r.text}`. Check for "
+                    "asymmetric paths and conntrack table pressure; "
+                    "net.netfilter.nf_conntrack_tcp_be_liberal=1 makes conntrack accept it")
+    return None
+
+
+_TAG_CAUSE = {
+    "no_local_endpoint": ("no_local_endpoint", 0.95,
+                          "{service} has externalTrafficPolicy: Local and no ready endpoint on "
+                          "this node, so kube-proxy drops NodePort traffic here ({rule}). Let the "
+                          "load balancer use the Service's healthCheckNodePort so it skips this "
+                          "node, run the backend on every node (DaemonSet), or use "
+                          "externalTrafficPolicy: Cluster"),
+    "no_endpoints": ("no_endpoints", 0.95,
+                     "{service} has no ready endpoints: kube-proxy rejects with ICMP port "
+                     "unreachable ({rule}); the client sees connection refused. Check the "
+                     "Deployment's replicas and readiness probes (kubectl get endpointslices)"),
+    "lb_source_range": ("policy_drop", 0.85,
+                        "{saddr} is outside {service}'s loadBalancerSourceRanges ({rule}): add "
+                        "the client range to spec.loadBalancerSourceRanges"),
+    "conntrack_invalid": ("conntrack_invalid", 0.7,
+                          "conntrack deemed the packet INVALID ({rule})"),
+}
+
+
+def rule_netfilter(ev, rname, history, ctx):
+    if not _is_nf_reject(ev, rname):
+        return None
+    smap = ctx.rules(ev.netns)
+    service = _service(ev, ctx) or "the Service"
+    if smap is not None:
+        odst, oport = _orig_dst(ev)
+        for r in smap.verdict_rules(odst, oport, include_invalid=False):
+            if r.reason in _TAG_CAUSE:
+                cause, conf, hint = _TAG_CAUSE[r.reason]
+                return (cause, conf, hint.replace("{service}", r.service or service)
+                        .replace("{rule}", f"{r.where()}: {r.text}"))
+        rules = smap.matching_drop_rules(ev.saddr, ev.daddr, ev.dport,
+                                         ctstate="NEW" if ev.tcpflags & TCP_SYN else None)
+        rules = [r for r in rules if r.reason == "other"] or rules
+        if rules:
+            r = rules[0]
+            to_pod = ev.ct is not None and ev.ct.dnat or \
+                bool(ctx.service_of(ev.daddr, ev.dport)) and (ev.daddr, ev.dport) != _orig_dst(ev)
+            if to_pod or _is_endpoint(smap, ev.daddr, ev.dport):
+                return ("policy_drop", 0.85,
+                        f"a netfilter rule dropped traffic from {{saddr}} to the pod "
+                        f"{{daddr}}:{{port}} ({r.where()}: `{r.text}`). If it is a NetworkPolicy, "
+                        f"add an ingress rule with ipBlock {ev.saddr}/32 (or the client range) for "
+                        f"port {ev.dport}")
+            return ("netfilter_reject", 0.75,
+                    f"netfilter dropped or rejected the packet at {r.where()}: `{r.text}`")
+    return ("netfilter_reject", 0.5,
+            "a netfilter rule dropped or rejected this packet; the rule could not be named "
+            "(no readable ruleset for this namespace): run `nptrace doctor` and iptables-save "
+            "-c / nft list ruleset in the namespace")
+
+
+def _is_endpoint(smap, addr: str, port: int) -> bool:
+    try:
+        s = smap.lookup(addr, port)
+    except Exception:
+        return False
+    return s is not None and s.kind == "endpoint"
+
+
+def rule_stale_endpoint(ev, rname, history, ctx):
+    """DNAT to an address nobody answers for: the endpoint is gone, the rules are not."""
+    gone = (ev.type == EvType.DROP and rname in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")) \
+        or (ev.type in (EvType.ICMP_UNREACH, EvType.WIRE_ICMP) and ev.reason in (3 << 8 | 1, 3 << 8 | 0))
+    if gone and (ev.ct is not None and ev.ct.dnat or ctx.service_of(ev.daddr, ev.dport)):
+        return ("proxy", 0.8,
+                "the service proxy DNATs to {daddr}:{port}, which no longer exists on the "
+                "network: kube-proxy's rules are stale (endpoint deleted, sync failed or lagging). "
+                "Check kube-proxy's logs and sync metrics, and the EndpointSlice of {service}")
     return None
 
 
 def rule_no_listener(ev, rname, history, ctx):
-    if (ev.type == EvType.RST_SENT and rname == "NO_SOCKET") or \
-       (ev.type == EvType.DROP and rname == "NO_SOCKET"):
-        port = ev.sport if ev.type == EvType.RST_SENT else ev.dport
+    if rname == "NO_SOCKET" and ev.type in (EvType.RST_SENT, EvType.DROP) \
+            and _answered(ev) & (TCP_SYN | TCP_ACK) == TCP_SYN:
+        host, port = (ev.saddr, ev.sport) if ev.type == EvType.RST_SENT else (ev.daddr, ev.dport)
         return ("no_listener", 0.9,
-                f"nothing listens on port {port} at the final destination: check the Service's "
-                "targetPort against the port the pod's container listens on")
+                f"nothing listens on {host}:{port}: compare {{service}}'s targetPort with the "
+                "port the container really listens on (ss -ltn in the pod)")
     return None
 
 
@@ -250,10 +415,12 @@ def rule_app_reset(ev, rname, history, ctx):
 
 
 def rule_peer_reset(ev, rname, history, ctx):
-    if ev.type == EvType.RST_RECV:
+    if ev.type == EvType.RST_RECV or (ev.type == EvType.WIRE_RST and ev.dir == Dir.INGRESS):
         return ("peer_reset", 0.5,
                 "{saddr}:{sport} reset the connection and no local cause was seen on this node")
     return None
 
 
-RULES: list[Rule] = [rule_rp_filter, rule_no_listener, rule_app_reset, rule_peer_reset]
+RULES: list[Rule] = [rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
+                     rule_conntrack_invalid, rule_netfilter, rule_stale_endpoint,
+                     rule_no_listener, rule_app_reset, rule_peer_reset]

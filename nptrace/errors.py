@@ -16,6 +16,10 @@ class InterfaceError(NptraceError):
     pass
 
 
+class LockError(NptraceError):
+    pass
+
+
 PRIVILEGE_HINT = "needs root or CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN: run with sudo"
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import TRACEPOINTS, Config
-from nptrace.errors import InterfaceError, PrivilegeError
+from nptrace.errors import InterfaceError, LockError, PrivilegeError
 
 TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"))
 
 
 def log(msg: str) -> None:
@@ -60,6 +61,39 @@ def check_ifaces(cfg: Config) -> None:
             raise InterfaceError(f"interface {spec.name!r} not found{where} (ip link)")
 
 
+def inode_of_netns(name: str) -> int:
+    return os.stat(Path("/run/netns") / name).st_ino
+
+
+class InstanceLock:
+    """One tracer per node: two would attach the same tc filters and double every counter.
+    flock(2) is released by the kernel when the process dies, so `kill -9` leaves no stale lock."""
+
+    def __init__(self, path: Path = LOCK_FILE):
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise LockError(f"another nptrace is already tracing on this node (pid {holder}, "
+                            f"lock {self.path}): stop it first") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class Tracer:
     def __init__(self, cfg: Config, sinks: list, ready_file: str | None = None,
                  context: Context | None = None):
@@ -73,12 +107,15 @@ class Tracer:
         self.decoded = 0
         self.bad_records = 0
         self.epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.lock = InstanceLock()
+        self.reopen_requested = False
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
         t0 = time.monotonic()
         check_privileges()
         check_ifaces(self.cfg)
+        self.lock.acquire()
         from nptrace import btf, loader, offsets, reasons
         from nptrace.netns import Names
         kbtf = btf.default()
@@ -94,7 +131,13 @@ class Tracer:
             self._attach_tc()
         names = Names()
         if self.ctx is None:
-            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface)
+            from nptrace.knowledge import NodeKnowledge
+            self.knowledge = kn = NodeKnowledge(names)
+            watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
+            kn.preload(watched)
+            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
+                               service_of=kn.service_of, rules=kn.rules,
+                               route_iface=kn.route_iface)
         self.classifier = Classifier(self.ctx)
         self.probes.open_ring(self._on_record)
         elapsed = time.monotonic() - t0
@@ -134,7 +177,11 @@ class Tracer:
     def run(self, duration: float | None = None) -> None:
         def _stop(_sig, _frm):
             self.stop_requested = True
+
+        def _hup(_sig, _frm):   # log rotation: reopen files at the next loop turn
+            self.reopen_requested = True
         old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        old[signal.SIGHUP] = signal.signal(signal.SIGHUP, _hup)
         end = time.monotonic() + duration if duration else None
         try:
             while not self.stop_requested:
@@ -145,6 +192,12 @@ class Tracer:
                         break
                     timeout = max(1, min(timeout, int(left * 1000)))
                 self.probes.poll(timeout)
+                if self.reopen_requested:
+                    self.reopen_requested = False
+                    for sink in self.sinks:
+                        if hasattr(sink, "reopen"):
+                            sink.reopen()
+                    log("SIGHUP: reopened output files")
             self.probes.poll(0)   # drain what arrived before the stop
         finally:
             for s, h in old.items():
@@ -153,6 +206,7 @@ class Tracer:
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> dict:
         if self.probes is None and self.tc is None:
+            self.lock.release()
             return {}    # never started: nothing to detach or report
         stats = {}
         if self.probes is not None:
@@ -168,6 +222,7 @@ class Tracer:
             self.probes = None
         for s in self.sinks:
             s.close()
+        self.lock.release()
         lost = stats.get("lost", 0)
         log(f"stopped: {self.decoded} events decoded, {lost} lost"
             + (f", {self.bad_records} undecodable" if self.bad_records else ""))

@@ -22,14 +22,14 @@ def test_rp_filter_drop():
 
 
 def test_no_listener_reset_sent():
-    [v] = classify([E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
+    [v] = classify([E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN,
                       saddr="10.244.1.5", sport=8081, daddr="192.0.2.10", dport=40000)], CTX)
     assert (v.cause, v.kind, v.direction) == ("no_listener", "rst", "sent")
     assert "8081" in v.hint
 
 
 def test_received_reset_inherits_flow_cause():
-    sent = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
+    sent = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN,
              saddr="10.0.0.2", sport=30080, daddr="192.0.2.10", dport=40000, ts_ns=10)
     recv = E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, flags=ev.F_HAS_SOCK,
              saddr="10.0.0.2", sport=30080, daddr="192.0.2.10", dport=40000, ts_ns=20)
@@ -81,3 +81,31 @@ def test_every_cause_is_documented_in_readme():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = [c for c in CAUSES if f"`{c}`" not in readme]
     assert not missing, f"README lacks causes: {missing}"
+
+
+def test_reset_of_an_unsolicited_syn_ack_is_snat():
+    # the client's stack answers a SYN-ACK from the pod address it never connected to
+    [v] = classify([E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
+                      aux=ev.TCP_SYN | ev.TCP_ACK, saddr="192.168.10.100", sport=40000,
+                      daddr="10.244.1.10", dport=8080)], CTX)
+    assert v.cause == "snat" and "10.244.1.10:8080" in v.hint
+
+
+def test_asymmetric_reply_is_wrong_iface_and_taints_the_flow():
+    asym = E(type=ev.EvType.ASYM_IFACE, hook=ev.Hook.TC_EGRESS, ifindex=2, aux=7, ts_ns=1,
+             saddr="172.16.21.11", sport=30080, daddr="192.168.10.100", dport=40000)
+    rst = E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, ts_ns=2,
+            saddr="172.16.21.11", sport=30080, daddr="192.168.10.100", dport=40000)
+    got = list(classify([asym, rst], CTX))
+    assert [v.cause for v in got] == ["wrong_iface", "wrong_iface"]
+    assert "npt-node1/eth1" in got[0].hint
+
+
+def test_weak_drop_alone_is_not_reported():
+    assert list(classify([E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=2)], CTX)) == []
+
+
+def test_netfilter_drop_without_rules_is_netfilter_reject():
+    [v] = classify([E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=12, tcpflags=ev.TCP_SYN,
+                      saddr="192.0.2.1", sport=5, daddr="10.0.0.2", dport=30080)], CTX)
+    assert v.cause == "netfilter_reject" and v.confidence < 0.6

@@ -1,0 +1,487 @@
+/* Wire view: what TCP packets actually cross the watched interfaces.
+ *
+ * Hook: tc clsact, direct-action, one program per direction (npt_tc_ingress, npt_tc_egress),
+ * attached by nptrace/tc.py to each --iface. Kernel: clsact 4.5, direct-action 4.4,
+ * bpf_ktime/ring buffer as the rest (5.8). Fallback: none (tc is optional: without --iface
+ * nothing here is compiled, -DNPT_WITH_TC=0).
+ *
+ * Events (everything else costs a parse and at most one map operation, no event):
+ *   WIRE_RST    any TCP RST, either direction
+ *   WIRE_ICMP   ICMP/ICMPv6 destination-unreachable quoting a TCP packet
+ *   SYN_RETX    the same SYN (same ISN) arrived again >= 10 ms later: 2nd and 3rd time
+ *   ASYM_IFACE  a SYN-ACK leaves by an interface its SYN did not come in on (same netns)
+ *   ASYM_SRC    a SYN-ACK's source is not the address:port the client's SYN was sent to
+ *               (un-NATed reply); outer_saddr = that address, aux2 = that port
+ * VXLAN (UDP dst port in tc_vxlan_ports, IPv4 underlay) is decapsulated: the event tuple is the
+ * inner TCP packet, NPT_F_ENCAP set, outer_* = underlay IPv4 addresses, vni.
+ *
+ * Verdict: always TC_ACT_UNSPEC (-1), not TC_ACT_OK. In direct-action mode TC_ACT_OK ends the
+ * filter chain (cls_bpf_classify: only UNSPEC continues), so an observer returning OK would
+ * skip other tc programs on the same hook (a CNI's, for instance); UNSPEC lets them run and,
+ * with no filter left, passes the packet as OK does (sch_handle_ingress/egress default case).
+ *
+ * Packets are read with direct packet access (skb->data/data_end, uapi): only the linear head
+ * is parsed. SYNs, RSTs and ICMP errors are small and linear in practice; a VXLAN packet whose
+ * inner headers were left in page fragments (GRO on a real NIC) is skipped, not pulled
+ * (bpf_skb_pull_data would modify the skb).
+ *
+ * netns and conntrack: the tc context pointer is the kernel sk_buff itself (cls_bpf runs the
+ * program on the skb; __sk_buff is the verifier's view of it), so with -DNPT_TC_KSKB=1 the
+ * device's netns inode and the skb's conntrack entry are read with bpf_probe_read_kernel at
+ * BTF offsets, as the tracepoints do. That needs probe_read_kernel in tc programs
+ * (bpf_base_func_proto, CAP_PERFMON; checked on 6.18). Conntrack is attached only on egress:
+ * on ingress tc runs before PREROUTING, and a veth crossing resets it (skb_scrub_packet).
+ * With -DNPT_TC_KSKB=0 the netns comes from tc_ifaces {ifindex -> netns inode}, filled at
+ * attach time (ambiguous when two watched namespaces reuse an ifindex), and ct stays empty.
+ *
+ * Flow state (tc_flows, LRU): keyed by the CLIENT (SYN source address and port) and the netns,
+ * so that an un-NATed reply still finds its SYN (its server side differs by definition), and
+ * ifindexes are only compared within one namespace. SYNs are recorded on ingress only and
+ * SYN-ACKs checked on egress only: a forwarded SYN leaving by the pod's veth is not a second
+ * request. The same SYN crossing two stacked devices (bridge port then bridge, slave then
+ * VLAN/VXLAN device) within 10 ms records both ifindexes; deeper stacks (bond slaves with the
+ * bond) can report a false ASYM_IFACE: watch either the upper or the lower devices.
+ */
+#include "npt_common.h"
+
+#if NPT_WITH_TC
+
+#ifndef NPT_FLOW_TABLE_SIZE
+#define NPT_FLOW_TABLE_SIZE 65536
+#endif
+#ifndef NPT_TC_KSKB
+#define NPT_TC_KSKB 1
+#endif
+#ifndef NPT_TC_VXLAN
+#define NPT_TC_VXLAN 1
+#endif
+#ifndef NPT_TC_MAX_IFACES
+#define NPT_TC_MAX_IFACES 1024
+#endif
+
+#define NPT_TC_PASS        (-1)          /* TC_ACT_UNSPEC: see the header comment */
+/* A SYN with the same ISN seen again sooner than this is the same packet on a stacked device;
+ * later, a retransmission (Linux's first SYN RTO is 1 s, TCP_TIMEOUT_INIT). */
+#define NPT_SYN_SAME_NS    10000000ULL
+
+#define NPT_ETH_HLEN       14
+#define NPT_ETH_P_8021Q    0x8100
+#define NPT_ETH_P_8021AD   0x88A8
+#define NPT_IPPROTO_UDP    17
+#define NPT_TCPF_FIN       0x01
+#define NPT_TCPF_SYN       0x02
+#define NPT_TCPF_RST       0x04
+#define NPT_TCPF_ACK       0x10
+#define NPT_VXLAN_HLEN     8
+#define NPT_VXLAN_F_VNI    0x08          /* "I" flag: the VNI field is valid (RFC 7348) */
+
+#define NPT_REPORTED_IFACE 0x01
+#define NPT_REPORTED_SRC   0x02
+
+struct npt_tc_flow_key {
+	u8  client[16];     /* SYN source address */
+	u32 netns;          /* inode of the namespace the SYN was seen in */
+	u16 cport;          /* SYN source port, host order */
+	u16 family;
+};
+
+struct npt_tc_flow {
+	u64 syn_ns;         /* last time a new copy of the SYN arrived */
+	u8  server[16];     /* SYN destination: where the client connected to */
+	u8  reply_src[16];  /* source of the last SYN-ACK seen on egress */
+	u32 isn;
+	u32 in_ifindex;     /* ingress device of the SYN */
+	u32 in_ifindex2;    /* a device stacked on or under it that the same SYN also crossed */
+	u32 out_ifindex;    /* egress device of the last SYN-ACK */
+	u16 sport;          /* SYN destination port, host order */
+	u16 reply_sport;
+	u8  syns;           /* copies of this SYN seen, at most 255 */
+	u8  reported;       /* NPT_REPORTED_*: one anomaly event per flow and kind */
+	u8  _pad[2];
+};
+
+struct npt_tc_iface {
+	u32 netns;
+	u32 flags;
+};
+
+BPF_TABLE("lru_hash", struct npt_tc_flow_key, struct npt_tc_flow, tc_flows, NPT_FLOW_TABLE_SIZE);
+/* UDP destination ports (host order) that carry VXLAN: 4789 (IANA), 8472 (Linux default) */
+BPF_HASH(tc_vxlan_ports, u16, u8, 16);
+/* Watched ifindex -> netns inode; only read when NPT_TC_KSKB=0 */
+BPF_HASH(tc_ifaces, u32, struct npt_tc_iface, NPT_TC_MAX_IFACES);
+
+/* Where the headers of one packet are (packet pointers, bounds-checked as noted). */
+struct npt_tc_pkt {
+	void *ip;           /* IPv4 (>= 20 bytes checked) or IPv6 (40) header */
+	void *l4;           /* first byte after the IP header; not checked */
+	u32 osaddr;         /* VXLAN outer IPv4 addresses, network order */
+	u32 odaddr;
+	u32 vni;
+	u16 family;
+	u8  l4proto;
+	u8  encap;
+};
+
+/* Skip Ethernet and up to two VLAN tags (802.1Q, 802.1ad). The outer tag is usually already
+ * in skb->vlan_tci at tc ingress (skb_vlan_untag runs first), but not on devices without the
+ * offload, nor for the second tag. Returns the L3 offset from p, or -1. */
+static __always_inline int npt_tc_l2(void *p, void *end, u16 *proto)
+{
+	if (p + NPT_ETH_HLEN > end)
+		return -1;
+	u16 h = bpf_ntohs(*(u16 *)(p + 12));
+	int off = NPT_ETH_HLEN;
+	if (h == NPT_ETH_P_8021Q || h == NPT_ETH_P_8021AD) {
+		if (p + NPT_ETH_HLEN + 4 > end)
+			return -1;
+		h = bpf_ntohs(*(u16 *)(p + NPT_ETH_HLEN + 2));
+		off += 4;
+		if (h == NPT_ETH_P_8021Q || h == NPT_ETH_P_8021AD) {
+			if (p + NPT_ETH_HLEN + 8 > end)
+				return -1;
+			h = bpf_ntohs(*(u16 *)(p + NPT_ETH_HLEN + 6));
+			off += 4;
+		}
+	}
+	*proto = h;
+	return off;
+}
+
+/* IPv4/IPv6 header at p. 0, or -1 when not IP, truncated, or a non-first fragment.
+ * IPv6 extension headers are not walked: TCP/ICMPv6 must follow the fixed header. */
+static __always_inline int npt_tc_l3(void *p, void *end, u16 proto, struct npt_tc_pkt *k)
+{
+	if (proto == NPT_ETH_P_IP) {
+		if (p + 20 > end)
+			return -1;
+		u8 vihl = *(u8 *)p;
+		u32 ihl = (vihl & 0xf) * 4;
+		if ((vihl >> 4) != 4 || ihl < 20)
+			return -1;
+		if (*(u16 *)(p + 6) & bpf_htons(0x1fff))
+			return -1;
+		k->ip = p;
+		k->l4 = p + ihl;
+		k->family = NPT_AF_INET;
+		k->l4proto = *(u8 *)(p + 9);
+		return 0;
+	}
+	if (proto == NPT_ETH_P_IPV6) {
+		if (p + 40 > end)
+			return -1;
+		if ((*(u8 *)p >> 4) != 6)
+			return -1;
+		k->ip = p;
+		k->l4 = p + 40;
+		k->family = NPT_AF_INET6;
+		k->l4proto = *(u8 *)(p + 6);
+		return 0;
+	}
+	return -1;
+}
+
+static __always_inline u32 npt_tc_netns(struct __sk_buff *skb)
+{
+#if NPT_TC_KSKB
+	void *dev = 0;
+	NPT_READ(dev, skb, NPT_OFF_sk_buff__dev);
+	return npt_netns_of_dev(dev);
+#else
+	u32 idx = skb->ifindex;
+	struct npt_tc_iface *v = tc_ifaces.lookup(&idx);
+	return v ? v->netns : 0;
+#endif
+}
+
+/* Source and destination address of the IP header at ip into 16-byte fields. */
+static __always_inline void npt_tc_addrs(void *ip, void *end, u16 family, u8 *s, u8 *d)
+{
+	if (family == NPT_AF_INET) {
+		if (ip + 20 > end)
+			return;
+		__builtin_memcpy(s, ip + 12, 4);
+		__builtin_memcpy(d, ip + 16, 4);
+	} else {
+		if (ip + 40 > end)
+			return;
+		__builtin_memcpy(s, ip + 8, 16);
+		__builtin_memcpy(d, ip + 24, 16);
+	}
+}
+
+/* Start an event about this packet: header, interface, netns, tuple addresses, encap. */
+static __always_inline void npt_tc_event(struct npt_event *e, u16 type, struct __sk_buff *skb,
+					 struct npt_tc_pkt *k, void *end, u8 egress, u32 netns)
+{
+	npt_init(e, type, egress ? NPT_H_TC_EGRESS : NPT_H_TC_INGRESS);
+	e->dir = egress ? NPT_D_EGRESS : NPT_D_INGRESS;
+	e->ifindex = skb->ifindex;
+	e->mark = skb->mark;
+	e->netns = netns;
+	e->family = k->family;
+	e->l4proto = k->l4proto;
+	npt_tc_addrs(k->ip, end, k->family, e->saddr, e->daddr);
+	if (k->encap) {
+		e->flags |= NPT_F_ENCAP;
+		__builtin_memcpy(e->outer_saddr, &k->osaddr, 4);
+		__builtin_memcpy(e->outer_daddr, &k->odaddr, 4);
+		e->vni = k->vni;
+	}
+#if NPT_TC_KSKB
+	e->skb = (u64)skb;    /* same value as the tracepoints' skbaddr for this skb */
+	npt_read_ct(e, skb);
+#endif
+}
+
+static __always_inline int npt_addr_eq(const u8 *a, const u8 *b)
+{
+	return *(u64 *)a == *(u64 *)b && *(u64 *)(a + 8) == *(u64 *)(b + 8);
+}
+
+/* An ingress SYN: record or refresh the flow; 1 when a SYN_RETX event was prepared in e. */
+static __always_inline int npt_tc_syn(struct npt_event *e, struct __sk_buff *skb,
+				      struct npt_tc_pkt *k, void *end, u32 netns,
+				      u16 sport, u16 dport, u32 seq)
+{
+	u64 saddr[2] = {}, daddr[2] = {};
+	npt_tc_addrs(k->ip, end, k->family, (u8 *)saddr, (u8 *)daddr);
+
+	struct npt_tc_flow_key fk = {};
+	__builtin_memcpy(fk.client, saddr, 16);
+	fk.netns = netns;
+	fk.cport = sport;
+	fk.family = k->family;
+
+	u64 now = bpf_ktime_get_ns();
+	u32 ifindex = skb->ifindex;
+	struct npt_tc_flow *f = tc_flows.lookup(&fk);
+	if (f && f->isn == seq && f->sport == dport && npt_addr_eq(f->server, (u8 *)daddr)) {
+		if (now - f->syn_ns < NPT_SYN_SAME_NS) {
+			if (ifindex != f->in_ifindex)
+				f->in_ifindex2 = ifindex;
+			return 0;
+		}
+		f->syn_ns = now;
+		if (f->syns < 255)
+			f->syns++;
+		u8 n = f->syns;
+		if (n != 2 && n != 3)
+			return 0;
+		npt_tc_event(e, NPT_T_SYN_RETX, skb, k, end, 0, netns);
+		e->aux = n;
+		e->aux2 = f->in_ifindex;
+		return 1;
+	}
+
+	struct npt_tc_flow nf = {};
+	nf.syn_ns = now;
+	__builtin_memcpy(nf.server, daddr, 16);
+	nf.isn = seq;
+	nf.in_ifindex = ifindex;
+	nf.sport = dport;
+	nf.syns = 1;
+	tc_flows.update(&fk, &nf);
+	return 0;
+}
+
+/* An egress SYN-ACK: compare with its SYN; 1 when an ASYM_* event was prepared in e. */
+static __always_inline int npt_tc_synack(struct npt_event *e, struct __sk_buff *skb,
+					 struct npt_tc_pkt *k, void *end, u32 netns,
+					 u16 sport, u16 dport)
+{
+	u64 saddr[2] = {}, daddr[2] = {};
+	npt_tc_addrs(k->ip, end, k->family, (u8 *)saddr, (u8 *)daddr);
+
+	struct npt_tc_flow_key fk = {};
+	__builtin_memcpy(fk.client, daddr, 16);
+	fk.netns = netns;
+	fk.cport = dport;
+	fk.family = k->family;
+
+	struct npt_tc_flow *f = tc_flows.lookup(&fk);
+	if (!f)
+		return 0;
+	u32 ifindex = skb->ifindex;
+	f->out_ifindex = ifindex;
+	__builtin_memcpy(f->reply_src, saddr, 16);
+	f->reply_sport = sport;
+
+	if (f->sport != sport || !npt_addr_eq(f->server, (u8 *)saddr)) {
+		if (f->reported & NPT_REPORTED_SRC)
+			return 0;
+		f->reported |= NPT_REPORTED_SRC;
+		npt_tc_event(e, NPT_T_ASYM_SRC, skb, k, end, 1, netns);
+		/* outer_* carry the expected source here, so the VXLAN outer header is dropped */
+		e->flags &= ~NPT_F_ENCAP;
+		__builtin_memcpy(e->outer_saddr, f->server, 16);
+		__builtin_memset(e->outer_daddr, 0, 16);
+		e->aux = f->in_ifindex;
+		e->aux2 = f->sport;
+		return 1;
+	}
+	if (ifindex == f->in_ifindex || ifindex == f->in_ifindex2)
+		return 0;
+	if (f->reported & NPT_REPORTED_IFACE)
+		return 0;
+	f->reported |= NPT_REPORTED_IFACE;
+	npt_tc_event(e, NPT_T_ASYM_IFACE, skb, k, end, 1, netns);
+	e->aux = f->in_ifindex;
+	e->aux2 = f->in_ifindex2;
+	return 1;
+}
+
+static __always_inline int npt_tc_tcp(struct npt_event *e, struct __sk_buff *skb,
+				      struct npt_tc_pkt *k, void *end, u8 egress)
+{
+	void *th = k->l4;
+	if (th + 20 > end)
+		return 0;
+	u8 fl = *(u8 *)(th + 13);
+	if (!(fl & (NPT_TCPF_SYN | NPT_TCPF_RST)))
+		return 0;          /* the hot path: data and ACKs */
+	u16 sport = bpf_ntohs(*(u16 *)th);
+	u16 dport = bpf_ntohs(*(u16 *)(th + 2));
+	u32 seq = bpf_ntohl(*(u32 *)(th + 4));
+	u32 ack = bpf_ntohl(*(u32 *)(th + 8));
+
+	if (fl & NPT_TCPF_RST) {
+		npt_tc_event(e, NPT_T_WIRE_RST, skb, k, end, egress, npt_tc_netns(skb));
+		e->sport = sport;
+		e->dport = dport;
+		e->seq = seq;
+		e->ack_seq = ack;
+		e->tcpflags = fl;
+		return 1;
+	}
+	int ret;
+	if (!(fl & NPT_TCPF_ACK)) {
+		if (egress)
+			return 0;
+		ret = npt_tc_syn(e, skb, k, end, npt_tc_netns(skb), sport, dport, seq);
+	} else {
+		if (!egress)
+			return 0;
+		ret = npt_tc_synack(e, skb, k, end, npt_tc_netns(skb), sport, dport);
+	}
+	if (ret) {
+		e->sport = sport;
+		e->dport = dport;
+		e->seq = seq;
+		e->ack_seq = ack;
+		e->tcpflags = fl;
+	}
+	return ret;
+}
+
+/* ICMP type 3 / ICMPv6 type 1 (destination unreachable) quoting a TCP packet: the tuple is
+ * the quoted packet (the flow it is about), outer_* the ICMP packet's own addresses (IPv6
+ * ones for ICMPv6), reason = type << 8 | code, as npt_read_skb does. Inside VXLAN the underlay
+ * addresses are not reported (outer_* are taken), only vni. */
+static __always_inline int npt_tc_icmp(struct npt_event *e, struct __sk_buff *skb,
+				       struct npt_tc_pkt *k, void *end, u8 egress)
+{
+	void *ic = k->l4;
+	if (ic + 8 > end)
+		return 0;
+	u8 type = *(u8 *)ic, code = *(u8 *)(ic + 1);
+	void *q = ic + 8;
+	u8 qfam;
+	void *qth;
+	if (k->l4proto == NPT_IPPROTO_ICMP) {
+		if (type != 3)
+			return 0;
+		if (q + 20 > end)
+			return 0;
+		u8 vihl = *(u8 *)q;
+		if ((vihl >> 4) != 4 || *(u8 *)(q + 9) != NPT_IPPROTO_TCP)
+			return 0;
+		qfam = NPT_AF_INET;
+		qth = q + (vihl & 0xf) * 4;
+	} else {
+		if (type != 1)
+			return 0;
+		if (q + 40 > end)
+			return 0;
+		if (*(u8 *)(q + 6) != NPT_IPPROTO_TCP)
+			return 0;
+		qfam = NPT_AF_INET6;
+		qth = q + 40;
+	}
+	if (qth + 8 > end)    /* RFC 792: at least 8 bytes of the quoted L4 header */
+		return 0;
+
+	npt_tc_event(e, NPT_T_WIRE_ICMP, skb, k, end, egress, npt_tc_netns(skb));
+	e->flags &= ~NPT_F_ENCAP;
+	__builtin_memcpy(e->outer_saddr, e->saddr, 16);
+	__builtin_memcpy(e->outer_daddr, e->daddr, 16);
+	__builtin_memset(e->saddr, 0, 16);
+	__builtin_memset(e->daddr, 0, 16);
+	npt_tc_addrs(q, end, qfam, e->saddr, e->daddr);
+	e->family = qfam;
+	e->sport = bpf_ntohs(*(u16 *)qth);
+	e->dport = bpf_ntohs(*(u16 *)(qth + 2));
+	e->seq = bpf_ntohl(*(u32 *)(qth + 4));
+	e->reason = (u32)type << 8 | code;
+	e->flags |= NPT_F_ICMP_QUOTE;
+	return 1;
+}
+
+static __always_inline int npt_tc(struct __sk_buff *skb, u8 egress)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct npt_tc_pkt k = {};
+	u16 proto = 0;
+
+	int off = npt_tc_l2(data, end, &proto);
+	if (off < 0 || npt_tc_l3(data + off, end, proto, &k) < 0)
+		return NPT_TC_PASS;
+
+#if NPT_TC_VXLAN
+	if (k.l4proto == NPT_IPPROTO_UDP && k.family == NPT_AF_INET) {
+		void *udp = k.l4;
+		void *ip = k.ip;
+		if (udp + 8 + NPT_VXLAN_HLEN > end || ip + 20 > end)
+			return NPT_TC_PASS;
+		u16 port = bpf_ntohs(*(u16 *)(udp + 2));
+		if (!tc_vxlan_ports.lookup(&port))
+			return NPT_TC_PASS;
+		void *vx = udp + 8;
+		if (!(*(u8 *)vx & NPT_VXLAN_F_VNI))
+			return NPT_TC_PASS;
+		u32 vni = bpf_ntohl(*(u32 *)(vx + 4)) >> 8;
+		u32 os = *(u32 *)(ip + 12), od = *(u32 *)(ip + 16);
+		void *inner = vx + NPT_VXLAN_HLEN;
+		off = npt_tc_l2(inner, end, &proto);
+		if (off < 0 || npt_tc_l3(inner + off, end, proto, &k) < 0)
+			return NPT_TC_PASS;
+		k.osaddr = os;
+		k.odaddr = od;
+		k.vni = vni;
+		k.encap = 1;
+	}
+#endif
+
+	struct npt_event e;
+	int want = 0;
+	if (k.l4proto == NPT_IPPROTO_TCP)
+		want = npt_tc_tcp(&e, skb, &k, end, egress);
+	else if (k.l4proto == NPT_IPPROTO_ICMP || k.l4proto == NPT_IPPROTO_ICMPV6)
+		want = npt_tc_icmp(&e, skb, &k, end, egress);
+	if (want)
+		npt_emit(&e);
+	return NPT_TC_PASS;
+}
+
+int npt_tc_ingress(struct __sk_buff *skb)
+{
+	return npt_tc(skb, 0);
+}
+
+int npt_tc_egress(struct __sk_buff *skb)
+{
+	return npt_tc(skb, 1);
+}
+
+#endif /* NPT_WITH_TC */
