@@ -1,5 +1,7 @@
 """End to end, the walking skeleton: a lab scenario traced by the real `nptrace run --json`
 (pwru's recipe: --ready-file, traffic in the netns, stop, read the output)."""
+import glob
+import json
 import os
 import subprocess
 
@@ -11,9 +13,28 @@ pytestmark = pytest.mark.privileged
 PREFIX = f"npt-e2e{os.getpid() % 10000}-"
 
 
-def bpf_prog_ids() -> set[str]:
-    r = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True)
-    return {l.split(":")[0] for l in r.stdout.splitlines() if l[:1].isdigit()}
+def held_prog_ids() -> set[int]:
+    """Program ids some process holds an fd for (bpftool here cannot show owning pids)."""
+    held = set()
+    for fdinfo in glob.glob("/proc/[0-9]*/fdinfo/*"):
+        try:
+            with open(fdinfo) as f:
+                for line in f:
+                    if line.startswith("prog_id:"):
+                        held.add(int(line.split()[1]))
+        except (OSError, ValueError):
+            continue
+    return held
+
+
+def orphan_programs() -> set[int]:
+    """Our programs that no process holds: only an attachment (a tc filter, a pinned link)
+    keeps such a program alive after nptrace exits, and that is a leak."""
+    r = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True)
+    progs = json.loads(r.stdout or "[]")
+    held = held_prog_ids()
+    return {p["id"] for p in progs
+            if p.get("name", "").startswith(("tracepoint__", "npt_")) and p["id"] not in held}
 
 
 def netns_inode(name: str) -> int:
@@ -27,7 +48,7 @@ def leftovers() -> list[str]:
 
 @pytest.fixture
 def traced():
-    before = bpf_prog_ids()
+    before = orphan_programs()
     inodes = {}
 
     def run(name, count=10):
@@ -37,7 +58,7 @@ def traced():
         return info, attempts, events, err, inodes
     yield run
     assert not leftovers(), "lab namespaces left behind"
-    assert bpf_prog_ids() <= before, "BPF programs left loaded after nptrace run ended"
+    assert orphan_programs() <= before, "BPF programs left attached after nptrace run ended"
 
 
 def test_no_listener_is_labeled(traced):
