@@ -2,13 +2,15 @@
  * from inside the kernel functions that do it. Optional: every probe here adds detail the
  * tracepoints cannot give, none is needed to classify a reset.
  *
- * Hooks (kprobes are unstable API: names and argument order are checked per kernel below):
+ * Hooks (kprobes are unstable API; argument positions below match the 6.18 BTF prototypes,
+ * and loader.KPROBE_GROUPS tries the older names where a function was renamed):
  *   nf_nat_manip_pkt(skb, ct, mtype, dir)         NAT applied (nf_nat_proto.c, 5.x+);
  *     fallback nf_nat_packet(ct, ctinfo, hooknum, skb) when manip_pkt is not probeable
  *   fib_validate_source(skb, src, dst, dscp, oif, dev, idev, itag)  kretprobe: result of the
  *     reverse-path (rp_filter) check; the only rp_filter signal before kfree_skb reasons (5.17)
  *   nf_send_reset(net, sk, oldskb, hook), nf_send_reset6(...)  iptables/nft REJECT
- *     --reject-with tcp-reset (sk argument since 5.12; oldskb is the 3rd argument since then).
+ *     --reject-with tcp-reset (oldskb is the 3rd argument since the sk argument was added in
+ *     5.x; older kernels, nf_send_reset(net, oldskb, hook), need another program).
  *     tcp:tcp_send_reset does not fire for these resets (PLATFORM.md).
  *   ip_vs_in_hook / ip_vs_out_hook(priv, skb, state)  IPVS, 6.2+ (before: ip_vs_remote_request4
  *     and ip_vs_reply4, same argument order); kretprobe gives the verdict
@@ -41,7 +43,8 @@
 
 #if NPT_WITH_KPROBES
 
-#ifndef NPT_KF_NAT_MANIP
+/* nptrace_events.h defines NPT_HAVE_KFUNC_ENUM once it carries this enum */
+#ifndef NPT_HAVE_KFUNC_ENUM
 enum npt_kfunc {
 	NPT_KF_NAT_MANIP     = 1,
 	NPT_KF_NAT_PACKET    = 2,
@@ -185,7 +188,7 @@ int npt_kp_nf_send_reset(struct pt_regs *ctx)
 	npt_init(&e, NPT_T_RST_SENT, NPT_H_KPROBE);
 	if (npt_read_skb(&e, oldskb) != NPT_IPPROTO_TCP)
 		return 0;
-	/* netfilter answers with a RST only for a packet that is not itself a RST */
+	/* oldskb is the packet being rejected: its tuple reversed is the RST's own */
 	npt_kp_reverse(&e);
 	e.tcpflags = NPT_TCP_RST;
 	e.seq = 0;

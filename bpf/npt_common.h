@@ -61,8 +61,9 @@ static __always_inline void npt_count(struct npt_event *e)
 	k.netns = e->netns;
 	k.type = e->type;
 	k.hook = e->hook;
-	u64 one = 1, *v = counts.lookup_or_try_init(&k, &one);
-	if (v && v != &one)
+	/* bcc's lookup_or_try_init returns the map's value after inserting: start from 0 */
+	u64 zero = 0, *v = counts.lookup_or_try_init(&k, &zero);
+	if (v)
 		(*v)++;
 }
 

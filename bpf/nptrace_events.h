@@ -49,6 +49,17 @@ enum npt_dir {
 	NPT_D_LOCAL     = 3,  /* generated or consumed by a local socket */
 };
 
+/* Kernel functions the kprobe enrichment hooks (bpf/kprobes.bpf.c), in aux */
+enum npt_kfunc {
+	NPT_KF_NAT_MANIP      = 1,
+	NPT_KF_NAT_PACKET     = 2,
+	NPT_KF_FIB_VALIDATE   = 3,
+	NPT_KF_NF_SEND_RESET  = 4,
+	NPT_KF_IPVS_IN        = 5,
+	NPT_KF_IPVS_OUT       = 6,
+};
+#define NPT_HAVE_KFUNC_ENUM 1
+
 /* flags */
 #define NPT_F_HAS_CT     0x01  /* ct_* fields hold the skb's conntrack entry */
 #define NPT_F_ENCAP      0x02  /* tuple is the inner (VXLAN) packet; outer_* hold the outer header */
@@ -95,7 +106,8 @@ struct npt_event {
 	__u8  dir;          /* enum npt_dir */
 	__u8  state;        /* TCP state of the socket, if any */
 	__u8  flags;        /* NPT_F_* */
-	__u32 aux;          /* per type: ASYM_IFACE request ifindex; SYN_RETX count; NF_HOOK hook;
+	__u32 aux;          /* per type: ASYM_IFACE/ASYM_SRC the SYN's ingress ifindex; SYN_RETX
+			       count; NF_HOOK pf<<24|hook<<16|prio; KPROBE enum npt_kfunc;
 			       RST_SENT: TCP flags of the packet the reset answers */
 	/* 96: conntrack tuples (original and reply direction), valid with NPT_F_HAS_CT */
 	__u8  ct_osrc[16];
@@ -107,14 +119,16 @@ struct npt_event {
 	__u16 ct_odport;
 	__u16 ct_rsport;
 	__u16 ct_rdport;
-	/* 168: outer header of an encapsulated packet, valid with NPT_F_ENCAP */
+	/* 168: outer header of an encapsulated packet (NPT_F_ENCAP), the ICMP packet's own
+	 * addresses (NPT_F_ICMP_QUOTE), or the address the SYN was sent to (ASYM_SRC) */
 	__u8  outer_saddr[16];
 	__u8  outer_daddr[16];
 	/* 200 */
 	__u32 vni;          /* VXLAN network identifier */
 	__u32 seq;          /* TCP sequence number of the packet (host order) */
 	__u32 ack_seq;      /* TCP acknowledgment number (host order) */
-	__u32 aux2;         /* per type: ASYM_SRC the address index; spare otherwise */
+	__u32 aux2;         /* per type: ASYM_IFACE second stacked ingress ifindex; ASYM_SRC the
+			       port the SYN was sent to; SYN_RETX the SYN's ingress ifindex */
 	/* 216 */
 };
 

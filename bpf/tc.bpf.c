@@ -6,12 +6,17 @@
  * nothing here is compiled, -DNPT_WITH_TC=0).
  *
  * Events (everything else costs a parse and at most one map operation, no event):
- *   WIRE_RST    any TCP RST, either direction
- *   WIRE_ICMP   ICMP/ICMPv6 destination-unreachable quoting a TCP packet
- *   SYN_RETX    the same SYN (same ISN) arrived again >= 10 ms later: 2nd and 3rd time
- *   ASYM_IFACE  a SYN-ACK leaves by an interface its SYN did not come in on (same netns)
+ *   WIRE_RST    any TCP RST, either direction; seq/ack_seq of the RST
+ *   WIRE_ICMP   ICMP/ICMPv6 destination-unreachable quoting a TCP packet: tuple = the quoted
+ *               packet, outer_* = the ICMP packet's addresses (IPv6 ones when l4proto is 58),
+ *               reason = type << 8 | code (ICMPv6 numbering when l4proto is 58)
+ *   SYN_RETX    the same SYN (same ISN) arrived again >= 10 ms later: 2nd and 3rd time;
+ *               aux = copies seen, aux2 = the first copy's ingress ifindex
+ *   ASYM_IFACE  a SYN-ACK leaves by an interface its SYN did not come in on (same netns);
+ *               ifindex = egress, aux = the SYN's ingress ifindex, aux2 = a second one (below)
  *   ASYM_SRC    a SYN-ACK's source is not the address:port the client's SYN was sent to
- *               (un-NATed reply); outer_saddr = that address, aux2 = that port
+ *               (un-NATed reply); tuple = the reply, outer_saddr = the address the SYN was
+ *               sent to (tuple's family), aux2 = its port, aux = the SYN's ingress ifindex
  * VXLAN (UDP dst port in tc_vxlan_ports, IPv4 underlay) is decapsulated: the event tuple is the
  * inner TCP packet, NPT_F_ENCAP set, outer_* = underlay IPv4 addresses, vni.
  *

@@ -34,10 +34,10 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
-                   inode_sink: dict | None = None):
+                   inode_sink: dict | None = None, variant: str | None = None):
     """Up, trace, trigger, stop, down. Returns (lab info, attempts, JSON events, stderr)."""
     from nptrace import lab
-    info = lab.up(name, backend=backend, prefix=prefix)
+    info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
     if inode_sink is not None:   # netns inodes exist only while the lab is up
         for ns in info.namespaces.values():
             inode_sink[ns] = os.stat(f"/run/netns/{ns}").st_ino

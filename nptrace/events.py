@@ -55,6 +55,15 @@ HOOK_NAMES = {
 }
 
 
+class KFunc(enum.IntEnum):
+    NAT_MANIP = 1
+    NAT_PACKET = 2
+    FIB_VALIDATE = 3
+    NF_SEND_RESET = 4
+    IPVS_IN = 5
+    IPVS_OUT = 6
+
+
 class Dir(enum.IntEnum):
     UNKNOWN = 0
     INGRESS = 1
@@ -258,8 +267,12 @@ def from_tuple(t: tuple, raw: bytes = b"") -> Event:
         ctt = CtTuples(ntop(fam, ct_osrc), ct_osport, ntop(fam, ct_odst), ct_odport,
                        ntop(fam, ct_rsrc), ct_rsport, ntop(fam, ct_rdst), ct_rdport, ct_status)
     osrc = odst = None
-    if flags & (F_ENCAP | F_ICMP_QUOTE):
+    if flags & F_ENCAP:          # VXLAN over an IPv4 underlay
         osrc, odst = ntop(socket.AF_INET, outer_saddr), ntop(socket.AF_INET, outer_daddr)
+    elif flags & F_ICMP_QUOTE or typ_e == EvType.ASYM_SRC:
+        ofam = socket.AF_INET6 if (l4proto == 58 or (typ_e == EvType.ASYM_SRC and fam == socket.AF_INET6)) \
+            else socket.AF_INET
+        osrc, odst = ntop(ofam, outer_saddr), ntop(ofam, outer_daddr)
     return Event(ts_ns, typ_e, hook_e, dir_e, skb, ifindex, netns, reason,
                  ntop(fam, saddr), sport, ntop(fam, daddr), dport, fam, l4proto, tcpflags,
                  state, flags, mark, aux, aux2, seq, ack_seq, location, ctt, osrc, odst, vni, raw)

@@ -220,3 +220,109 @@ def trial_load(kind: str) -> TrialResult:
 def require_tracepoints(available: set[str]) -> None:
     if "skb/kfree_skb" not in available and "tcp/tcp_send_reset" not in available:
         raise FeatureMissing("tracepoints skb:kfree_skb and tcp:tcp_send_reset", "4.15")
+
+
+# --- enrichment (ringbuf/counters helper) ---
+# Compile, verify and attach the optional enrichment programs (bpf/kprobes.bpf.c,
+# bpf/nf_hook.bpf.c): the netfilter program's fd goes to nptrace/nfhook.py, which links it.
+# Used by tests/privileged/test_enrichment_compile.py; Probes does not call these yet.
+
+BPF_PROG_TYPE_NETFILTER = 32   # Linux 6.4
+BPF_NETFILTER = 45             # enum bpf_attach_type: expected attach type of netfilter progs
+
+# Enrichment kprobe groups: name -> alternatives tried in order; an alternative is a list of
+# (program, "entry" | "return", kernel function) that must all attach (an entry/return pair).
+KPROBE_GROUPS: dict[str, tuple[tuple[tuple[str, str, str], ...], ...]] = {
+    "nat": ((("npt_kp_nat_manip", "entry", "nf_nat_manip_pkt"),),
+            (("npt_kp_nat_packet", "entry", "nf_nat_packet"),)),
+    "rp_filter": ((("npt_kp_fib_validate_entry", "entry", "fib_validate_source"),
+                   ("npt_kp_fib_validate_ret", "return", "fib_validate_source")),),
+    "reject_reset": ((("npt_kp_nf_send_reset", "entry", "nf_send_reset"),),),
+    "reject_reset6": ((("npt_kp_nf_send_reset", "entry", "nf_send_reset6"),),),
+    # ip_vs_in_hook/ip_vs_out_hook since 6.2; ip_vs_remote_request4/ip_vs_reply4 before
+    "ipvs_in": ((("npt_kp_ipvs_in_entry", "entry", "ip_vs_in_hook"),
+                 ("npt_kp_ipvs_in_ret", "return", "ip_vs_in_hook")),
+                (("npt_kp_ipvs_in_entry", "entry", "ip_vs_remote_request4"),
+                 ("npt_kp_ipvs_in_ret", "return", "ip_vs_remote_request4"))),
+    "ipvs_out": ((("npt_kp_ipvs_out_entry", "entry", "ip_vs_out_hook"),
+                  ("npt_kp_ipvs_out_ret", "return", "ip_vs_out_hook")),
+                 (("npt_kp_ipvs_out_entry", "entry", "ip_vs_reply4"),
+                  ("npt_kp_ipvs_out_ret", "return", "ip_vs_reply4"))),
+}
+
+
+def compile_families(families, cflags: list[str]):
+    """One bcc object from the given bpf/ files, attaching nothing. Kprobe programs are only
+    loaded on attach, so this compiles kprobes.bpf.c where the kernel has no kprobes."""
+    from bcc import BPF
+    with _capture_stderr() as log:
+        try:
+            b = BPF(text=source_text(tuple(families)), cflags=[f"-I{BPF_DIR}"] + list(cflags))
+        except Exception as e:
+            err = e
+        else:
+            err = None
+    if err is not None:
+        raise LoadError(f"BPF compile failed ({', '.join(families)}): {err}", _tail(log["text"]))
+    return b
+
+
+def verify_programs(bpf, names, prog_type: int, attach_type: int = -1) -> dict[str, str]:
+    """Load each program into the kernel (the verifier runs) without attaching it.
+    name -> "" when accepted, else the error and the verifier log's tail."""
+    out = {}
+    for name in names:
+        with _capture_stderr() as log:
+            try:
+                bpf.load_func(name, prog_type, attach_type=attach_type)
+                err = ""
+            except Exception as e:
+                err = str(e)
+        out[name] = f"{err}: {_tail(log['text'], 6)}" if err else ""
+    return out
+
+
+def attach_kprobes(bpf, groups=None) -> dict[str, str]:
+    """Attach the enrichment kprobes. group -> the kernel function attached, or
+    "skipped: <why>" (an optional hook that cannot run is skipped, never fatal)."""
+    groups = KPROBE_GROUPS if groups is None else groups
+    out = {}
+    for group, alternatives in groups.items():
+        errors = []
+        for alt in alternatives:
+            done = []
+            try:
+                with _capture_stderr():
+                    for prog, kind, func in alt:
+                        if kind == "return":
+                            bpf.attach_kretprobe(event=func, fn_name=prog)
+                        else:
+                            bpf.attach_kprobe(event=func, fn_name=prog)
+                        done.append((kind, func))
+            except Exception as e:
+                errors.append(f"{alt[0][2]}: {str(e).splitlines()[0] if str(e) else e!r}")
+                for kind, func in done:
+                    try:
+                        (bpf.detach_kretprobe if kind == "return" else bpf.detach_kprobe)(event=func)
+                    except Exception:
+                        pass
+                continue
+            out[group] = alt[0][2]
+            break
+        else:
+            out[group] = "skipped: " + "; ".join(errors)
+    return out
+
+
+def load_netfilter_prog(bpf, name: str = "npt_nf_view") -> int:
+    """fd of a BPF_PROG_TYPE_NETFILTER program (bcc 0.26 load_func passes the expected attach
+    type); nptrace/nfhook.py links it with BPF_LINK_CREATE."""
+    with _capture_stderr() as log:
+        try:
+            fn = bpf.load_func(name, BPF_PROG_TYPE_NETFILTER, attach_type=BPF_NETFILTER)
+        except Exception as e:
+            err = e
+        else:
+            return fn.fd
+    raise LoadError(f"netfilter program {name} failed to load: {err} (needs Linux 6.4+ with "
+                    f"CONFIG_NETFILTER_BPF_LINK)", _tail(log["text"]))

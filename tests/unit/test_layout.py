@@ -56,7 +56,8 @@ def test_abi_version_matches_header():
 
 def test_enums_match_header():
     text = (BPF_DIR / "nptrace_events.h").read_text()
-    for prefix, enum in (("NPT_T_", events.EvType), ("NPT_H_", events.Hook), ("NPT_D_", events.Dir)):
+    for prefix, enum in (("NPT_T_", events.EvType), ("NPT_H_", events.Hook), ("NPT_D_", events.Dir),
+                         ("NPT_KF_", events.KFunc)):
         for member in enum:
             m = re.search(rf"\b{prefix}{member.name}\s*=\s*(\d+)", text)
             assert m and int(m.group(1)) == member.value, f"{prefix}{member.name}"

@@ -1,0 +1,17 @@
+"""Errors of the repro lab. The CLI turns them into one-line messages."""
+
+
+class LabError(Exception):
+    """A lab operation failed; the message says what and what to do."""
+
+
+class UsageError(LabError):
+    """The caller asked for something that does not exist (unknown scenario, backend, variant)."""
+
+
+class NotRoot(LabError):
+    """Namespaces and rules need CAP_SYS_ADMIN and CAP_NET_ADMIN."""
+
+
+class NotUp(LabError):
+    """The scenario is not up under this prefix."""

@@ -1,0 +1,172 @@
+"""What each lab host gets, as commands to run on that host: the part a VM provisioner reuses.
+
+``host_steps(spec, host, backend)`` is pure: interfaces it creates itself (bridge, VXLAN),
+links up, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall rules,
+sysctls, and long-running servers. ``apply_role(spec, host, run, spawn, backend)`` runs
+them: ``run(argv, input=None)`` executes one command on that host, ``spawn(argv)`` starts
+a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
+
+Interfaces named in [networks] and pod veths already exist when these steps run.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import kuberules
+from .errors import UsageError
+from .model import Spec, compile_spec
+
+SERVER = str(Path(__file__).with_name("server.py"))
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str            # "run" or "daemon"
+    argv: tuple[str, ...]
+    input: str | None = None
+
+    def __str__(self):
+        s = shlex.join(self.argv)
+        return s + (" <<EOF ...EOF" if self.input else "")
+
+
+def pod_veth(pod: str) -> str:
+    """Node-side name of a pod's veth (<=15 chars), like a CNI's vethXXXX."""
+    return "veth" + re.sub(r"[^a-z0-9]", "", pod.lower())[:11]
+
+
+def _ip(*args) -> Step:
+    return Step("run", ("ip", *map(str, args)))
+
+
+def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
+    steps = []
+    ifaces = d.get("ifaces", {})
+    for name, i in ifaces.items():
+        t = i.get("type")
+        if t == "bridge":
+            steps.append(_ip("link", "add", name, "type", "bridge"))
+        elif t == "vxlan":
+            args = ["link", "add", name]
+            if i.get("mac"):
+                args += ["address", i["mac"]]
+            if i.get("mtu"):
+                args += ["mtu", i["mtu"]]
+            args += ["type", "vxlan", "id", i["vni"], "local", i["local"]]
+            if i.get("remote"):
+                args += ["remote", i["remote"]]
+            args += ["dev", i["dev"], "dstport", i.get("dstport", 4789), "nolearning"]
+            steps.append(_ip(*args))
+    bridges = [n for n, i in ifaces.items() if i.get("type") == "bridge"]
+    for port in extra_ports:
+        steps.append(_ip("link", "set", port, "master", bridges[0]))
+    for name in [*ifaces, *extra_ports]:
+        steps.append(_ip("link", "set", name, "up"))
+    for name, i in ifaces.items():
+        for a in i.get("addrs", []):
+            steps.append(_ip("addr", "add", a, "dev", name))
+    for r in d.get("routes", []):
+        steps.append(_ip("route", "add", *r.split()))
+    for n in d.get("neigh", []):
+        steps.append(_ip("neigh", "add", *n.split()))
+    return steps
+
+
+def kube_proxy_steps(spec: Spec, node: str, backend: str) -> list[Step]:
+    """kube-proxy's rules for one node, loaded the way kube-proxy loads them."""
+    d = spec.hosts[node]
+    if backend == "nft":
+        ips = [a.split("/")[0] for i in ("eth0", "eth1") for a in d["ifaces"].get(i, {}).get("addrs", [])]
+        text = kuberules.render_nft(spec.services, node, spec.cluster_cidr, service_cidr=spec.service_cidr,
+                                    nodeport_ips=ips, faults=spec.faults, no_local=spec.no_local)
+        return [Step("run", ("nft", "-f", "-"), text)]
+    binary = "iptables-legacy" if backend == "iptables-legacy" else "iptables"
+    text = kuberules.render_iptables(spec.services, node, spec.cluster_cidr, faults=spec.faults,
+                                     no_local=spec.no_local)
+    steps = [Step("run", (f"{binary}-restore", "-w", "--noflush"), text)]
+    steps += [Step("run", tuple(argv)) for argv in kuberules.iptables_jumps(binary, faults=spec.faults)]
+    return steps
+
+
+def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
+    """Non-kube-proxy rules the scenario gives a host (NetworkPolicy, middlebox)."""
+    d = spec.hosts[host]
+    steps = []
+    node = d["kind"] == "node"
+    if d.get("iptables_restore") and (not node or backend != "nft"):
+        binary = "iptables-legacy" if node and backend == "iptables-legacy" else "iptables"
+        steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d["iptables_restore"]))
+    if d.get("nft") and (not node or backend == "nft"):
+        steps.append(Step("run", ("nft", "-f", "-"), d["nft"]))
+    return steps
+
+
+def server_steps(spec: Spec, host: str) -> list[Step]:
+    d = spec.hosts[host]
+    listens = []
+    srv = d.get("server")
+    if srv:
+        mode = srv.get("mode", "echo")
+        if mode == "delay":
+            mode = f"delay:{srv['delay']}"
+        listens.append(f"{srv['port']}:{mode}")
+    if d["kind"] == "node":
+        # kube-proxy's service health server: one listener per eTP=Local Service with a
+        # healthCheckNodePort, answering with this node's count of local ready endpoints.
+        for svc in spec.services:
+            if svc.health_check_node_port:
+                n = sum(1 for e in svc.endpoints if e.ready and e.node == host)
+                listens.append(f"{svc.health_check_node_port}:hc:{svc.namespace}/{svc.name}:{n}")
+    if not listens:
+        return []
+    argv = [sys.executable, SERVER, "--name", host]
+    for spec_ in listens:
+        argv += ["--listen", spec_]
+    return [Step("daemon", tuple(argv))]
+
+
+def sysctl_steps(spec: Spec, host: str) -> list[Step]:
+    sysctls = spec.hosts[host].get("sysctl", {})
+    if not sysctls:
+        return []
+    return [Step("run", ("sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())))]
+
+
+def host_steps(spec: Spec, host: str, backend: str) -> list[Step]:
+    d = spec.hosts[host]
+    ports = [pod_veth(p) for p in spec.pods(host)] if d["kind"] == "node" else []
+    steps = _iface_steps(d, ports)
+    if d["kind"] == "node":
+        steps += kube_proxy_steps(spec, host, backend)
+    steps += firewall_steps(spec, host, backend)
+    # After the rules: nf_conntrack_* sysctls are per namespace and exist once conntrack is loaded.
+    steps += sysctl_steps(spec, host)
+    steps += server_steps(spec, host)
+    return steps
+
+
+def apply_role(scenario, role: str, run, *, spawn=None, backend: str = "iptables",
+               variant: str | None = None) -> list[list[str]]:
+    """Apply host ``role``'s share of ``scenario`` (a name or a compiled Spec) through ``run``.
+
+    ``run(argv, input)`` executes one command on that host (ssh, ``ip netns exec``, ...).
+    Daemons (the pod's server, kube-proxy's health-check server) go to ``spawn(argv)``;
+    without ``spawn`` they are returned for the caller to start its own way (systemd, nohup).
+    """
+    spec = scenario if isinstance(scenario, Spec) else compile_spec(scenario, variant)
+    if role not in spec.hosts:
+        raise UsageError(f"scenario {spec.name} has no host {role!r} (hosts: {', '.join(spec.hosts)})")
+    daemons = []
+    for step in host_steps(spec, role, backend):
+        if step.kind == "daemon":
+            if spawn is None:
+                daemons.append(list(step.argv))
+            else:
+                spawn(list(step.argv))
+        else:
+            run(list(step.argv), step.input)
+    return daemons

@@ -1,0 +1,193 @@
+"""Scenario and topology data of the repro lab: load the TOML files, merge, validate.
+
+A scenario file holds: name, story (one line), cause, service ("ns/name:port"), optional
+notes, [topology] and [services] tables deep-merged into data/topology.toml, [[trigger]]
+entries (who connects where, expected client-visible outcomes), optional [[lb_view]]
+health-check probes, optional [kube_proxy] switches (faults, no_local), optional
+``backends`` (default: all), and optional [variants.NAME] tables deep-merged over the
+scenario itself.
+"""
+from __future__ import annotations
+
+import copy
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+from .kuberules import FAULTS, Endpoint, Service
+
+DATA = Path(__file__).with_name("data")
+CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface", "policy_drop",
+          "netfilter_reject", "conntrack_invalid", "no_listener", "proxy", "app_reset", "peer_reset",
+          "unknown")
+OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
+BACKENDS = ("iptables", "iptables-legacy", "nft")
+HOST_KINDS = ("client", "router", "node", "pod")
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _load(path: Path) -> dict:
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def load_topology() -> dict:
+    return _load(DATA / "topology.toml")
+
+
+def scenario_files() -> list[Path]:
+    return sorted((DATA / "scenarios").glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    story: str
+    cause: str | None          # None: the healthy baseline, no fault
+    service: str
+    backends: tuple[str, ...]
+    variants: tuple[str, ...]
+    expect: tuple[str, ...]    # client-visible outcomes the trigger must show
+    path: Path = field(compare=False, repr=False)
+
+
+def _scenario(raw: dict, path: Path) -> Scenario:
+    expect = tuple(dict.fromkeys(o for t in raw.get("trigger", []) for o in t.get("expect", [])))
+    return Scenario(name=raw["name"], story=raw["story"], cause=raw.get("cause") or None,
+                    service=raw["service"], backends=tuple(raw.get("backends", BACKENDS)),
+                    variants=tuple(sorted(raw.get("variants", {}))), expect=expect, path=path)
+
+
+def load_scenarios() -> list[Scenario]:
+    return [_scenario(_load(p), p) for p in scenario_files()]
+
+
+def get(name: str) -> Scenario:
+    for s in load_scenarios():
+        if s.name == name:
+            return s
+    known = ", ".join(s.name for s in load_scenarios())
+    raise UsageError(f"unknown scenario {name!r} (known: {known})")
+
+
+@dataclass
+class Spec:
+    """One scenario (and variant) merged with the base topology: everything the runner applies."""
+    name: str
+    variant: str | None
+    story: str
+    cause: str | None
+    service: str
+    notes: str
+    cluster_cidr: str
+    service_cidr: str
+    hosts: dict
+    networks: dict
+    services: list[Service]
+    trigger: list[dict]
+    lb_view: list[dict]
+    faults: frozenset
+    no_local: str
+    backends: tuple[str, ...]
+
+    def host_ns(self, host: str, prefix: str) -> str:
+        return f"{prefix}{host}"
+
+    def pods(self, node: str | None = None) -> list[str]:
+        return [h for h, d in self.hosts.items() if d["kind"] == "pod" and (node is None or d["node"] == node)]
+
+    def nodes(self) -> list[str]:
+        return [h for h, d in self.hosts.items() if d["kind"] == "node"]
+
+    def first_addr(self, host: str, iface: str) -> str:
+        return self.hosts[host]["ifaces"][iface]["addrs"][0].split("/")[0]
+
+
+def compile_spec(name: str, variant: str | None = None) -> Spec:
+    sc = get(name)
+    raw = _load(sc.path)
+    if variant:
+        variants = raw.get("variants", {})
+        if variant not in variants:
+            raise UsageError(f"scenario {name!r} has no variant {variant!r} "
+                             f"(variants: {', '.join(sorted(variants)) or 'none'})")
+        raw = deep_merge(raw, variants[variant])
+    raw.pop("variants", None)
+    topo = deep_merge(load_topology(), raw.get("topology", {}))
+    services_raw = deep_merge(topo.get("services", {}), raw.get("services", {}))
+    hosts = topo["hosts"]
+    kp = raw.get("kube_proxy", {})
+    spec = Spec(
+        name=sc.name, variant=variant, story=raw["story"], cause=raw.get("cause") or None,
+        service=raw["service"], notes=raw.get("notes", ""),
+        cluster_cidr=topo["cluster_cidr"], service_cidr=topo["service_cidr"],
+        hosts=hosts, networks=topo["networks"],
+        services=[_service(k, v, hosts) for k, v in sorted(services_raw.items())],
+        trigger=raw.get("trigger", []), lb_view=raw.get("lb_view", []),
+        faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
+        backends=tuple(raw.get("backends", BACKENDS)),
+    )
+    validate(spec)
+    return spec
+
+
+def _service(key: str, d: dict, hosts: dict) -> Service:
+    not_ready = set(d.get("not_ready", []))
+    eps = []
+    for pod in d.get("endpoints", []):
+        if pod not in hosts or hosts[pod]["kind"] != "pod":
+            raise UsageError(f"service {key}: endpoint {pod!r} is not a pod host")
+        ip = hosts[pod]["ifaces"]["eth0"]["addrs"][0].split("/")[0]
+        eps.append(Endpoint(ip, int(d["target_port"]), hosts[pod]["node"], ready=pod not in not_ready))
+    return Service(namespace=d["namespace"], name=d["name"], port_name=d.get("port_name", ""),
+                   port=int(d["port"]), cluster_ip=d["cluster_ip"], node_port=int(d.get("node_port", 0)),
+                   etp=d.get("etp", "Cluster"), protocol=d.get("protocol", "tcp"),
+                   health_check_node_port=int(d.get("health_check_node_port", 0)),
+                   endpoints=tuple(eps))
+
+
+def validate(spec: Spec) -> None:
+    """Reject data mistakes early, with the file's words."""
+    where = f"scenario {spec.name}" + (f" variant {spec.variant}" if spec.variant else "")
+    if spec.cause is not None and spec.cause not in CAUSES:
+        raise UsageError(f"{where}: cause {spec.cause!r} is not one of {', '.join(CAUSES)}")
+    if not spec.trigger:
+        raise UsageError(f"{where}: no [[trigger]] entry")
+    for t in spec.trigger:
+        if t["from"] not in spec.hosts:
+            raise UsageError(f"{where}: trigger from unknown host {t['from']!r}")
+        bad = [o for o in t.get("expect", []) if o not in OUTCOMES]
+        if bad or not t.get("expect"):
+            raise UsageError(f"{where}: trigger expect must list outcomes from {OUTCOMES}, got {t.get('expect')}")
+        ipaddress.ip_address(t["dst"])
+    for b in spec.backends:
+        if b not in BACKENDS:
+            raise UsageError(f"{where}: backend {b!r} is not one of {', '.join(BACKENDS)}")
+    if not spec.faults <= FAULTS:
+        raise UsageError(f"{where}: unknown kube_proxy fault(s) {sorted(spec.faults - FAULTS)}")
+    if spec.no_local not in ("drop", "reject"):
+        raise UsageError(f"{where}: kube_proxy.no_local must be drop or reject")
+    for h, d in spec.hosts.items():
+        if d.get("kind") not in HOST_KINDS:
+            raise UsageError(f"{where}: host {h} kind must be one of {HOST_KINDS}")
+        for ifname in d.get("ifaces", {}):
+            if len(ifname) > 15:
+                raise UsageError(f"{where}: interface name {ifname!r} on {h} is longer than 15")
+        if d["kind"] == "pod" and d.get("node") not in spec.hosts:
+            raise UsageError(f"{where}: pod {h} sits on unknown node {d.get('node')!r}")
+    for net, members in spec.networks.items():
+        for m in members:
+            host, _, ifname = m.partition(":")
+            if host not in spec.hosts or ifname not in spec.hosts[host].get("ifaces", {}):
+                raise UsageError(f"{where}: network {net} member {m!r} is not a host interface")

@@ -1,0 +1,239 @@
+"""How the lab makes hosts out of network namespaces: create, wire, run inside, tear down.
+
+Every namespace is ``<prefix><host>`` (plus ``<prefix>sw`` holding the bridges of networks
+with more than two members). Veths are created with both ends directly inside namespaces
+(``ip link add A netns X type veth peer name B netns Y``), so the root namespace never
+sees an interface, a route or a rule of the lab. Processes in a namespace keep it alive
+after ``ip netns del``, so teardown kills what ``ip netns pids`` lists first.
+
+State (scenario, backend, namespaces, server pids) is kept in /run/nptrace/lab/ so that
+up, trigger and down can run from separate processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from .errors import LabError, NotRoot, UsageError
+from .hostplan import SERVER, pod_veth
+from .model import Spec
+
+STATE_DIR = Path(os.environ.get("NPT_LAB_STATE_DIR", "/run/nptrace/lab"))
+DEFAULT_PREFIX = "npt-"
+SWITCH = "sw"
+
+
+def resolve_prefix(prefix: str | None) -> str:
+    p = prefix if prefix is not None else os.environ.get("NPT_LAB_PREFIX", DEFAULT_PREFIX)
+    if not p or "/" in p or not p.startswith("npt-"):
+        raise UsageError(f"lab prefix {p!r} must start with 'npt-' and contain no '/'")
+    return p
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise NotRoot("the lab needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) to create network namespaces; "
+                      "run it with sudo")
+
+
+def sh(argv, input=None, check=True, timeout=30) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        cmd = " ".join(argv)
+        raise LabError(f"`{cmd}` failed ({r.returncode}): {(r.stderr or r.stdout).strip()[:500]}")
+    return r
+
+
+# ----------------------------------------------------------------------------- state
+
+def state_path(prefix: str) -> Path:
+    return STATE_DIR / f"{prefix}state.json"
+
+
+def load_state(prefix: str) -> dict | None:
+    try:
+        return json.loads(state_path(prefix).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def save_state(prefix: str, state: dict) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = state_path(prefix).with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(state_path(prefix))
+
+
+def drop_state(prefix: str) -> None:
+    state_path(prefix).unlink(missing_ok=True)
+
+
+def log_dir(prefix: str) -> Path:
+    return STATE_DIR / f"{prefix}logs"
+
+
+# ----------------------------------------------------------------------------- namespaces
+
+def existing_namespaces() -> set[str]:
+    r = sh(["ip", "-json", "netns", "list"], check=False)
+    if r.returncode != 0 or not r.stdout.strip():
+        return set()
+    return {e["name"] for e in json.loads(r.stdout)}
+
+
+def lab_namespaces(spec: Spec, prefix: str) -> dict[str, str]:
+    """host -> namespace name, including the switch namespace when a network needs a bridge."""
+    out = {h: f"{prefix}{h}" for h in spec.hosts}
+    if any(len(m) > 2 for m in spec.networks.values()):
+        out[SWITCH] = f"{prefix}{SWITCH}"
+    return out
+
+
+def make_namespaces(names) -> None:
+    for ns in names:
+        sh(["ip", "netns", "add", ns])
+        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        # Quiet and deterministic: no IPv6 chatter (RS/MLD) in traces, and per-interface
+        # rp_filter 0 on every interface created later, so conf.all alone sets the mode.
+        sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+            "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
+            "net.ipv4.conf.default.rp_filter=0", "net.ipv4.conf.all.rp_filter=0"])
+
+
+def wire(spec: Spec, ns: dict[str, str]) -> None:
+    """Create the links between hosts: veth pairs, switch bridges, pod veths."""
+    batch, sw_batch = [], []
+    for net, members in spec.networks.items():
+        ends = [m.split(":", 1) for m in members]
+        if len(ends) == 2:
+            (ha, ia), (hb, ib) = ends
+            batch.append(f"link add {ia} netns {ns[ha]} type veth peer name {ib} netns {ns[hb]}")
+            continue
+        sw = ns[SWITCH]
+        br = f"br-{net}"[:15]
+        sh(["ip", "-n", sw, "link", "add", br, "type", "bridge"])
+        sh(["ip", "-n", sw, "link", "set", br, "up"])
+        for host, ifname in ends:
+            port = f"{net}-{host}"[:15]
+            batch.append(f"link add {ifname} netns {ns[host]} type veth peer name {port} netns {sw}")
+            sw_batch.append(f"link set {port} master {br}")
+            sw_batch.append(f"link set {port} up")
+    for pod in spec.pods():
+        node = spec.hosts[pod]["node"]
+        batch.append(f"link add {pod_veth(pod)} netns {ns[node]} type veth peer name eth0 netns {ns[pod]}")
+    sh(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+    if sw_batch:
+        sh(["ip", "-n", ns[SWITCH], "-batch", "-"], input="\n".join(sw_batch) + "\n")
+
+
+def ns_runner(netns: str):
+    """run(argv, input) on the host that namespace ``netns`` stands for; ip commands are batched."""
+    def run(argv, input=None):
+        if argv[0] == "ip":
+            return sh(["ip", "-n", netns, *argv[1:]], input=input)
+        return sh(["ip", "netns", "exec", netns, *argv], input=input)
+    return run
+
+
+def run_batched(netns: str, steps) -> list:
+    """Run a host's steps; consecutive ``ip`` commands go through one ``ip -batch``."""
+    from .hostplan import Step  # local: avoid a cycle at import time
+    run = ns_runner(netns)
+    pending: list[str] = []
+    daemons = []
+
+    def flush():
+        if pending:
+            sh(["ip", "-n", netns, "-batch", "-"], input="\n".join(pending) + "\n")
+            pending.clear()
+
+    for step in steps:
+        assert isinstance(step, Step)
+        if step.kind == "run" and step.argv[0] == "ip" and step.input is None:
+            pending.append(" ".join(step.argv[1:]))
+            continue
+        flush()
+        if step.kind == "daemon":
+            daemons.append(list(step.argv))
+        else:
+            run(list(step.argv), step.input)
+    flush()
+    return daemons
+
+
+# ----------------------------------------------------------------------------- processes
+
+def spawn(netns: str, argv, log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as err:
+        return subprocess.Popen(["ip", "netns", "exec", netns, *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+
+
+def wait_ready(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Each server prints "ready" once all its sockets listen."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        left = deadline - time.monotonic()
+        r, _, _ = select.select([p.stdout], [], [], max(left, 0))
+        line = p.stdout.readline() if r else b""
+        p.stdout.close()
+        if line.strip() != b"ready":
+            raise LabError(f"lab server {' '.join(p.args[3:6])} did not start (exit {p.poll()}); "
+                           f"see the logs under {STATE_DIR}")
+
+
+def _is_lab_process(pid: int) -> bool:
+    try:
+        return SERVER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill(pids) -> None:
+    pids = [p for p in pids if p != os.getpid()]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 2
+    for p in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(p, 0)
+            except ProcessLookupError:
+                break
+            try:  # reap our own children
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
+        else:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def ns_pids(netns: str) -> list[int]:
+    r = sh(["ip", "netns", "pids", netns], check=False)
+    return [int(x) for x in r.stdout.split()] if r.returncode == 0 else []
+
+
+def delete_namespaces(names, recorded_pids=()) -> None:
+    """Kill every process inside the namespaces (only ours live there) and delete them."""
+    present = existing_namespaces()
+    pids = [p for p in recorded_pids if _is_lab_process(p)]
+    for ns in names:
+        if ns in present:
+            pids += ns_pids(ns)
+    _kill(sorted(set(pids)))
+    for ns in names:
+        if ns in present:
+            sh(["ip", "netns", "del", ns], check=False)

@@ -1,0 +1,248 @@
+"""The one runner of the repro lab: bring a scenario up, trigger it, tear it down."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import model, netns
+from .errors import LabError, NotUp, UsageError
+from .hostplan import host_steps
+from .model import BACKENDS, Spec
+
+PROBE = str(Path(__file__).with_name("probe.py"))
+_TOOLS = {"iptables": "iptables-restore", "iptables-legacy": "iptables-legacy-restore", "nft": "nft"}
+# Order hosts are configured in: the fabric first, then nodes, then what hangs off them.
+_KIND_ORDER = {"router": 0, "node": 1, "pod": 2, "client": 3}
+
+
+@dataclass(frozen=True)
+class Attempt:
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    outcome: str        # ok | refused | reset | timeout | unreachable | closed | error
+    error: str          # errno name or short text, "" when ok
+    elapsed: float      # seconds from connect() to the outcome
+    phase: str = ""     # "connect" or "reply": where the attempt ended
+    reply: str = ""     # first line the server sent, e.g. "ok web-1 peer=10.244.0.0:41234"
+    expected: bool = True
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LabInfo:
+    scenario: str
+    variant: str | None
+    backend: str
+    prefix: str
+    story: str
+    cause: str | None
+    service: str
+    namespaces: dict[str, str]              # host -> netns name
+    watch: list[str]                        # "NETNS/IFNAME" of node interfaces to trace
+    nodes: dict[str, list[str]]             # node -> addresses (CIDR) per interface "ifname addr"
+    client: dict[str, list[str]]            # client interface -> addresses
+    enter: list[str] = field(default_factory=list)   # shell commands to get a shell in each host
+    try_: list[str] = field(default_factory=list)    # what to try next
+    notes: str = ""
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["try"] = d.pop("try_")
+        return d
+
+
+def _check_tools(backend: str) -> None:
+    missing = [t for t in ("ip", "sysctl", _TOOLS[backend]) if not shutil.which(t)]
+    if missing:
+        raise LabError(f"missing tool(s) {', '.join(missing)}: install iproute2, procps, iptables and nftables")
+
+
+def _info(spec: Spec, backend: str, prefix: str) -> LabInfo:
+    ns = netns.lab_namespaces(spec, prefix)
+    gone = {h for h, d in spec.hosts.items() if d.get("gone")}
+    watch = [f"{ns[n]}/{i}" for n in spec.nodes() for i in spec.hosts[n].get("watch", spec.hosts[n]["ifaces"])]
+    nodes = {n: [f"{i} {a}" for i, d in spec.hosts[n]["ifaces"].items() for a in d.get("addrs", [])]
+             for n in spec.nodes()}
+    client = {i: d.get("addrs", []) for i, d in spec.hosts.get("client", {}).get("ifaces", {}).items()}
+    enter = [f"ip netns exec {ns[h]} bash" for h in spec.hosts if h not in gone]
+    cli = "nptrace lab" + ("" if prefix == netns.DEFAULT_PREFIX else f" --prefix {prefix}")
+    try_ = [f"{cli} trigger {spec.name} --count 50"]
+    for t in spec.trigger:
+        src = f"from {t['src']} " if t.get("src") else ""
+        try_.append(f"connect {src}to {t['dst']}:{t['port']} in {ns[t['from']]}: expect {'/'.join(t['expect'])}")
+    for v in spec.lb_view:
+        try_.append(f"health check {v['dst']}:{v['port']} from {ns[v['from']]}: expect HTTP {v['status']}")
+    if spec.nodes():
+        first = ns[spec.nodes()[0]]
+        if backend == "nft":
+            try_.append(f"ip netns exec {first} nft list table ip kube-proxy")
+        else:
+            binary = "iptables-legacy-save" if backend == "iptables-legacy" else "iptables-save"
+            try_.append(f"ip netns exec {first} {binary} -c")
+        try_.append(f"ip netns exec {first} conntrack -L")
+    try_.append(f"{cli} down {spec.name}")
+    return LabInfo(scenario=spec.name, variant=spec.variant, backend=backend, prefix=prefix, story=spec.story,
+                   cause=spec.cause, service=spec.service, namespaces={h: ns[h] for h in ns if h not in gone},
+                   watch=watch, nodes=nodes, client=client, enter=enter, try_=try_, notes=spec.notes)
+
+
+def up(name: str, backend: str = "iptables", prefix: str | None = None, variant: str | None = None) -> LabInfo:
+    prefix = netns.resolve_prefix(prefix)
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+    spec = model.compile_spec(name, variant)
+    if backend not in spec.backends:
+        raise UsageError(f"scenario {name!r} has no {backend} form (backends: {', '.join(spec.backends)})")
+    netns.require_root()
+    _check_tools(backend)
+    st = netns.load_state(prefix)
+    if st:
+        raise LabError(f"scenario {st['scenario']} is already up under prefix {prefix!r}; "
+                       f"run `nptrace lab down {st['scenario']}` first")
+    ns = netns.lab_namespaces(spec, prefix)
+    leftovers = sorted(set(ns.values()) & netns.existing_namespaces())
+    if leftovers:
+        raise LabError(f"namespace(s) {', '.join(leftovers)} exist from an earlier run; "
+                       f"run `nptrace lab down --all` first")
+    state = {"scenario": name, "variant": variant, "backend": backend, "prefix": prefix,
+             "namespaces": sorted(ns.values()), "pids": [], "started": time.time()}
+    netns.save_state(prefix, state)  # before anything exists, so `down` can clean a half-made lab
+    try:
+        netns.make_namespaces(ns.values())
+        netns.wire(spec, ns)
+        procs = []
+        for host in sorted(spec.hosts, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
+            for argv in netns.run_batched(ns[host], host_steps(spec, host, backend)):
+                procs.append(netns.spawn(ns[host], argv, netns.log_dir(prefix) / f"{host}.log"))
+                state["pids"].append(procs[-1].pid)
+        netns.save_state(prefix, state)
+        netns.wait_ready(procs)
+        gone = [ns[h] for h, d in spec.hosts.items() if d.get("gone")]
+        if gone:  # the pod was deleted after kube-proxy last synced: its namespace goes away
+            netns.delete_namespaces(gone)
+            state["namespaces"] = [n for n in state["namespaces"] if n not in gone]
+        netns.save_state(prefix, state)
+    except BaseException:
+        _teardown(prefix, state)
+        raise
+    return _info(spec, backend, prefix)
+
+
+def _teardown(prefix: str, state: dict) -> None:
+    netns.delete_namespaces(state.get("namespaces", []), state.get("pids", []))
+    netns.drop_state(prefix)
+    shutil.rmtree(netns.log_dir(prefix), ignore_errors=True)
+
+
+def _state_for(name: str, prefix: str) -> dict:
+    st = netns.load_state(prefix)
+    model.get(name)  # unknown names are a usage error, not "not up"
+    if not st:
+        raise NotUp(f"scenario {name} is not up under prefix {prefix!r}; run `nptrace lab up {name}` first")
+    if st["scenario"] != name:
+        raise NotUp(f"scenario {name} is not up under prefix {prefix!r} ({st['scenario']} is)")
+    return st
+
+
+def down(name: str, prefix: str | None = None) -> None:
+    prefix = netns.resolve_prefix(prefix)
+    netns.require_root()
+    _teardown(prefix, _state_for(name, prefix))
+
+
+def down_all(prefix: str | None = None) -> list[str]:
+    """Remove every lab namespace of ``prefix`` (also after a crash); returns the ones removed."""
+    prefix = netns.resolve_prefix(prefix)
+    netns.require_root()
+    st = netns.load_state(prefix) or {}
+    hosts = {netns.SWITCH}
+    for sc in model.load_scenarios():
+        for v in (None, *sc.variants):
+            hosts |= set(model.compile_spec(sc.name, v).hosts)
+    names = {f"{prefix}{h}" for h in hosts} | set(st.get("namespaces", []))
+    present = sorted(names & netns.existing_namespaces())
+    netns.delete_namespaces(present, st.get("pids", []))
+    netns.drop_state(prefix)
+    shutil.rmtree(netns.log_dir(prefix), ignore_errors=True)
+    return present
+
+
+def status(prefix: str | None = None) -> dict | None:
+    """The state of the lab under ``prefix`` (None when nothing is up), with live namespaces."""
+    prefix = netns.resolve_prefix(prefix)
+    st = netns.load_state(prefix)
+    if st is None:
+        return None
+    present = netns.existing_namespaces()
+    st["missing"] = [n for n in st["namespaces"] if n not in present]
+    st["servers_alive"] = sum(1 for p in st["pids"] if Path(f"/proc/{p}").exists())
+    return st
+
+
+def _run_probe(netns_name: str, targets: list[dict], timeout: float) -> list[dict]:
+    p = subprocess.run(["ip", "netns", "exec", netns_name, sys.executable, PROBE],
+                       input=json.dumps({"targets": targets}), capture_output=True, text=True,
+                       timeout=timeout + 30)
+    if p.returncode != 0:
+        raise LabError(f"probe in {netns_name} failed: {p.stderr.strip()[-500:]}")
+    return json.loads(p.stdout)
+
+
+def trigger(name: str, count: int = 50, prefix: str | None = None) -> list[Attempt]:
+    """Make ``count`` real connections (spread over the scenario's trigger entries) at once."""
+    if count < 1:
+        raise UsageError("count must be at least 1")
+    prefix = netns.resolve_prefix(prefix)
+    netns.require_root()
+    st = _state_for(name, prefix)
+    spec = model.compile_spec(name, st.get("variant"))
+    entries = spec.trigger
+    per = [count // len(entries) + (1 if i < count % len(entries) else 0) for i in range(len(entries))]
+    by_host: dict[str, list[tuple[dict, dict]]] = {}
+    for t, n in zip(entries, per):
+        if n:
+            target = {"src": t.get("src"), "dst": t["dst"], "port": t["port"], "count": n,
+                      "timeout": t.get("timeout", 2.0), "payload": t.get("payload", "hello\n")}
+            by_host.setdefault(t["from"], []).append((target, t))
+    attempts = []
+    for host, pairs in by_host.items():
+        ns = f"{prefix}{host}"
+        results = _run_probe(ns, [p[0] for p in pairs], max(p[0]["timeout"] for p in pairs))
+        i = 0
+        for target, t in pairs:
+            for r in results[i:i + target["count"]]:
+                attempts.append(Attempt(src=r["src"], sport=r["sport"], dst=r["dst"], dport=r["dport"],
+                                        outcome=r["outcome"], error=r["error"], elapsed=r["elapsed"],
+                                        phase=r["phase"], reply=r["reply"],
+                                        expected=r["outcome"] in t["expect"]))
+            i += target["count"]
+    return attempts
+
+
+def lb_view(name: str, prefix: str | None = None) -> list[dict]:
+    """What a load balancer's health checks see: HTTP status and body per node."""
+    prefix = netns.resolve_prefix(prefix)
+    netns.require_root()
+    st = _state_for(name, prefix)
+    spec = model.compile_spec(name, st.get("variant"))
+    out = []
+    for v in spec.lb_view:
+        target = {"dst": v["dst"], "port": v["port"], "count": 1, "timeout": 2.0, "read_all": True,
+                  "payload": f"GET /healthz HTTP/1.1\r\nHost: {v['dst']}\r\n\r\n"}
+        r = _run_probe(f"{prefix}{v['from']}", [target], 2.0)[0]
+        text = r.get("body") or r["reply"]
+        status_line = text.split("\r\n", 1)[0]
+        code = int(status_line.split()[1]) if status_line.startswith("HTTP/") else 0
+        body = text.split("\r\n\r\n", 1)[1] if "\r\n\r\n" in text else ""
+        out.append({"node": v.get("node", v["dst"]), "dst": v["dst"], "port": v["port"], "status": code,
+                    "expect": v["status"], "body": body, "outcome": r["outcome"]})
+    return out

@@ -1,0 +1,131 @@
+"""Each lab scenario, on the real kernel and without any tracer, shows its client-visible symptom.
+
+Root only (network namespaces, iptables/nft inside them). Every namespace carries a prefix
+unique to this run and is removed even when a test fails.
+"""
+import collections
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nptrace import lab
+from nptrace.lab import netns
+
+pytestmark = pytest.mark.privileged
+
+PREFIX = f"npt-t{os.getpid()}-"
+NFT_REQUIRED = ("etp-local-no-endpoint", "no-endpoints", "missing-snat", "no-listener")
+CASES = [(s.name, "iptables", v) for s in lab.scenarios() for v in (None, *s.variants)]
+CASES += [(s.name, "nft", None) for s in lab.scenarios() if "nft" in s.backends]
+CASES += [("etp-local-no-endpoint", "nft", "reject"), ("no-listener", "iptables-legacy", None)]
+assert all((n, "nft", None) in CASES for n in NFT_REQUIRED)
+
+
+def _ours():
+    return sorted(n for n in netns.existing_namespaces() if n.startswith(PREFIX))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lab_env(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN) to create network namespaces")
+    missing = [t for t in ("ip", "iptables-restore", "iptables-legacy-restore", "nft", "sysctl") if not shutil.which(t)]
+    if missing:
+        pytest.skip(f"missing tools: {', '.join(missing)}")
+    yield
+    lab.down_all(prefix=PREFIX)
+    assert _ours() == []
+
+
+@pytest.mark.parametrize("name,backend,variant", CASES,
+                         ids=[f"{n}-{b}" + (f"-{v}" if v else "") for n, b, v in CASES])
+def test_symptom(name, backend, variant):
+    info = lab.up(name, backend=backend, prefix=PREFIX, variant=variant)
+    try:
+        assert info.watch and all(w.startswith(PREFIX) and "/" in w for w in info.watch)
+        attempts = lab.trigger(name, count=50, prefix=PREFIX)
+        view = lab.lb_view(name, prefix=PREFIX)
+    finally:
+        lab.down(name, prefix=PREFIX)
+    assert _ours() == []
+    assert len(attempts) == 50
+    seen = collections.Counter(a.outcome for a in attempts)
+    if name == "healthy":
+        assert seen == {"ok": 50}
+        # eTP=Cluster is masqueraded (pods see a node address), eTP=Local keeps the client's
+        for a in attempts:
+            client_seen = "peer=192.168.10.100:" in a.reply
+            assert client_seen == (a.dport == 30081), a
+    else:
+        assert sum(a.expected for a in attempts) >= 49, seen
+        assert "ok" not in seen, seen
+    for v in view:
+        assert v["status"] == v["expect"], v
+        body = json.loads(v["body"])
+        assert body["service"] == {"namespace": "default", "name": body["service"]["name"]}
+        assert (body["localEndpoints"] > 0) == (v["status"] == 200)
+
+
+def test_attempts_carry_ports_and_timing():
+    lab.up("no-listener", prefix=PREFIX)
+    try:
+        attempts = lab.trigger("no-listener", count=20, prefix=PREFIX)
+    finally:
+        lab.down("no-listener", prefix=PREFIX)
+    assert len({a.sport for a in attempts}) == 20
+    assert all(a.src == "192.168.10.100" and a.dst == "192.168.10.11" and a.dport == 30080 for a in attempts)
+    assert all(a.outcome == "refused" and a.error == "ECONNREFUSED" and 0 < a.elapsed < 1 for a in attempts)
+
+
+def test_down_all_recovers_after_a_crash():
+    lab.up("app-reset", prefix=PREFIX)
+    st = netns.load_state(PREFIX)
+    pids = st["pids"]
+    assert pids and all(Path(f"/proc/{p}").exists() for p in pids)
+    netns.drop_state(PREFIX)  # the process that ran `up` died and its state is gone
+    with pytest.raises(lab.LabError, match="down --all"):
+        lab.up("app-reset", prefix=PREFIX)
+    removed = lab.down_all(prefix=PREFIX)
+    assert f"{PREFIX}client" in removed and _ours() == []
+    assert not any(Path(f"/proc/{p}").exists() and b"server.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+                   for p in pids)
+
+
+def test_cli_round_trip():
+    from click.testing import CliRunner
+    from nptrace.lab.cli import lab as group
+    r = CliRunner()
+    out = r.invoke(group, ["--prefix", PREFIX, "up", "app-reset"])
+    try:
+        assert out.exit_code == 0, out.output
+        assert f"ip netns exec {PREFIX}client bash" in out.output
+        again = r.invoke(group, ["--prefix", PREFIX, "up", "healthy"])
+        assert again.exit_code == 1 and "already up" in again.output
+        st = r.invoke(group, ["--prefix", PREFIX, "status"])
+        assert "app-reset is up" in st.output and "3/3 servers alive" in st.output
+        tr = r.invoke(group, ["--prefix", PREFIX, "trigger", "app-reset", "--count", "10", "--json"])
+        rows = [json.loads(x) for x in tr.output.splitlines()]
+        assert len(rows) == 10 and {x["outcome"] for x in rows} == {"reset"}
+        wrong = r.invoke(group, ["--prefix", PREFIX, "trigger", "healthy"])
+        assert wrong.exit_code == 1 and "not up" in wrong.output
+    finally:
+        down = r.invoke(group, ["--prefix", PREFIX, "down", "app-reset"])
+    assert down.exit_code == 0 and _ours() == []
+
+
+def test_failed_up_leaves_nothing(monkeypatch):
+    from nptrace.lab import hostplan, runner
+    real = hostplan.host_steps
+
+    def broken(spec, host, backend):
+        steps = real(spec, host, backend)
+        if host == "node2":  # after node1 and the fabric exist
+            steps.append(hostplan.Step("run", ("ip", "route", "add", "10.99.0.0/16", "via", "203.0.113.77")))
+        return steps
+    monkeypatch.setattr(runner, "host_steps", broken)
+    with pytest.raises(lab.LabError, match="failed"):
+        lab.up("healthy", prefix=PREFIX)
+    assert _ours() == [] and netns.load_state(PREFIX) is None
