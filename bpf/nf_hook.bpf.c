@@ -24,6 +24,9 @@
 #if NPT_WITH_NF_HOOK
 
 #define NPT_NF_ACCEPT 1
+#ifndef NPT_NF_NAT_ONLY
+#define NPT_NF_NAT_ONLY 1
+#endif
 /* Priority each hook number is linked at (nfhook.py sets the ones it links). */
 #ifndef NPT_NF_PRIO_H0
 #define NPT_NF_PRIO_H0 (-99)  /* PRE_ROUTING: NF_IP_PRI_NAT_DST + 1, just after DNAT */
@@ -88,6 +91,12 @@ int npt_nf_view(struct npt_nf_ctx *ctx)
 	npt_init(&e, NPT_T_NF_VIEW, NPT_H_NF_HOOK);
 	if (npt_read_skb(&e, skb) != NPT_IPPROTO_TCP)
 		return NPT_NF_ACCEPT;
+#if NPT_NF_NAT_ONLY
+	/* Only what links a connection's two NAT tuples: its first SYN with a NAT decision.
+	 * Healthy un-NATed traffic then costs the flag test above and nothing else. */
+	if ((e.tcpflags & 0x12) != 0x02 || !(e.ct_status & (NPT_IPS_SRC_NAT | NPT_IPS_DST_NAT)))
+		return NPT_NF_ACCEPT;
+#endif
 	u8 hook = 0, pf = 0;
 	NPT_READ(hook, state, NPT_OFF_nf_hook_state__hook);
 	NPT_READ(pf, state, NPT_OFF_nf_hook_state__pf);

@@ -1,12 +1,17 @@
 """Attribution: decoded kernel events in, labeled verdicts out.
 
-A pure function of its inputs: no I/O, no clock (time is `event.ts_ns`), no globals. What it
-knows about the node (reason names, interface names, kube-proxy services) arrives in a
-`Context` built by the caller. The same code runs live and over recorded sessions (`replay`).
+A pure function of its inputs: no I/O, no clock (time is `event.ts_ns`, or the `now_ns` the
+caller passes to `tick`), no globals. What it knows about the node (reason names, interface
+names, netfilter rules, routes) arrives in a `Context` of plain lookups built by the caller, so
+the same code runs live and over recorded sessions (`replay`).
 
-Each reset or drop is labeled once, when it is seen, from what the flow showed up to then
-(earlier drops, NAT tuples, asymmetric replies) and from what the event itself says. The rules
-are ordered, first match wins; add a cause by adding a rule function to RULES.
+Events are grouped per connection (flow) across NAT (both conntrack tuples of an event point
+at one flow), across interfaces and across namespaces. Each event first gets its own label from
+RULES (ordered, first match wins). A flow's events are held until the flow has been quiet for
+`hold_ns` (the kernel reports effects before causes: a pod's RST crosses three interfaces
+before its tcp_send_reset tracepoint fires) and then reported as ONE incident: the event whose
+own label ranks highest in PRIORITY is the primary, its cause labels the incident, every other
+event is evidence. Add a cause by adding a rule function to RULES and its name to PRIORITY.
 """
 from __future__ import annotations
 
@@ -21,23 +26,36 @@ CAUSES = (
     "netfilter_reject", "conntrack_invalid", "no_listener", "proxy", "app_reset", "peer_reset",
     "unknown",
 )
-# Causes that are not a fault of the network path (a healthy or app-driven flow).
+# Which label of a flow names its root cause: the highest here. Specific kernel verdicts come
+# before what they cause (an un-NATed reply makes a middlebox or conntrack drop the client's
+# answer; a drop makes a peer reset), and "where it surfaced" labels come last.
+PRIORITY = ("rp_filter", "no_local_endpoint", "no_endpoints", "policy_drop", "proxy", "snat",
+            "wrong_iface", "no_listener", "conntrack_invalid", "app_reset", "netfilter_reject",
+            "peer_reset", "unknown")
+RANK = {c: i for i, c in enumerate(PRIORITY)}
+# Causes that are not a fault of the network path.
 NOT_NETWORK = frozenset({"app_reset"})
+# Labels that only say where a problem surfaced: such an incident waits up to max_hold_ns for
+# its flow to show a root cause.
+WEAK_CAUSES = frozenset({"peer_reset", "unknown"})
 
 KIND = {
     EvType.DROP: "drop", EvType.RST_SENT: "rst", EvType.RST_RECV: "rst",
     EvType.WIRE_RST: "rst", EvType.ICMP_UNREACH: "drop", EvType.WIRE_ICMP: "drop",
     EvType.SYN_RETX: "drop", EvType.ASYM_IFACE: "anomaly", EvType.ASYM_SRC: "anomaly",
 }
-# Causes that a later event of the same flow replaces with the flow's first real cause.
-INHERITS = frozenset({"peer_reset", "unknown"})
-# Events that are only evidence for others: never a verdict line of their own.
+# Events that are only evidence for others: they never make an incident on their own.
 EVIDENCE_ONLY = frozenset({EvType.SYNACK_RETX, EvType.NF_VIEW})
-# Drop reasons that healthy traffic also shows (teardown races, requests killed by a RST):
-# labeled only when their flow already has a cause, never reported as unknown on their own.
+# Drop reasons healthy traffic also shows (teardown races, requests killed by a RST): evidence
+# when their flow has a cause, never an incident on their own.
 WEAK_DROPS = frozenset({"NOT_SPECIFIED", "TCP_INVALID_SEQUENCE", "TCP_RESET", "TCP_CLOSE",
                         "SOCKET_CLOSE", "TCP_FLAGS", "TCP_ZEROWINDOW", "TCP_OVERWINDOW",
                         "TCP_OFO_DROP", "TCP_INVALID_ACK_SEQUENCE", "TCP_ACK_UNSENT_DATA"})
+# sk_rst_reason values of a reset the local application caused (close with unread data,
+# SO_LINGER 0 -> tcp_disconnect, shutdown under memory pressure is NOT one of them).
+APP_RESETS = frozenset({"NOT_SPECIFIED", "TCP_STATE", "TCP_ABORT_ON_CLOSE", "TCP_ABORT_ON_LINGER",
+                        "TCP_ABORT_ON_DATA", "TCP_DISCONNECT_WITH_DATA", "REASON_0"})
+MAX_EVIDENCE = 16
 
 
 @dataclass(frozen=True)
@@ -47,15 +65,16 @@ class Evidence:
     what: str          # reason name or event type
     iface: str | None
     detail: str = ""
+    label: str = ""    # this event's own label
 
     def to_dict(self) -> dict:
         return {"ts_ns": self.ts_ns, "hook": self.hook, "what": self.what, "iface": self.iface,
-                "detail": self.detail}
+                "detail": self.detail, "label": self.label}
 
 
 @dataclass(frozen=True)
 class Verdict:
-    event: Event
+    event: Event              # the primary event: the one that named the cause
     kind: str                 # rst | drop | anomaly
     direction: str | None     # sent | received | forwarded (resets)
     hook: str
@@ -66,6 +85,7 @@ class Verdict:
     iface: str | None
     service: str | None = None
     evidence: tuple[Evidence, ...] = ()
+    events: int = 1           # kernel events this incident gathers
 
 
 def _no_names(_netns: int, _ifindex: int) -> str | None:
@@ -80,11 +100,15 @@ class Context:
     iface_name: Callable[[int, int], str | None] = _no_names
     # (addr, port) -> "ns/svc:port" (services.py); None when no rules are known.
     service_of: Callable[[str, int], str | None] = lambda a, p: None
-    # netns inode -> services.ServiceMap of that namespace's netfilter rules, or None.
-    rules: Callable[[int], object | None] = lambda netns: None
+    # (addr, port) -> "ns/svc:port" when addr:port is a Service's endpoint (a pod).
+    endpoint_of: Callable[[str, int], str | None] = lambda a, p: None
+    # knowledge.NodeKnowledge.nf_rule: the rule behind a netfilter drop, as plain data.
+    nf_rule: Callable[..., dict | None] = lambda *a: None
     # (netns inode, address) -> the interface the route to address leaves by, or None.
     route_iface: Callable[[int, str], str | None] = lambda netns, addr: None
-    window_ns: int = 30 * 1_000_000_000     # how long a flow's history is kept
+    hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
+    max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
+    window_ns: int = 30 * 1_000_000_000     # how long a reported flow's history is kept
     max_flows: int = 65536                  # bound on the correlation state
 
 
@@ -99,19 +123,38 @@ def reason_name(ev: Event, ctx: Context) -> str:
     return t.name
 
 
-def flow_key(ev: Event) -> tuple:
-    """Direction-free 4-tuple, so a request and its reply share a key."""
-    a, b = (ev.saddr, ev.sport), (ev.daddr, ev.dport)
+def _pair(a, b):
     return (a, b) if a <= b else (b, a)
+
+
+def flow_keys(ev: Event) -> list:
+    """Direction-free tuples of the event, so a request, its reply and both sides of a NAT
+    share a flow."""
+    keys = [_pair((ev.saddr, ev.sport), (ev.daddr, ev.dport))]
+    if ev.ct is not None and ev.ct.orig_dport:
+        c = ev.ct
+        keys.append(_pair((c.orig_src, c.orig_sport), (c.orig_dst, c.orig_dport)))
+        keys.append(_pair((c.reply_src, c.reply_sport), (c.reply_dst, c.reply_dport)))
+    return keys
+
+
+@dataclass
+class Labeled:
+    ev: Event
+    rname: str
+    cause: str | None            # None: evidence only
+    confidence: float = 0.0
+    hint: str = ""
 
 
 @dataclass
 class Flow:
-    events: list = field(default_factory=list)   # (Event, reason name) in arrival order
+    keys: set = field(default_factory=set)
+    history: list = field(default_factory=list)   # Labeled, reported or not, newest last
+    pending: list = field(default_factory=list)   # Labeled of the open incident
+    first_ns: int = 0                             # of the open incident
     last_ns: int = 0
-    cause: str | None = None                     # first network cause found for this flow
-    hint: str = ""
-    confidence: float = 0.0
+    root: Labeled | None = None                   # best label the flow has shown
 
 
 class Classifier:
@@ -119,76 +162,160 @@ class Classifier:
 
     def __init__(self, ctx: Context | None = None):
         self.ctx = ctx or Context()
-        self.flows: OrderedDict[tuple, Flow] = OrderedDict()
+        self.keys: dict = {}                            # flow key -> Flow
+        self.flows: OrderedDict[int, Flow] = OrderedDict()   # id -> Flow, least recent first
+        self.now_ns = 0
 
     # -- correlation state -------------------------------------------------------------
     def _flow(self, ev: Event) -> Flow:
-        keys = [flow_key(ev)]
-        if ev.ct is not None:
-            c = ev.ct
-            keys.append(_pair((c.orig_src, c.orig_sport), (c.orig_dst, c.orig_dport)))
-            keys.append(_pair((c.reply_src, c.reply_sport), (c.reply_dst, c.reply_dport)))
-        flow = None
+        keys = flow_keys(ev)
+        found: list[Flow] = []
         for k in keys:
-            flow = self.flows.get(k)
-            if flow is not None:
-                break
-        if flow is None:
+            f = self.keys.get(k)
+            if f is not None and all(f is not g for g in found):
+                found.append(f)
+        if not found:
             flow = Flow()
-        for k in keys:   # NAT: both tuples of one connection point at one Flow
-            self.flows[k] = flow
-            self.flows.move_to_end(k)
-        flow.last_ns = ev.ts_ns
-        self._expire(ev.ts_ns)
+        else:
+            flow = found[0]
+            for other in found[1:]:          # NAT tuples just met: one connection
+                self._merge(flow, other)
+        for k in keys:
+            flow.keys.add(k)
+            self.keys[k] = flow
+        self.flows[id(flow)] = flow
+        self.flows.move_to_end(id(flow))
         return flow
 
-    def _expire(self, now_ns: int) -> None:
-        while self.flows:
-            k, f = next(iter(self.flows.items()))
-            if len(self.flows) > self.ctx.max_flows or now_ns - f.last_ns > self.ctx.window_ns:
-                self.flows.popitem(last=False)
-            else:
-                break
+    def _merge(self, into: Flow, other: Flow) -> None:
+        into.history = sorted(into.history + other.history, key=lambda x: x.ev.ts_ns)
+        into.pending = sorted(into.pending + other.pending, key=lambda x: x.ev.ts_ns)
+        if other.pending:
+            into.first_ns = min(into.first_ns or other.first_ns, other.first_ns)
+        into.last_ns = max(into.last_ns, other.last_ns)
+        if other.root is not None and (into.root is None or other.root.ev.ts_ns < into.root.ev.ts_ns):
+            into.root = other.root
+        for k in other.keys:
+            self.keys[k] = into
+        into.keys |= other.keys
+        self.flows.pop(id(other), None)
 
-    # -- labeling ----------------------------------------------------------------------
-    def feed(self, ev: Event) -> Verdict | None:
+    def _drop_flow(self, flow: Flow) -> None:
+        for k in flow.keys:
+            if self.keys.get(k) is flow:
+                del self.keys[k]
+        self.flows.pop(id(flow), None)
+
+    # -- input -------------------------------------------------------------------------
+    def feed(self, ev: Event) -> list[Verdict]:
+        """Take one event; return the incidents that are due (possibly none)."""
         ctx = self.ctx
+        # Report what went quiet BEFORE this event joins its flow: incident boundaries then
+        # depend on event times only, so a replay cuts incidents exactly as the live run did.
+        due = self.tick(ev.ts_ns)
         flow = self._flow(ev)
         rname = reason_name(ev, ctx)
-        history = list(flow.events)
-        flow.events.append((ev, rname))
-        if len(flow.events) > 32:
-            del flow.events[:-32]
+        lab = self._label(ev, rname, flow.history)
+        flow.history.append(lab)
+        if len(flow.history) > 64:
+            del flow.history[:-64]
+        if not flow.pending:
+            flow.first_ns = ev.ts_ns
+        flow.pending.append(lab)
+        flow.last_ns = max(flow.last_ns, ev.ts_ns)
+        return due
+
+    def tick(self, now_ns: int) -> list[Verdict]:
+        """Report the incidents that are due at `now_ns` (monotonic ns, the events' clock)."""
+        self.now_ns = max(self.now_ns, now_ns)
+        now = self.now_ns
+        out: list[Verdict] = []
+        ctx = self.ctx
+        for fid in list(self.flows):
+            flow = self.flows.get(fid)
+            if flow is None:
+                continue
+            if flow.pending:
+                quiet = now - flow.last_ns >= ctx.hold_ns
+                old = now - flow.first_ns >= ctx.max_hold_ns
+                strong = flow.root is not None or any(
+                    l.cause is not None and l.cause not in WEAK_CAUSES for l in flow.pending)
+                if (quiet and strong) or old or (quiet and not self._could_improve(flow)):
+                    v = self._report(flow)
+                    if v is not None:
+                        out.append(v)
+            elif now - flow.last_ns > ctx.window_ns:
+                self._drop_flow(flow)
+        while len(self.flows) > ctx.max_flows:      # a flood of distinct flows: oldest first
+            _, flow = next(iter(self.flows.items()))
+            if flow.pending:
+                v = self._report(flow)
+                if v is not None:
+                    out.append(v)
+            self._drop_flow(flow)
+        return out
+
+    def flush(self) -> list[Verdict]:
+        """End of input: report every open incident."""
+        out = []
+        for flow in list(self.flows.values()):
+            if flow.pending:
+                v = self._report(flow)
+                if v is not None:
+                    out.append(v)
+        return out
+
+    @staticmethod
+    def _could_improve(flow: Flow) -> bool:
+        """Only weak or evidence-only events so far: a root cause may still arrive."""
+        return any(l.cause is None or l.cause in WEAK_CAUSES for l in flow.pending)
+
+    # -- labeling ----------------------------------------------------------------------
+    def _label(self, ev: Event, rname: str, history: list) -> Labeled:
         if ev.type in EVIDENCE_ONLY:
-            return None
-        iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
+            return Labeled(ev, rname, None)
         for rule in RULES:
-            got = rule(ev, rname, history, ctx)
+            got = rule(ev, rname, history, self.ctx)
             if got:
-                cause, conf, hint = got
-                break
+                return Labeled(ev, rname, *got)
+        if ev.type == EvType.DROP and rname in WEAK_DROPS:
+            return Labeled(ev, rname, None)
+        return Labeled(ev, rname, "unknown", 0.0,
+                       "no rule explains this event; the evidence lists what the kernel showed")
+
+    def _report(self, flow: Flow) -> Verdict | None:
+        pending, flow.pending = flow.pending, []
+        labeled = [l for l in pending if l.cause is not None]
+        if not labeled:
+            return None                       # evidence only: nothing went wrong here
+        root = flow.root
+        primary = min(labeled, key=lambda l: (RANK[l.cause], l.ev.ts_ns))
+        if root is not None:
+            # The flow named its root cause in an earlier incident: what follows on the same
+            # connection (a retransmitted SYN-ACK the client now resets, the peer's RST) is
+            # its consequence.
+            cause, conf, hint = root.cause, root.confidence, root.hint
         else:
-            cause, conf, hint = "unknown", 0.0, ("no rule explains this event; the evidence "
-                                                 "lists what the kernel showed")
-        if cause == "unknown" and not flow.cause and self._weak(ev, rname):
-            return None
-        if flow.cause and cause in INHERITS:
-            # The same connection already showed its cause (the RST the client receives was
-            # sent because of it): say so rather than blame the peer.
-            cause, conf, hint = flow.cause, flow.confidence, flow.hint
-        elif cause not in INHERITS and flow.cause is None:
-            flow.cause, flow.confidence, flow.hint = cause, conf, hint
-        service = _service(ev, ctx)
-        evidence = tuple(_evidence(e, r, ctx) for e, r in history[-8:]) + (_evidence(ev, rname, ctx),)
+            cause, conf, hint = primary.cause, primary.confidence, primary.hint
+            if cause not in WEAK_CAUSES:
+                flow.root = primary
+        ev = primary.ev
+        ctx = self.ctx
+        iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
+        service = None
+        for l in sorted(pending, key=lambda l: l.ev is not ev):
+            service = _service(l.ev, ctx)
+            if service:
+                break
+        ordered = sorted(pending, key=lambda l: l.ev.ts_ns)
+        if root is not None and root not in pending:
+            ordered.insert(0, root)
+        evidence = tuple(_evidence(l, ctx) for l in ordered[:MAX_EVIDENCE])
         hint = _fill(hint, iface=iface or f"ifindex {ev.ifindex}", port=str(ev.dport),
                      sport=str(ev.sport), daddr=ev.daddr, saddr=ev.saddr,
                      service=service or "the Service")
-        return Verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOK_NAMES[ev.hook], rname,
-                       cause, conf, hint, iface, service, evidence)
-
-    @staticmethod
-    def _weak(ev: Event, rname: str) -> bool:
-        return ev.type == EvType.DROP and rname in WEAK_DROPS
+        return Verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOK_NAMES[ev.hook],
+                       primary.rname, cause, conf, hint, iface, service, evidence, len(pending))
 
 
 def _fill(text: str, **vals: str) -> str:
@@ -202,13 +329,8 @@ def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Ve
     """The whole attribution as one pure function over an event stream."""
     c = Classifier(ctx)
     for ev in events:
-        v = c.feed(ev)
-        if v is not None:
-            yield v
-
-
-def _pair(a, b):
-    return (a, b) if a <= b else (b, a)
+        yield from c.feed(ev)
+    yield from c.flush()
 
 
 def _direction(ev: Event) -> str | None:
@@ -232,12 +354,13 @@ def _service(ev: Event, ctx: Context) -> str | None:
     return None
 
 
-def _evidence(ev: Event, rname: str, ctx: Context) -> Evidence:
+def _evidence(l: Labeled, ctx: Context) -> Evidence:
+    ev = l.ev
     iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
     detail = f"{ev.saddr}:{ev.sport} > {ev.daddr}:{ev.dport}"
     if ev.ct is not None and ev.ct.dnat:
         detail += f" (dnat {ev.ct.orig_dst}:{ev.ct.orig_dport} -> {ev.ct.reply_src}:{ev.ct.reply_sport})"
-    return Evidence(ev.ts_ns, HOOK_NAMES[ev.hook], rname, iface, detail)
+    return Evidence(ev.ts_ns, HOOK_NAMES[ev.hook], l.rname, iface, detail, l.cause or "")
 
 
 # --- rules: (event, reason name, earlier events of the flow, ctx) -> (cause, confidence, hint)
@@ -296,32 +419,23 @@ def rule_unexpected_reply(ev, rname, history, ctx):
 
 
 def rule_wrong_iface(ev, rname, history, ctx):
-    if ev.type == EvType.ASYM_IFACE:
-        back = ctx.iface_name(ev.netns, ev.aux) or f"ifindex {ev.aux}"
-        return ("wrong_iface", 0.85,
-                f"the request came in on {back} but the reply leaves by {{iface}}: a stateful "
-                "middlebox or the peer on the other path will drop or reset it. Add policy "
-                "routing (ip rule from <secondary address> table N) so replies leave by the "
-                "interface the request came in on")
-    return None
-
-
-def rule_conntrack_invalid(ev, rname, history, ctx):
-    if not (ev.type == EvType.DROP and rname == "NETFILTER_DROP"):
+    if ev.type != EvType.ASYM_IFACE:
         return None
-    if ev.ct is not None or ev.tcpflags & TCP_SYN:
-        return None
-    smap = ctx.rules(ev.netns)
-    if smap is None:
-        return None
-    for r in smap.verdict_rules(ev.daddr, ev.dport):
-        if r.reason == "conntrack_invalid":
-            return ("conntrack_invalid", 0.85,
-                    f"conntrack marked a mid-connection packet INVALID (out of window or for a "
-                    f"forgotten connection) and {r.where()} dropped it: `{r.text}`. Check for "
-                    "asymmetric paths and conntrack table pressure; "
-                    "net.netfilter.nf_conntrack_tcp_be_liberal=1 makes conntrack accept it")
-    return None
+    back = ctx.iface_name(ev.netns, ev.aux) or f"ifindex {ev.aux}"
+    if ctx.endpoint_of(ev.saddr, ev.sport):
+        # The reply comes from a pod's own address: nothing un-DNATs it here, so the request
+        # was DNATed on another node and forwarded without masquerade.
+        return ("snat", 0.85,
+                f"the pod {{saddr}}:{{sport}} answers a client whose request arrived on {back} "
+                "(from another node, not masqueraded) and its reply leaves by {iface} with the "
+                "pod's own address: the client never connected to it and resets or drops it. "
+                "Masquerade forwarded NodePort traffic (KUBE-POSTROUTING MASQUERADE, "
+                "externalTrafficPolicy: Cluster) or use externalTrafficPolicy: Local")
+    return ("wrong_iface", 0.85,
+            f"the request came in on {back} but the reply leaves by {{iface}}: a stateful "
+            "middlebox or the peer on the other path will drop or reset it. Add policy "
+            "routing (ip rule from <secondary address> table N) so replies leave by the "
+            "interface the request came in on")
 
 
 _TAG_CAUSE = {
@@ -338,50 +452,43 @@ _TAG_CAUSE = {
     "lb_source_range": ("policy_drop", 0.85,
                         "{saddr} is outside {service}'s loadBalancerSourceRanges ({rule}): add "
                         "the client range to spec.loadBalancerSourceRanges"),
-    "conntrack_invalid": ("conntrack_invalid", 0.7,
-                          "conntrack deemed the packet INVALID ({rule})"),
+    "conntrack_invalid": ("conntrack_invalid", 0.85,
+                          "conntrack marked a mid-connection packet INVALID (out of window, or "
+                          "its connection was already forgotten) and {rule} dropped it. Look for "
+                          "asymmetric paths, conntrack timeouts shorter than the app's idle time "
+                          "and table pressure; net.netfilter.nf_conntrack_tcp_be_liberal=1 makes "
+                          "conntrack accept such packets"),
 }
 
 
 def rule_netfilter(ev, rname, history, ctx):
     if not _is_nf_reject(ev, rname):
         return None
-    smap = ctx.rules(ev.netns)
-    service = _service(ev, ctx) or "the Service"
-    if smap is not None:
-        odst, oport = _orig_dst(ev)
-        for r in smap.verdict_rules(odst, oport, include_invalid=False):
-            if r.reason in _TAG_CAUSE:
-                cause, conf, hint = _TAG_CAUSE[r.reason]
-                return (cause, conf, hint.replace("{service}", r.service or service)
-                        .replace("{rule}", f"{r.where()}: {r.text}"))
-        rules = smap.matching_drop_rules(ev.saddr, ev.daddr, ev.dport,
-                                         ctstate="NEW" if ev.tcpflags & TCP_SYN else None)
-        rules = [r for r in rules if r.reason == "other"] or rules
-        if rules:
-            r = rules[0]
-            to_pod = ev.ct is not None and ev.ct.dnat or \
-                bool(ctx.service_of(ev.daddr, ev.dport)) and (ev.daddr, ev.dport) != _orig_dst(ev)
-            if to_pod or _is_endpoint(smap, ev.daddr, ev.dport):
-                return ("policy_drop", 0.85,
-                        f"a netfilter rule dropped traffic from {{saddr}} to the pod "
-                        f"{{daddr}}:{{port}} ({r.where()}: `{r.text}`). If it is a NetworkPolicy, "
-                        f"add an ingress rule with ipBlock {ev.saddr}/32 (or the client range) for "
-                        f"port {ev.dport}")
-            return ("netfilter_reject", 0.75,
-                    f"netfilter dropped or rejected the packet at {r.where()}: `{r.text}`")
+    odst, oport = _orig_dst(ev)
+    got = ctx.nf_rule(ev.netns, ev.saddr, ev.daddr, ev.dport, odst, oport,
+                      bool(ev.tcpflags & TCP_SYN), ev.ct is not None)
+    if got is None:
+        return ("netfilter_reject", 0.5,
+                "a netfilter rule dropped or rejected this packet; the rule could not be named "
+                "(no readable ruleset for this namespace): run `iptables-save -c` / "
+                "`nft list ruleset` in the namespace")
+    tag = got.get("tag")
+    rule = f"{got.get('where')}: `{got.get('text')}`"
+    if tag in _TAG_CAUSE:
+        cause, conf, hint = _TAG_CAUSE[tag]
+        return (cause, conf, hint.replace("{rule}", rule)
+                .replace("{service}", got.get("service") or "{service}"))
+    if tag == "other" and got.get("to_pod"):
+        return ("policy_drop", 0.85,
+                f"a netfilter rule dropped traffic from {{saddr}} to the pod {{daddr}}:{{port}} "
+                f"({rule}). If it is a NetworkPolicy, add an ingress rule with ipBlock "
+                f"{ev.saddr}/32 (or the client range) for port {ev.dport}")
+    if tag == "other":
+        return ("netfilter_reject", 0.75, f"netfilter dropped or rejected the packet at {rule}")
     return ("netfilter_reject", 0.5,
-            "a netfilter rule dropped or rejected this packet; the rule could not be named "
-            "(no readable ruleset for this namespace): run `nptrace doctor` and iptables-save "
-            "-c / nft list ruleset in the namespace")
-
-
-def _is_endpoint(smap, addr: str, port: int) -> bool:
-    try:
-        s = smap.lookup(addr, port)
-    except Exception:
-        return False
-    return s is not None and s.kind == "endpoint"
+            "netfilter dropped or rejected this packet but no rule in the namespace's ruleset "
+            "matches it as far as nptrace evaluates rules: trace it with "
+            "`nft monitor trace` / `iptables -j TRACE`")
 
 
 def rule_stale_endpoint(ev, rname, history, ctx):
@@ -407,7 +514,7 @@ def rule_no_listener(ev, rname, history, ctx):
 
 
 def rule_app_reset(ev, rname, history, ctx):
-    if ev.type == EvType.RST_SENT and ev.flags & F_HAS_SOCK and rname in ("NOT_SPECIFIED", "REASON_0"):
+    if ev.type == EvType.RST_SENT and ev.flags & F_HAS_SOCK and rname in APP_RESETS:
         return ("app_reset", 0.8,
                 "the application on {saddr}:{sport} aborted the connection itself (close with "
                 "unread data or SO_LINGER 0): not a network fault; look at the app's logs")
@@ -422,5 +529,5 @@ def rule_peer_reset(ev, rname, history, ctx):
 
 
 RULES: list[Rule] = [rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
-                     rule_conntrack_invalid, rule_netfilter, rule_stale_endpoint,
+                     rule_netfilter, rule_stale_endpoint,
                      rule_no_listener, rule_app_reset, rule_peer_reset]

@@ -68,6 +68,8 @@ class Config:
     ringbuf_pages: int = 4096          # 16 MiB of 4 KiB pages
     flow_table_size: int = 65536
     max_counts: int = 16384
+    nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
+    kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] = tuple(TRACEPOINTS)
     extra: dict = field(default_factory=dict)
 
@@ -101,6 +103,7 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
         f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
         f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",
+        f"-DNPT_WITH_KPROBES={1 if cfg.kprobes else 0}",
         # bcc's borrowed headers warn about attributes clang does not know; the noise hides
         # real errors in the load log.
         "-Wno-ignored-attributes",

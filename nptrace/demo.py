@@ -21,13 +21,15 @@ def _nptrace_cmd() -> list[str]:
     return [sys.executable, "-m", "nptrace.cli"]
 
 
-def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: Path | None = None) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if path.exists():
             return
         if proc.poll() is not None:
-            raise RuntimeError(f"nptrace run exited early with code {proc.returncode}")
+            why = stderr.read_text().strip().splitlines()[-1:] if stderr else []
+            raise RuntimeError(f"nptrace run exited early with code {proc.returncode}"
+                               + (f": {why[0]}" if why else ""))
         time.sleep(0.05)
     raise RuntimeError("nptrace run did not attach in time")
 
@@ -54,7 +56,7 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
                                                           *ifaces, *extra_args],
                                         stdout=fo, stderr=fe)
                 try:
-                    wait_ready(ready, proc)
+                    wait_ready(ready, proc, stderr=err)
                     attempts = lab.trigger(name, count=count, prefix=prefix)
                     time.sleep(settle)   # let the last records reach user space
                 finally:

@@ -48,6 +48,35 @@ class NodeKnowledge:
         self._maps[inode] = (now, smap)
         return smap
 
+    def nf_rule(self, inode: int, saddr: str, daddr: str, dport: int, odst: str, oport: int,
+                syn: bool, has_ct: bool) -> dict | None:
+        """The netfilter rule that explains a drop or reject of this packet, as plain data
+        (recordable for replay): None when no ruleset is readable, {"tag": None} when the
+        ruleset has no rule for it, else {"tag", "where", "text", "service", "to_pod"}.
+        Tags: no_local_endpoint, no_endpoints, lb_source_range, conntrack_invalid, other."""
+        smap = self.rules(inode)
+        if smap is None:
+            return None
+
+        def out(r, tag=None, to_pod=False):
+            return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
+                    "service": r.service, "to_pod": to_pod}
+        for r in smap.verdict_rules(odst, oport, include_invalid=False):
+            if r.reason != "other":
+                return out(r)
+        if not syn and not has_ct:
+            # conntrack clears skb->_nfct for a packet it deems INVALID
+            for r in smap.verdict_rules(daddr, dport):
+                if r.reason == "conntrack_invalid":
+                    return out(r)
+        rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate="NEW" if syn else None)
+        rules = [r for r in rules if r.reason == "other"] or rules
+        if not rules:
+            return {"tag": None}
+        ep = smap.lookup(daddr, dport)
+        to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
+        return out(rules[0], to_pod=to_pod)
+
     def preload(self, inodes) -> None:
         for i in inodes:
             self.rules(i)
@@ -61,6 +90,18 @@ class NodeKnowledge:
             except Exception:
                 continue
             if s is not None:
+                return s.name
+        return None
+
+    def endpoint_of(self, addr: str, port: int) -> str | None:
+        for _, smap in self._maps.values():
+            if smap is None:
+                continue
+            try:
+                s = smap.lookup(addr, port)
+            except Exception:
+                continue
+            if s is not None and s.kind == "endpoint":
                 return s.name
         return None
 

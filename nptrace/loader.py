@@ -26,7 +26,7 @@ from nptrace.reasons import ReasonTable, interesting_drops
 
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
-FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c")
+FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
 
 
 def source_text(families=FAMILIES) -> str:

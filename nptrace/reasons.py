@@ -20,6 +20,7 @@ ROUTINE_DROPS = frozenset({
     "SOCKET_RCVBUFF",      # socket receive buffer full: local pressure, not a path fault
     "PROTO_MEM",
     "FULL_RING",
+    "QUEUE_PURGE",         # a closing socket freeing what it still had queued
 })
 
 

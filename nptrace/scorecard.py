@@ -38,10 +38,28 @@ class Score:
         return self.labels[self.expected] / self.total if self.total else 0.0
 
 
+def _ports_of(detail: str) -> set[int]:
+    out = set()
+    for part in detail.replace("(", " ").replace(")", " ").split():
+        host, sep, port = part.rpartition(":")
+        if sep and port.isdigit():
+            out.add(int(port))
+    return out
+
+
 def scenario_events(attempts, events) -> list[dict]:
+    """Incidents about the trigger's connections: a client port appears in the incident's own
+    tuple, its conntrack entry or any of its evidence (masquerade may pick another port on the
+    pod side, the client side keeps it)."""
     ports = {a.sport for a in attempts}
-    return [e for e in events if e["sport"] in ports or e["dport"] in ports
-            or (e.get("conntrack") and (e["conntrack"]["orig"][1] in ports))]
+
+    def mine(e):
+        if e["sport"] in ports or e["dport"] in ports:
+            return True
+        if e.get("conntrack") and e["conntrack"]["orig"][1] in ports:
+            return True
+        return any(_ports_of(x.get("detail", "")) & ports for x in e.get("evidence", ()))
+    return [e for e in events if mine(e)]
 
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
@@ -53,8 +71,10 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
     s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
               expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err)
     for e in mine:
-        s.labels[e["cause"]] += 1
-        s.services[e.get("service") or "-"] += 1
+        # an incident gathers several kernel events; each of them got this label
+        n = e.get("events", 1)
+        s.labels[e["cause"]] += n
+        s.services[e.get("service") or "-"] += n
     return s
 
 

@@ -2,6 +2,7 @@
 stop. Status and start-up lines go to stderr; stdout belongs to the sinks."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import TRACEPOINTS, Config
-from nptrace.errors import InterfaceError, LockError, PrivilegeError
+from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
 
 TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"))
@@ -109,6 +110,8 @@ class Tracer:
         self.epoch_offset_ns = time.time_ns() - time.monotonic_ns()
         self.lock = InstanceLock()
         self.reopen_requested = False
+        self.recorders: list = []      # get every raw record (session files)
+        self.reader = None
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -126,9 +129,25 @@ class Tracer:
         missing = [tp for tp in self.cfg.tracepoints if tp not in tps]
         if missing:
             log(f"tracepoints not in this kernel, skipped: {', '.join(missing)}")
+        if Path("/sys/bus/event_source/devices/kprobe").exists() and not self.cfg.kprobes:
+            self.cfg = dataclasses.replace(self.cfg, kprobes=True)
+        offset_flags = offset_flags + self._nf_cflags(kbtf)
         self.probes = loader.Probes(self.cfg, offset_flags + self._tc_cflags(), drops, tps)
         if self.cfg.ifaces:
-            self._attach_tc()
+            try:
+                self._attach_tc()
+            except LoadError as e:
+                # Reading the kernel sk_buff behind a tc context (netns, conntrack) needs
+                # CAP_PERFMON's probe_read in tc programs; where the verifier refuses it,
+                # fall back to the attach-time netns map and no conntrack on tc events.
+                log(f"tc programs refused ({e}); retrying without kernel sk_buff reads "
+                    "(tc events carry no conntrack tuples)")
+                self.probes.close()
+                flags = [f for f in self._tc_cflags() if not f.startswith("-DNPT_TC_KSKB=")]
+                self.probes = loader.Probes(self.cfg, offset_flags + flags + ["-DNPT_TC_KSKB=0"],
+                                            drops, tps)
+                self._attach_tc()
+        self._attach_enrichment(loader)
         names = Names()
         if self.ctx is None:
             from nptrace.knowledge import NodeKnowledge
@@ -136,10 +155,14 @@ class Tracer:
             watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
             kn.preload(watched)
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
-                               service_of=kn.service_of, rules=kn.rules,
+                               service_of=kn.service_of, endpoint_of=kn.endpoint_of,
+                               nf_rule=kn.nf_rule,
                                route_iface=kn.route_iface)
         self.classifier = Classifier(self.ctx)
-        self.probes.open_ring(self._on_record)
+        from nptrace.ringbuf import RingReader
+        # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
+        # near 350-600k records/s in Python, the mmap walk above 1M/s (PLATFORM.md).
+        self.reader = RingReader(self.probes.ring_map_fd())
         elapsed = time.monotonic() - t0
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
         log(f"attached {what} in {elapsed:.2f}s "
@@ -147,6 +170,50 @@ class Tracer:
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         return elapsed
+
+    # -- enrichment: netfilter-hook view of NATed SYNs, kprobes ---------------------------
+    NF_POINTS = None   # set lazily from nfhook: just after SNAT, where both NAT tuples are final
+
+    def _nf_cflags(self, kbtf) -> list[str]:
+        if not self.cfg.nf_hook:
+            return []
+        from nptrace import nfhook
+        try:
+            return nfhook.cflags(kbtf, points=(nfhook.AFTER_SNAT,))
+        except Exception as e:
+            log(f"netfilter-hook view off: {e}")
+            return []
+
+    def _nf_namespaces(self) -> list[str | None]:
+        """Where NAT happens: the namespaces of the watched interfaces, else the host."""
+        spaces = {s.netns for s in self.cfg.ifaces}
+        return sorted(spaces, key=lambda n: n or "") or [None]
+
+    def _attach_enrichment(self, loader) -> None:
+        self.nf_links = None
+        if any(f.startswith("-DNPT_WITH_NF_HOOK=1") for f in self.probes.cflags):
+            from nptrace import nfhook
+            try:
+                fd = loader.load_netfilter_prog(self.probes.bpf)
+                self.nf_links = nfhook.NfHookLinks(fd)
+                for ns in self._nf_namespaces():
+                    self.nf_links.attach(ns, points=(nfhook.AFTER_SNAT,))
+                self.probes.attached.append("netfilter:post_routing@101")
+            except Exception as e:
+                # Linux < 6.4 or CONFIG_NETFILTER_BPF_LINK off: NAT tuples still come from
+                # conntrack at the tracepoints and tc egress, only later in a flow.
+                log(f"netfilter-hook view not attached ({str(e).splitlines()[0]}): NAT "
+                    "tuples come from tracepoints and tc egress only")
+                if self.nf_links is not None:
+                    self.nf_links.close()
+                    self.nf_links = None
+        if self.cfg.kprobes:
+            got = loader.attach_kprobes(self.probes.bpf)
+            for group, what in got.items():
+                if what.startswith("skipped"):
+                    log(f"kprobe {group} {what}")
+                else:
+                    self.probes.attached.append(f"kprobe:{what}")
 
     def _tc_cflags(self) -> list[str]:
         if not self.cfg.ifaces:
@@ -163,16 +230,26 @@ class Tracer:
 
     # -- run -----------------------------------------------------------------------------
     def _on_record(self, raw: bytes) -> None:
+        for r in self.recorders:
+            r.write_event(raw)
         try:
             e = ev.decode(raw)
         except ev.DecodeError:
             self.bad_records += 1
             return
         self.decoded += 1
-        v = self.classifier.feed(e)
-        if v is not None:
+        self._emit(self.classifier.feed(e))
+
+    def _emit(self, verdicts) -> None:
+        for v in verdicts:
             for s in self.sinks:
                 s.write(v)
+
+    def _drain(self, timeout_ms: int) -> int:
+        batch = self.reader.poll(timeout_ms, raw=True)
+        for raw in batch:
+            self._on_record(raw)
+        return len(batch)
 
     def run(self, duration: float | None = None) -> None:
         def _stop(_sig, _frm):
@@ -191,14 +268,18 @@ class Tracer:
                     if left <= 0:
                         break
                     timeout = max(1, min(timeout, int(left * 1000)))
-                self.probes.poll(timeout)
+                self._drain(timeout)
+                # incidents whose flow went quiet are reported on time, not at the next event
+                self._emit(self.classifier.tick(time.monotonic_ns()))
                 if self.reopen_requested:
                     self.reopen_requested = False
-                    for sink in self.sinks:
+                    for sink in self.sinks + self.recorders:
                         if hasattr(sink, "reopen"):
                             sink.reopen()
                     log("SIGHUP: reopened output files")
-            self.probes.poll(0)   # drain what arrived before the stop
+            while self._drain(0):   # drain what arrived before the stop
+                pass
+            self._emit(self.classifier.flush())
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -217,10 +298,16 @@ class Tracer:
         if self.tc is not None:
             self.tc.close()
             self.tc = None
+        if getattr(self, "nf_links", None) is not None:
+            self.nf_links.close()
+            self.nf_links = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
         if self.probes is not None:
             self.probes.close()
             self.probes = None
-        for s in self.sinks:
+        for s in self.sinks + self.recorders:
             s.close()
         self.lock.release()
         lost = stats.get("lost", 0)

@@ -25,6 +25,7 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int) -> dict:
         "iface": v.iface,
         "ifindex": e.ifindex,
         "hint": v.hint,
+        "events": v.events,
         "evidence": [x.to_dict() for x in v.evidence],
     }
     if e.ct is not None:

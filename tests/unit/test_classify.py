@@ -28,14 +28,48 @@ def test_no_listener_reset_sent():
     assert "8081" in v.hint
 
 
-def test_received_reset_inherits_flow_cause():
-    sent = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN,
-             saddr="10.0.0.2", sport=30080, daddr="192.0.2.10", dport=40000, ts_ns=10)
+def test_received_reset_joins_the_incident_of_its_cause():
+    # the kernel reports the client's received RST before the pod's tcp_send_reset: order
+    # does not matter, one incident names the cause
     recv = E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, flags=ev.F_HAS_SOCK,
+             saddr="10.0.0.2", sport=30080, daddr="192.0.2.10", dport=40000, ts_ns=10)
+    sent = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN,
              saddr="10.0.0.2", sport=30080, daddr="192.0.2.10", dport=40000, ts_ns=20)
-    got = list(classify([sent, recv], CTX))
-    assert [v.cause for v in got] == ["no_listener", "no_listener"]
-    assert got[1].direction == "received" and len(got[1].evidence) == 2
+    [v] = classify([recv, sent], CTX)
+    assert v.cause == "no_listener" and v.events == 2
+    assert v.hook == "tcp:tcp_send_reset" and len(v.evidence) == 2
+
+
+def test_incidents_join_across_nat():
+    # pod's RST (pod -> masquerade address), node egress RST with conntrack, client's RST
+    pod = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN, ts_ns=1,
+            saddr="10.244.1.10", sport=8080, daddr="10.244.0.0", dport=40000)
+    wire = E(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_EGRESS, dir=ev.Dir.EGRESS, ts_ns=2,
+             saddr="192.168.10.11", sport=30080, daddr="192.168.10.100", dport=40000,
+             flags=ev.F_HAS_CT, ct_osrc="192.168.10.100", ct_osport=40000,
+             ct_odst="192.168.10.11", ct_odport=30080, ct_rsrc="10.244.1.10", ct_rsport=8080,
+             ct_rdst="10.244.0.0", ct_rdport=40000, ct_status=ev.IPS_DST_NAT | ev.IPS_SRC_NAT)
+    client = E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, ts_ns=3,
+               saddr="192.168.10.11", sport=30080, daddr="192.168.10.100", dport=40000)
+    [v] = classify([client, wire, pod], CTX)
+    assert v.cause == "no_listener" and v.events == 3
+
+
+def test_quiet_flow_is_reported_by_tick_without_new_events():
+    c = Classifier(Context(drop_name=CTX.drop_name, hold_ns=100))
+    assert c.feed(E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16, ts_ns=1000)) == []
+    assert c.tick(1050) == []
+    [v] = c.tick(1200)
+    assert v.cause == "rp_filter"
+
+
+def test_weak_incident_waits_for_a_root_cause():
+    c = Classifier(Context(hold_ns=100, max_hold_ns=10_000))
+    c.feed(E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, ts_ns=0, saddr="1.1.1.1",
+             sport=80, daddr="2.2.2.2", dport=5000))
+    assert c.tick(500) == []                  # quiet, but only a weak label: keep waiting
+    [v] = c.tick(10_001)
+    assert v.cause == "peer_reset"
 
 
 def test_lone_received_reset_is_peer_reset():
@@ -63,16 +97,19 @@ def test_evidence_only_events_make_no_verdict():
 
 def test_flow_state_is_bounded():
     c = Classifier(Context(max_flows=100))
+    reported = 0
     for i in range(5000):
-        c.feed(E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, sport=i % 65535 + 1,
-                 ts_ns=i))
-    assert len(c.flows) <= 101
+        reported += len(c.feed(E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST,
+                                 sport=i % 65535 + 1, ts_ns=i)))
+    assert len(c.flows) <= 101 and len(c.keys) <= 101
+    assert reported + len(c.flush()) == 5000       # evicted incidents are reported, not lost
 
 
 def test_flows_expire_by_event_time():
-    c = Classifier(Context(window_ns=1000))
-    c.feed(E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, sport=1, ts_ns=0))
-    c.feed(E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, sport=2, ts_ns=5000))
+    c = Classifier(Context(drop_name=CTX.drop_name, window_ns=1000, hold_ns=10))
+    c.feed(E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16, sport=1, ts_ns=0))
+    c.feed(E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16, sport=2, ts_ns=5000))
+    c.tick(5000)      # the first flow was reported at 5000 and is past its window
     assert len(c.flows) == 1
 
 
@@ -91,14 +128,22 @@ def test_reset_of_an_unsolicited_syn_ack_is_snat():
     assert v.cause == "snat" and "10.244.1.10:8080" in v.hint
 
 
-def test_asymmetric_reply_is_wrong_iface_and_taints_the_flow():
+def test_asymmetric_reply_is_wrong_iface_and_explains_the_reset():
     asym = E(type=ev.EvType.ASYM_IFACE, hook=ev.Hook.TC_EGRESS, ifindex=2, aux=7, ts_ns=1,
              saddr="172.16.21.11", sport=30080, daddr="192.168.10.100", dport=40000)
     rst = E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, ts_ns=2,
             saddr="172.16.21.11", sport=30080, daddr="192.168.10.100", dport=40000)
-    got = list(classify([asym, rst], CTX))
-    assert [v.cause for v in got] == ["wrong_iface", "wrong_iface"]
-    assert "npt-node1/eth1" in got[0].hint
+    [v] = classify([asym, rst], CTX)
+    assert v.cause == "wrong_iface" and v.kind == "anomaly" and v.events == 2
+    assert "npt-node1/eth1" in v.hint
+
+
+def test_asymmetric_reply_from_a_pod_is_missing_snat():
+    ctx = Context(iface_name=CTX.iface_name,
+                  endpoint_of=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.10", 8080) else None)
+    [v] = classify([E(type=ev.EvType.ASYM_IFACE, hook=ev.Hook.TC_EGRESS, ifindex=2, aux=7,
+                      saddr="10.244.1.10", sport=8080, daddr="192.168.10.100", dport=40000)], ctx)
+    assert v.cause == "snat"
 
 
 def test_weak_drop_alone_is_not_reported():

@@ -1,0 +1,422 @@
+"""Read the live netfilter rules of a network namespace for nptrace.services.
+
+Runs the node's own dump tools: ``nft -a list table ...``, ``iptables-nft-save`` /
+``ip6tables-nft-save`` and ``iptables-legacy-save`` / ``ip6tables-legacy-save``, inside a named
+namespace through ``ip netns exec NAME`` (``netns=None`` is the caller's own namespace). It only
+reads; it never changes a rule.
+
+Measured here (Debian 12, nftables 1.0.6, iptables 1.8.9, 2 vCPUs) with 10,000 Services in the
+kube-proxy fixture pattern: ``iptables-nft-save`` 2.0 s, ``iptables-legacy-save`` 0.4 s,
+``nft -a list ruleset`` of kube-proxy's nft table 5.2 s, and ``nft list ruleset`` of the same
+iptables-nft ruleset 11.8 s. Hence:
+  * native nft tables are listed one by one, leaving out the tables iptables-nft owns
+    (``filter``/``nat``/``mangle``/``raw``/``security`` in ``ip``/``ip6``), which are read with
+    ``iptables-nft-save`` instead;
+  * change detection does not re-dump: :func:`nft_generation` asks the kernel for the nf_tables
+    generation id (NFT_MSG_GETGEN over netlink, about a millisecond), which moves on every
+    committed nft or iptables-nft transaction and not on counter updates. iptables-legacy has no
+    generation, so its dump is hashed with counters removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
+
+__all__ = [
+    "BACKENDS",
+    "RulesDump",
+    "RulesSourceError",
+    "ServiceMapCache",
+    "detect_backend",
+    "dump_digest",
+    "fingerprint",
+    "load_service_map",
+    "nft_generation",
+    "parse_dump",
+    "read_all",
+    "read_rules",
+]
+
+BACKENDS = ("nft", "iptables-nft", "iptables-legacy", "none")
+# tables iptables-nft / ip6tables-nft create in the ip / ip6 families
+_XT_TABLES = frozenset({"filter", "nat", "mangle", "raw", "security"})
+_TIMEOUT = 60.0
+_NETNS_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")
+
+
+class RulesSourceError(Exception):
+    """Reading rules failed; the message is one line saying what and what to do."""
+
+
+@dataclass(frozen=True)
+class RulesDump:
+    """One dump: ``text`` as the tool printed it, the ``backend`` it came from, ``digest``
+    (sha256 of the text without counters and timestamps), and the nf_tables ``generation`` it
+    was read at (None for iptables-legacy or when unknown)."""
+
+    text: str
+    backend: str
+    digest: str
+    generation: int | None = None
+    netns: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# running the tools
+
+
+def _check_netns(netns: str | None) -> None:
+    if netns is None:
+        return
+    if not _NETNS_RE.match(netns):
+        raise RulesSourceError(f"invalid network namespace name {netns!r}")
+    if not os.path.exists(f"/run/netns/{netns}"):
+        raise RulesSourceError(f"network namespace {netns!r} not found (see `ip netns list`)")
+
+
+def _run(netns: str | None, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    tool = argv[0]
+    if shutil.which(tool) is None:
+        raise RulesSourceError(f"{tool} not found: install the Debian package "
+                               f"{'nftables' if tool == 'nft' else 'iptables'}")
+    if netns is not None:
+        if shutil.which("ip") is None:
+            raise RulesSourceError("ip not found: install the Debian package iproute2")
+        argv = ["ip", "netns", "exec", netns, *argv]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RulesSourceError(f"{' '.join(argv)} took more than {_TIMEOUT:.0f} s") from None
+    except OSError as e:
+        raise RulesSourceError(f"cannot run {tool}: {e.strerror}") from None
+    if check and r.returncode != 0:
+        raise RulesSourceError(_failure(tool, netns, r.stderr))
+    return r
+
+
+def _failure(tool: str, netns: str | None, stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("# Warning")]
+    first = lines[0] if lines else "no error text"
+    where = f" in netns {netns}" if netns else ""
+    if "ermission denied" in first or "Operation not permitted" in first:
+        return f"{tool}{where}: {first}: reading netfilter rules needs root (CAP_NET_ADMIN)"
+    return f"{tool} failed{where}: {first}"
+
+
+def _nft_tables(netns: str | None) -> list[tuple[str, str]]:
+    """(family, name) of every nf_tables table, iptables-nft's included; [] without nft."""
+    if shutil.which("nft") is None:
+        return []
+    out = _run(netns, ["nft", "list", "tables"]).stdout
+    tables = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "table":
+            tables.append((parts[1], parts[2]))
+    return tables
+
+
+def _is_xt(family: str, name: str) -> bool:
+    return family in ("ip", "ip6") and name in _XT_TABLES
+
+
+def _legacy_names_here() -> str:
+    names = ""
+    for proc in ("ip_tables_names", "ip6_tables_names"):
+        try:  # thread-self: the netns of this thread, which _in_netns may have moved
+            with open(f"/proc/thread-self/net/{proc}") as f:
+                names += f.read()
+        except OSError:
+            pass  # x_tables modules not loaded: no legacy tables anywhere
+    return names
+
+
+def _legacy_present(netns: str | None) -> bool:
+    """Does the namespace hold legacy (x_tables) tables? Reading /proc loads no module."""
+    try:
+        return bool(_in_netns(netns, _legacy_names_here).strip())
+    except OSError:
+        # cannot enter the namespace from here (no CAP_SYS_ADMIN): ask a process inside it
+        r = _run(netns, ["cat", "/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"], check=False)
+        return bool(r.stdout.strip())
+
+
+_RE_COUNTERS = re.compile(r"\[\d+:\d+\]")
+_RE_NFT_COUNTER = re.compile(r"counter packets \d+ bytes \d+")
+_RE_EXPIRES = re.compile(r" expires \S+?(?=[ ,}]|$)")
+_RE_TIMESTAMP = re.compile(r"^# (?:Generated by|Completed on|Warning:).*$", re.M)
+
+
+def dump_digest(text: str) -> str:
+    """sha256 of a dump without packet counters, expiry timers and generated-on lines."""
+    t = _RE_TIMESTAMP.sub("", text)
+    t = _RE_COUNTERS.sub("[]", t)
+    t = _RE_NFT_COUNTER.sub("counter", t)
+    t = _RE_EXPIRES.sub("", t)
+    return hashlib.sha256(t.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# nf_tables generation id over netlink (no pyroute2: nptrace/netlink.py is its only importer)
+
+_NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_NFTABLES = 10
+_NFT_MSG_NEWGEN = 15
+_NFT_MSG_GETGEN = 16
+_NFTA_GEN_ID = 1
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 1
+_CLONE_NEWNET = 0x40000000
+
+
+def _genid_here() -> int:
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as s:
+        s.settimeout(2.0)
+        s.bind((0, 0))
+        seq = int(time.time()) & 0xFFFFFFFF
+        nfgen = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)  # nfgenmsg: family, version, res_id
+        msg_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN
+        s.send(struct.pack("=IHHII", 16 + len(nfgen), msg_type, _NLM_F_REQUEST, seq, 0) + nfgen)
+        data = s.recv(65536)
+    length, mtype, _, _, _ = struct.unpack_from("=IHHII", data)
+    if mtype == _NLMSG_ERROR:
+        err = -struct.unpack_from("=i", data, 16)[0]
+        raise OSError(err, os.strerror(err))
+    if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
+        raise OSError(0, f"unexpected netlink reply type {mtype}")
+    off = 20  # nlmsghdr + nfgenmsg
+    while off + 4 <= min(length, len(data)):
+        alen, atype = struct.unpack_from("=HH", data, off)
+        if alen < 4:
+            break
+        if atype & 0x3FFF == _NFTA_GEN_ID:
+            return struct.unpack_from(">I", data, off + 4)[0]
+        off += (alen + 3) & ~3
+    raise OSError(0, "no NFTA_GEN_ID in the netlink reply")
+
+
+def _setns(fd: int) -> None:
+    if hasattr(os, "setns"):  # Python 3.12+
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _in_netns(netns: str | None, fn):
+    """fn() run in the named namespace by a short-lived thread (setns moves only the calling
+    thread, and needs CAP_SYS_ADMIN); OSError when the namespace cannot be entered."""
+    if netns is None:
+        return fn()
+    result: list = []
+
+    def worker() -> None:
+        try:
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _setns(fd)
+            finally:
+                os.close(fd)
+            result.append((True, fn()))
+        except OSError as e:
+            result.append((False, e))
+
+    t = threading.Thread(target=worker, name=f"npt-netns-{netns}", daemon=True)
+    t.start()
+    t.join(5.0)
+    if not result:
+        raise OSError(0, f"timed out entering netns {netns}")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+def nft_generation(netns: str | None = None) -> int | None:
+    """The nf_tables generation id of the namespace, or None when it cannot be read.
+
+    It changes on every committed nft / iptables-nft transaction and not on counter updates, so
+    an unchanged id means unchanged nft and iptables-nft rules.
+    """
+    _check_netns(netns)
+    try:
+        return _in_netns(netns, _genid_here)
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# dumps
+
+
+def detect_backend(netns: str | None = None) -> str:
+    """Which kube-proxy backend programs the namespace: ``nft`` (table ``ip|ip6 kube-proxy``),
+    ``iptables-nft`` (``KUBE-SERVICES`` in iptables-nft's tables), ``iptables-legacy``
+    (``KUBE-SERVICES`` in legacy tables) or ``none``."""
+    _check_netns(netns)
+    tables = _nft_tables(netns)
+    if ("ip", "kube-proxy") in tables or ("ip6", "kube-proxy") in tables:
+        return "nft"
+    if any(_is_xt(f, n) for f, n in tables):
+        for tool in ("iptables-nft", "ip6tables-nft"):
+            if shutil.which(tool) is None:
+                continue
+            for table in ("nat", "filter"):
+                if _run(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
+                    return "iptables-nft"
+    if _legacy_present(netns):
+        for tool in ("iptables-legacy", "ip6tables-legacy"):
+            if shutil.which(tool) is None:
+                continue
+            for table in ("nat", "filter"):
+                if _run(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
+                    return "iptables-legacy"
+    return "none"
+
+
+def _read_nft(netns: str | None, tables: list[tuple[str, str]]) -> str:
+    native = [(f, n) for f, n in tables if not _is_xt(f, n)]
+    if not native:
+        return ""
+    if len(native) == len(tables):
+        return _run(netns, ["nft", "-a", "list", "ruleset"]).stdout
+    return "".join(_run(netns, ["nft", "-a", "list", "table", f, n]).stdout for f, n in native)
+
+
+def _read_xt(netns: str | None, tools: tuple[str, str], families: set[str] | None) -> str:
+    parts = []
+    for family, tool in zip(("ip", "ip6"), tools):
+        if families is not None and family not in families:
+            continue
+        if family == "ip6" and shutil.which(tool) is None:
+            continue  # an IPv4-only install; the IPv4 tool's absence is an error (_run says so)
+        parts.append(_run(netns, [tool]).stdout)
+    return "".join(parts)
+
+
+def read_rules(netns: str | None = None, backend: str = "auto") -> RulesDump:
+    """The rules of one backend (``auto``: :func:`detect_backend`).
+
+    ``nft``: every native nft table (``nft -a list ...``, with rule handles), without the tables
+    iptables-nft owns. ``iptables-nft`` / ``iptables-legacy``: IPv4 then IPv6 ``-save`` output.
+    ``none``: empty text.
+    """
+    _check_netns(netns)
+    if backend == "auto":
+        backend = detect_backend(netns)
+    if backend not in BACKENDS:
+        raise RulesSourceError(f"unknown rules backend {backend!r} (choose from {', '.join(BACKENDS)}, auto)")
+    gen = nft_generation(netns) if backend in ("nft", "iptables-nft") else None
+    if backend == "nft":
+        text = _read_nft(netns, _nft_tables(netns))
+    elif backend == "iptables-nft":
+        fams = {f for f, n in _nft_tables(netns) if _is_xt(f, n)}
+        text = _read_xt(netns, ("iptables-nft-save", "ip6tables-nft-save"), fams)
+    elif backend == "iptables-legacy":
+        text = _read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None)
+    else:
+        text = ""
+    return RulesDump(text, backend, dump_digest(text), gen, netns)
+
+
+def read_all(netns: str | None = None) -> list[RulesDump]:
+    """Every backend that holds rules in the namespace, kube-proxy's or not (a CNI or firewall
+    may drop with one backend while kube-proxy uses another)."""
+    _check_netns(netns)
+    tables = _nft_tables(netns)
+    gen = nft_generation(netns) if tables else None
+    dumps = []
+    if any(not _is_xt(f, n) for f, n in tables):
+        text = _read_nft(netns, tables)
+        dumps.append(RulesDump(text, "nft", dump_digest(text), gen, netns))
+    fams = {f for f, n in tables if _is_xt(f, n)}
+    if fams and shutil.which("iptables-nft-save"):
+        text = _read_xt(netns, ("iptables-nft-save", "ip6tables-nft-save"), fams)
+        dumps.append(RulesDump(text, "iptables-nft", dump_digest(text), gen, netns))
+    if _legacy_present(netns) and shutil.which("iptables-legacy-save"):
+        text = _read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None)
+        dumps.append(RulesDump(text, "iptables-legacy", dump_digest(text), None, netns))
+    return dumps
+
+
+def parse_dump(dump: RulesDump) -> ServiceMap:
+    """The ServiceMap of one dump."""
+    if dump.backend == "nft":
+        return parse_nft(dump.text, backend="nft")
+    if dump.backend in ("iptables-nft", "iptables-legacy"):
+        return parse_iptables_save(dump.text, backend=dump.backend)
+    return ServiceMap()
+
+
+def load_service_map(netns: str | None = None) -> ServiceMap:
+    """Services and drop rules from every backend present in the namespace, merged."""
+    return merge(*(parse_dump(d) for d in read_all(netns)))
+
+
+def fingerprint(netns: str | None = None) -> tuple:
+    """Cheap value that changes when the namespace's rules change (not on counter updates):
+    the nf_tables generation id, plus a digest of the legacy dump when legacy tables exist."""
+    _check_netns(netns)
+    legacy = None
+    if _legacy_present(netns) and shutil.which("iptables-legacy-save"):
+        legacy = dump_digest(_read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None))
+    return (nft_generation(netns), legacy)
+
+
+class ServiceMapCache:
+    """A ServiceMap of one namespace that is re-read only when its rules changed.
+
+    ``get()`` checks :func:`fingerprint` at most every ``min_interval`` seconds and re-dumps and
+    re-parses only when it moved. When the generation id cannot be read (no CAP_SYS_ADMIN), the
+    full dumps are hashed instead. ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, netns: str | None = None, *, min_interval: float = 2.0, clock=time.monotonic):
+        _check_netns(netns)
+        self.netns = netns
+        self.min_interval = min_interval
+        self._clock = clock
+        self._checked = float("-inf")
+        self._fp: tuple | None = None
+        self._map: ServiceMap | None = None
+        self.reloads = 0
+        self._lock = threading.Lock()
+
+    def get(self) -> ServiceMap:
+        with self._lock:
+            now = self._clock()
+            if self._map is not None and now - self._checked < self.min_interval:
+                return self._map
+            self._checked = now
+            fp = fingerprint(self.netns)
+            if self._map is not None and fp == self._fp and fp[0] is not None:
+                return self._map
+            dumps = read_all(self.netns)
+            if fp[0] is None:  # no generation id: compare the dumps themselves
+                fp = (None, tuple(d.digest for d in dumps))
+                if self._map is not None and fp == self._fp:
+                    return self._map
+            self._map = merge(*(parse_dump(d) for d in dumps))
+            self._fp = fp
+            self.reloads += 1
+            return self._map
+
+    def invalidate(self) -> None:
+        """Force the next get() to re-read."""
+        with self._lock:
+            self._fp = None
+            self._checked = float("-inf")

@@ -1,0 +1,286 @@
+"""`--metrics-addr HOST:PORT`: Prometheus metrics of labeled verdicts and exact kernel counts.
+
+Two sources, one registry (always passed in, never prometheus_client's global one):
+  * MetricsSink.write(verdict) counts what the classifier labeled:
+      nptrace_resets_total{cause,iface,direction}, nptrace_drops_total{cause,iface},
+      nptrace_anomalies_total{cause,iface}, and nptrace_service_events_total{service,kind,
+      cause} for the Services (by kube-proxy name) behind them.
+    These miss events the ring buffer lost (nptrace_events_lost_total says how many).
+  * KernelCollector reads the in-kernel per-CPU counters at scrape time (client_python
+    docs/content/collector/custom.md), so they are exact even under loss:
+      nptrace_kernel_events_total{type,hook,reason,iface}, nptrace_events_lost_total,
+      nptrace_events_emitted_total, nptrace_events_filtered_total, nptrace_flows_tracked,
+      nptrace_probe_up{probe}, nptrace_kernel_counters_up.
+
+Labels are bounded: never addresses, ports or netns inodes. Interface names can grow without
+bound on a node whose pods churn (cni-<uuid>/eth0), so at most `max_ifaces` distinct values are
+kept; later ones are counted as iface="other". Service names are bounded by the cluster but
+capped the same way (service="none" when no Service matched).
+
+The collector runs on the HTTP server's thread: the callables given to it must be safe to call
+from there (bcc map reads are syscalls and are). Give it the plain name lookup
+(netns.Names.iface), not the session recorder's wrapper, which writes to the session file and
+belongs to the main thread.
+"""
+from __future__ import annotations
+
+import errno
+import threading
+from typing import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nptrace import events as ev
+from nptrace.classify import Verdict
+from nptrace.errors import NptraceError
+
+DEFAULT_ADDR = "127.0.0.1:9464"
+MAX_IFACES = 256
+MAX_SERVICES = 512
+OTHER = "other"
+NO_IFACE = "none"         # the event had no interface (ifindex 0)
+UNKNOWN_IFACE = "unknown"  # an ifindex whose name could not be found
+
+# Every metric family name this module can expose (the Grafana test checks the dashboard
+# against it).
+METRIC_NAMES = frozenset({
+    "nptrace_resets_total", "nptrace_drops_total", "nptrace_anomalies_total",
+    "nptrace_service_events_total",
+    "nptrace_kernel_events_total", "nptrace_events_lost_total", "nptrace_events_emitted_total",
+    "nptrace_events_filtered_total", "nptrace_flows_tracked", "nptrace_probe_up",
+    "nptrace_kernel_counters_up",
+})
+
+
+class BoundedLabels:
+    """Bounded set of label values (interfaces are shared by the sink and the collector)."""
+
+    def __init__(self, limit: int = MAX_IFACES):
+        self.limit = limit
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str | None) -> str:
+        if not name:
+            return NO_IFACE
+        with self.lock:
+            if name in self.seen:
+                return name
+            if len(self.seen) < self.limit:
+                self.seen.add(name)
+                return name
+        return OTHER
+
+
+def reason_label(typ: int, reason: int, drop_name, rst_name) -> str:
+    """The same reason text as classify.reason_name, from a count key instead of an Event."""
+    if typ == ev.EvType.DROP:
+        return drop_name(reason)
+    if typ == ev.EvType.RST_SENT:
+        return rst_name(reason)
+    if typ in (ev.EvType.ICMP_UNREACH, ev.EvType.WIRE_ICMP):
+        return f"ICMP_{reason >> 8}_{reason & 0xff}"
+    try:
+        return ev.EvType(typ).name
+    except ValueError:
+        return f"TYPE_{typ}"
+
+
+def _hook_label(hook: int) -> str:
+    try:
+        return ev.HOOK_NAMES[ev.Hook(hook)]
+    except (ValueError, KeyError):
+        return f"hook_{hook}"
+
+
+def _type_label(typ: int) -> str:
+    try:
+        return ev.EvType(typ).name
+    except ValueError:
+        return f"TYPE_{typ}"
+
+
+CountersFn = Callable[[], "tuple[Mapping[tuple, int], Mapping[str, int]]"]
+
+
+class KernelCollector:
+    """Reads exact counters at scrape time. `counters()` returns (Probes.counts(),
+    Probes.stats()): ({(type, hook, reason, ifindex, netns): n}, {"emitted", "lost",
+    "filtered"})."""
+
+    def __init__(self, counters: CountersFn, *, iface_name: Callable[[int, int], str | None],
+                 drop_name: Callable[[int], str] = lambda v: f"REASON_{v}",
+                 rst_name: Callable[[int], str] = lambda v: f"REASON_{v}",
+                 flows: Callable[[], int] | None = None,
+                 probes: Callable[[], Mapping[str, bool]] | None = None,
+                 ifaces: BoundedLabels | None = None):
+        self.counters = counters
+        self.iface_name = iface_name
+        self.drop_name, self.rst_name = drop_name, rst_name
+        self.flows, self.probes = flows, probes
+        self.ifaces = ifaces or BoundedLabels()
+
+    def describe(self):
+        # Declared without reading the maps, so registering never touches the kernel.
+        return [CounterMetricFamily("nptrace_kernel_events", "", labels=["type", "hook", "reason", "iface"]),
+                CounterMetricFamily("nptrace_events_lost", ""),
+                CounterMetricFamily("nptrace_events_emitted", ""),
+                CounterMetricFamily("nptrace_events_filtered", ""),
+                GaugeMetricFamily("nptrace_kernel_counters_up", ""),
+                GaugeMetricFamily("nptrace_flows_tracked", ""),
+                GaugeMetricFamily("nptrace_probe_up", "", labels=["probe"])]
+
+    def _iface(self, netns: int, ifindex: int) -> str:
+        if not ifindex:
+            return NO_IFACE
+        try:
+            name = self.iface_name(netns, ifindex)
+        except Exception:
+            name = None
+        return self.ifaces(name) if name else UNKNOWN_IFACE
+
+    def collect(self):
+        up = GaugeMetricFamily("nptrace_kernel_counters_up",
+                               "1 when the last scrape read the in-kernel counters")
+        try:
+            counts, stats = self.counters()
+        except Exception:
+            counts, stats = None, None
+        if counts is not None:
+            fam = CounterMetricFamily(
+                "nptrace_kernel_events",
+                "Events counted in the kernel before the ring buffer (exact, even when records "
+                "are lost)", labels=["type", "hook", "reason", "iface"])
+            agg: dict[tuple, int] = {}
+            for (typ, hook, reason, ifindex, netns), n in counts.items():
+                k = (_type_label(typ), _hook_label(hook),
+                     reason_label(typ, reason, self.drop_name, self.rst_name),
+                     self._iface(netns, ifindex))
+                agg[k] = agg.get(k, 0) + int(n)
+            for k in sorted(agg):
+                fam.add_metric(list(k), agg[k])
+            yield fam
+            for key, help_ in (("lost", "Event records the ring buffer had no room for"),
+                               ("emitted", "Event records written to the ring buffer"),
+                               ("filtered", "Events the in-kernel port/host filters rejected")):
+                c = CounterMetricFamily(f"nptrace_events_{key}", help_)
+                c.add_metric([], int(stats.get(key, 0)))
+                yield c
+            up.add_metric([], 1)
+        else:
+            up.add_metric([], 0)
+        yield up
+        if self.flows is not None:
+            g = GaugeMetricFamily("nptrace_flows_tracked", "Flows held in the classifier's "
+                                  "correlation state")
+            try:
+                g.add_metric([], int(self.flows()))
+                yield g
+            except Exception:
+                pass
+        if self.probes is not None:
+            g = GaugeMetricFamily("nptrace_probe_up", "1 when the probe is attached",
+                                  labels=["probe"])
+            try:
+                for name, ok in sorted(self.probes().items()):
+                    g.add_metric([str(name)], 1 if ok else 0)
+                yield g
+            except Exception:
+                pass
+
+
+class MetricsSink:
+    """Counts verdicts. `registry` is the caller's CollectorRegistry."""
+
+    def __init__(self, registry: CollectorRegistry, max_ifaces: int = MAX_IFACES,
+                 max_services: int = MAX_SERVICES):
+        self.registry = registry
+        self.ifaces = BoundedLabels(max_ifaces)
+        self.services = BoundedLabels(max_services)
+        self.resets = Counter("nptrace_resets", "TCP resets by attributed cause",
+                              ["cause", "iface", "direction"], registry=registry)
+        self.drops = Counter("nptrace_drops", "Drops behind a failed connection, by cause",
+                             ["cause", "iface"], registry=registry)
+        self.anomalies = Counter("nptrace_anomalies", "Asymmetric replies and similar anomalies",
+                                 ["cause", "iface"], registry=registry)
+        self.by_service = Counter("nptrace_service_events",
+                                  "Labeled resets, drops and anomalies by kube-proxy Service",
+                                  ["service", "kind", "cause"], registry=registry)
+        self.collector: KernelCollector | None = None
+
+    def watch_kernel(self, counters: CountersFn, **kw) -> KernelCollector:
+        """Register the scrape-time collector of exact kernel counters (KernelCollector's
+        keyword arguments: iface_name, drop_name, rst_name, flows, probes)."""
+        self.collector = KernelCollector(counters, ifaces=self.ifaces, **kw)
+        self.registry.register(self.collector)
+        return self.collector
+
+    def write(self, v: Verdict) -> None:
+        iface = self.ifaces(v.iface)
+        if v.kind == "rst":
+            self.resets.labels(v.cause, iface, v.direction or "none").inc()
+        elif v.kind == "anomaly":
+            self.anomalies.labels(v.cause, iface).inc()
+        else:
+            self.drops.labels(v.cause, iface).inc()
+        self.by_service.labels(self.services(v.service), v.kind, v.cause).inc()
+
+    def close(self) -> None:
+        pass
+
+
+# --- HTTP -----------------------------------------------------------------------------------
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """"HOST:PORT", "[V6]:PORT" or "V6:PORT" -> (host, port). The host is required: binding
+    beyond loopback must be an explicit choice."""
+    text = addr.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise NptraceError(f"bad metrics address {addr!r}: use HOST:PORT, e.g. {DEFAULT_ADDR}")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise NptraceError(f"bad metrics address {addr!r}: use [V6ADDR]:PORT for IPv6")
+        host = host[1:-1]
+    # An unbracketed IPv6 address takes the last ":N" as the port: the DaemonSet passes
+    # $(NODE_IP):9464, and status.hostIP is unbracketed on IPv6 nodes.
+    return host, int(port)
+
+
+class MetricsServer:
+    def __init__(self, httpd, thread, host: str, port: int):
+        self.httpd, self.thread, self.host, self.port = httpd, thread, host, port
+
+    @property
+    def url(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}/metrics"
+
+    def close(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+
+
+def serve(addr: str, registry: CollectorRegistry) -> MetricsServer:
+    """Start prometheus_client's HTTP server on a daemon thread. Port 0 picks a free port
+    (tests); the bound port is MetricsServer.port."""
+    from prometheus_client import start_http_server
+    host, port = parse_addr(addr)
+    try:
+        got = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise NptraceError(f"metrics address {addr} in use: stop the other exporter or "
+                               "choose another --metrics-addr") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise NptraceError(f"metrics address {addr}: no such local address") from None
+        raise NptraceError(f"cannot serve metrics on {addr}: {e.strerror or e}") from None
+    except (ValueError, UnicodeError) as e:   # unresolvable host name
+        raise NptraceError(f"bad metrics address {addr!r}: {e}") from None
+    # prometheus_client < 0.19 returns None: no handle to stop it or read the port.
+    httpd, thread = got if isinstance(got, tuple) else (None, None)
+    bound = httpd.server_address[1] if httpd is not None else port
+    return MetricsServer(httpd, thread, host, bound)

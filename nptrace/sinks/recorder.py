@@ -1,0 +1,132 @@
+"""`--record DIR`: the live side of a session (nptrace/session.py holds the format).
+
+The recorder stores what the kernel said (each raw ring-buffer record) and what the live
+classifier learned from the node while labeling it (interface and Service names), so that
+`nptrace replay` gives the same lines the live run printed, with today's classifier.
+
+Names are recorded by wrapping the Context's lookups: a lookup whose answer differs from what
+the session already holds is written at once, i.e. after the event that needed it and before
+the next one; replay applies the records that follow an event before classifying it. Only
+answers that are names are kept (client address:port pairs never name a Service), so the
+tables stay as small as the node's interfaces and Services.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Callable
+
+from nptrace.session import SessionWriter
+
+CountersFn = Callable[[], "tuple[dict, dict]"]
+_MISSING = object()
+
+
+class Recorder:
+    """Sink-shaped (write/close) so it can sit in Tracer.sinks; the work is in on_raw()."""
+
+    def __init__(self, writer: SessionWriter, counters: CountersFn | None = None,
+                 counters_interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.writer = writer
+        self.counters = counters
+        self.counters_interval_s = counters_interval_s
+        self.clock = clock
+        self.last_counters = clock()
+
+    # -- wrapped lookups (give these to classify.Context) -------------------------------
+    def iface_name(self, lookup: Callable[[int, int], str | None]) -> Callable[[int, int], str | None]:
+        known = self.writer.ifnames
+
+        def recorded(netns: int, ifindex: int) -> str | None:
+            name = lookup(netns, ifindex)
+            if known.get(netns, {}).get(ifindex) != name:
+                self.writer.write_names({netns: {ifindex: name}})
+            return name
+        return recorded
+
+    def service_of(self, lookup: Callable[[str, int], str | None]) -> Callable[[str, int], str | None]:
+        known = self.writer.services
+
+        def recorded(addr: str, port: int) -> str | None:
+            name = lookup(addr, port)
+            if known.get((addr, port)) != name:
+                self.writer.write_services([(addr, port, name)])
+            return name
+        return recorded
+
+    def lookup(self, name: str, fn: Callable) -> Callable:
+        """Any other Context lookup (nf_rule, endpoint_of, route_iface): record each answer
+        that differs from what the session holds, keyed by the call's arguments."""
+        known = self.writer.lookups
+
+        def recorded(*args):
+            value = fn(*args)
+            if known.get(name, {}).get(tuple(args), _MISSING) != value:
+                self.writer.write_lookup(name, tuple(args), value)
+            return value
+        return recorded
+
+    # -- pipeline ------------------------------------------------------------------------
+    def on_raw(self, raw: bytes) -> None:
+        """Every ring-buffer record, BEFORE the classifier sees it."""
+        self.writer.write_event(raw)
+
+    def snapshot_counters(self) -> None:
+        if self.counters is None:
+            return
+        counts, stats = self.counters()
+        self.writer.write_counters(counts, stats)
+        self.last_counters = self.clock()
+
+    def tick(self) -> None:
+        """From the poll loop (every <= 0.5 s): flush, rotate, periodic counters."""
+        if self.counters is not None and self.clock() - self.last_counters >= self.counters_interval_s:
+            try:
+                self.snapshot_counters()
+            except Exception as e:   # a failed map read must not stop the recording
+                self.writer.log(f"warning: cannot read kernel counters for the session: {e}")
+                self.last_counters = self.clock()
+        self.writer.tick()
+
+    def reopen(self) -> None:
+        """SIGHUP (safe inside a signal handler: only sets a flag)."""
+        self.writer.reopen()
+
+    def write(self, _verdict) -> None:
+        """Verdicts are not recorded: replay derives them again from the raw records."""
+
+    def close(self) -> None:
+        try:
+            self.snapshot_counters()
+        except Exception:
+            pass   # probes already closed: the last periodic snapshot stands
+        self.writer.close()
+
+
+def _links(cmd: list[str]) -> dict[int, str]:
+    try:
+        r = subprocess.run(cmd + ["-j", "link", "show"], capture_output=True, text=True, timeout=5)
+        return {int(x["ifindex"]): x["ifname"] for x in json.loads(r.stdout or "[]")}
+    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+        return {}
+
+
+def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
+    """{netns inode: {ifindex: name}} of the host and up to `limit` named namespaces, named
+    the way nptrace.netns.Names.iface names them ("ns/ifname" in a named namespace). For the
+    session header: a person reading it, and `report`; replay itself relies on the recorded
+    lookups."""
+    from nptrace import netns
+    out: dict[int, dict[int, str]] = {}
+    try:
+        out[netns.host_inode()] = _links(["ip"])
+    except OSError:
+        pass
+    for i, (inode, name) in enumerate(sorted(netns.named_namespaces().items(), key=lambda x: x[1])):
+        if i >= limit:
+            break
+        if inode in out:
+            continue
+        out[inode] = {idx: f"{name}/{ifn}" for idx, ifn in _links(["ip", "-n", name]).items()}
+    return out

@@ -1,0 +1,265 @@
+"""replay / report / merge over recorded sessions (no root, no bcc): replay prints what the
+live run printed; problems are one line on stderr with the right exit code."""
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from nptrace import events as ev
+from nptrace import offline
+from nptrace.classify import Classifier, Context
+from nptrace.reasons import ReasonTable
+from nptrace.session import SessionWriter, make_header, read_session, session_files
+from nptrace.sinks.jsonl import verdict_dict
+from nptrace.sinks.recorder import Recorder
+
+E0 = 1_700_000_000 * 10**9        # wall-clock ns of the scenario's start
+HOST_NS = 4026531840
+DROPS = ReasonTable({3: "SKB_DROP_REASON_NO_SOCKET", 12: "SKB_DROP_REASON_NETFILTER_DROP",
+                     16: "SKB_DROP_REASON_IP_RPFILTER"}, "SKB_DROP_REASON_")
+RSTS = ReasonTable({0: "SK_RST_REASON_NOT_SPECIFIED", 1: "SK_RST_REASON_NO_SOCKET"}, "SK_RST_REASON_")
+SVC = {("10.0.0.2", 30080): "default/web:http", ("10.244.2.5", 8080): "default/web:http"}
+
+
+def rp_drop(ts, sport=5000, ifindex=3):
+    return ev.encode(ts_ns=ts, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16,
+                     ifindex=ifindex, netns=HOST_NS, saddr="192.168.2.10", sport=sport,
+                     daddr="10.0.0.2", dport=30080, l4proto=6, tcpflags=ev.TCP_SYN)
+
+
+def rst_recv(ts, sport=5000, ifindex=3):
+    return ev.encode(ts_ns=ts, type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST,
+                     ifindex=ifindex, netns=HOST_NS, saddr="10.0.0.2", sport=30080,
+                     daddr="192.168.2.10", dport=sport, flags=ev.F_HAS_SOCK, tcpflags=ev.TCP_RST)
+
+
+def pod_no_listener(ts):
+    """Node B: the pod's kernel resets the SNATed connection (nothing listens on 8080)."""
+    return ev.encode(ts_ns=ts, type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
+                     ifindex=5, netns=HOST_NS, saddr="10.244.2.5", sport=8080,
+                     daddr="10.0.0.2", dport=40001, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                     aux=ev.TCP_SYN)   # the packet it answered
+
+
+def nodeport_wire_rst(ts):
+    """Node A: that reset arrives back from node B, before conntrack un-NATs it."""
+    return ev.encode(ts_ns=ts, type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS, ifindex=3,
+                     netns=HOST_NS, saddr="10.244.2.5", sport=8080, daddr="10.0.0.2",
+                     dport=40001, tcpflags=ev.TCP_RST | ev.TCP_ACK, flags=ev.F_HAS_CT,
+                     ct_osrc="192.0.2.10", ct_osport=50000, ct_odst="10.0.0.2", ct_odport=30080,
+                     ct_rsrc="10.244.2.5", ct_rsport=8080, ct_rdst="10.0.0.2", ct_rdport=40001,
+                     ct_status=ev.IPS_DST_NAT | ev.IPS_SRC_NAT)
+
+
+def live(d, raws, *, node="node-a", mono0=0, ifnames=None, services=None, rename_at=None,
+         counters=None, **wkw):
+    """The live pipeline as tracer.py wires it: recorder.on_raw before classifier.feed, the
+    Context's lookups wrapped by the recorder. Returns the JSON lines the live run printed."""
+    offset = E0 - mono0
+    w = SessionWriter(d, header=make_header(epoch_offset_ns=offset, drops=DROPS, resets=RSTS,
+                                            node=node, kernel="6.18.0"), **wkw)
+    rec = Recorder(w, counters=counters)
+    names = dict(ifnames or {3: "eth1", 5: "eth0"})
+    svc = dict(SVC if services is None else services)
+    ctx = Context(drop_name=DROPS.name, rst_name=RSTS.name,
+                  iface_name=rec.iface_name(lambda ns, i: names.get(i)),
+                  service_of=rec.service_of(lambda a, p: svc.get((a, p))))
+    c = Classifier(ctx)
+    out = []
+    for i, raw in enumerate(raws):
+        if rename_at is not None and i == rename_at:
+            names[3] = "eth1-renamed"
+        rec.on_raw(raw)
+        for v in c.feed(ev.decode(raw)):
+            out.append(verdict_dict(v, offset))
+        rec.tick()
+    for v in c.flush():
+        out.append(verdict_dict(v, offset))
+    rec.close()
+    return out
+
+
+def scenario_a(mono0=0):
+    t = mono0
+    return [rp_drop(t + 1_000_000), rst_recv(t + 2_000_000),
+            rp_drop(t + 61 * 10**9, sport=5001), nodeport_wire_rst(t + 62 * 10**9)]
+
+
+def roundtrip(v):
+    return json.loads(json.dumps(v))
+
+
+def test_replay_equals_live_with_names_services_and_rotation(tmp_path):
+    raws = scenario_a() + [rp_drop(70 * 10**9 + i, sport=6000 + i) for i in range(60)]
+    want = live(tmp_path / "a", raws, rename_at=40, max_file_bytes=4096 * 2)
+    assert len(session_files(tmp_path / "a")) > 1            # rotation happened mid-run
+    assert want[0]["iface"] == "eth1" and want[0]["service"] == "default/web:http"
+    assert want[-1]["iface"] == "eth1-renamed"
+    problems = []
+    got = [verdict_dict(it.verdict, it.header["epoch_offset_ns"])
+           for it in offline.Replay(tmp_path / "a").items()]
+    assert problems == []
+    assert roundtrip(got) == roundtrip(want)
+    assert [v.cause for v in offline.replay(tmp_path / "a")] == [d["cause"] for d in want]
+
+
+def test_received_reset_inherits_the_drop_cause_in_replay(tmp_path):
+    out = live(tmp_path / "a", scenario_a())
+    assert [d["cause"] for d in out[:2]] == ["rp_filter", "rp_filter"]
+    got = [v.cause for v in offline.replay(tmp_path / "a")]
+    assert got[:2] == ["rp_filter", "rp_filter"]
+
+
+def test_each_daemon_start_is_a_run_of_its_own(tmp_path):
+    d = tmp_path / "a"
+    live(d, [rp_drop(1_000)])
+    live(d, [rst_recv(2_000)])                   # restarted daemon: no memory of the drop
+    causes = [v.cause for v in offline.replay(d)]
+    assert causes == ["rp_filter", "peer_reset"]
+
+
+def invoke(cmd, args):
+    return CliRunner().invoke(cmd, [str(a) for a in args])
+
+
+def test_replay_command_json_is_the_live_json(tmp_path):
+    want = live(tmp_path / "a", scenario_a())
+    r = invoke(offline.replay_command, [tmp_path / "a", "--json"])
+    assert r.exit_code == 0, r.output
+    got = [json.loads(x) for x in r.stdout.splitlines()]
+    assert got == roundtrip(want)
+    assert r.stderr == ""
+
+
+def test_replay_command_text(tmp_path):
+    live(tmp_path / "a", scenario_a())
+    r = invoke(offline.replay_command, [tmp_path / "a"])
+    assert r.exit_code == 0
+    assert "rp_filter" in r.stdout and "hint:" in r.stdout and "svc=default/web:http" in r.stdout
+    assert "summary" in r.stderr
+
+
+def test_replay_torn_tail_prints_good_records_warns_exit_0(tmp_path):
+    full = live(tmp_path / "a", scenario_a())
+    [f] = session_files(tmp_path / "a")
+    # The last record is the final counters snapshot; with no counters fn it is the last
+    # event (an incident of its own). Cut into it.
+    os.truncate(f, f.stat().st_size - 10)
+    r = invoke(offline.replay_command, [f, "--json"])
+    assert r.exit_code == 0
+    assert len(r.stdout.splitlines()) == len(full) - 1
+    [line] = r.stderr.splitlines()[-1:]
+    assert line.startswith("nptrace: warning: ") and "torn tail at byte" in line
+    assert "Traceback" not in r.output
+
+
+def test_replay_corrupt_middle_prints_the_rest_and_exits_2(tmp_path):
+    live(tmp_path / "a", scenario_a())
+    [f] = session_files(tmp_path / "a")
+    _, recs, _ = read_session(f)
+    off = [x for x in recs if x.kind == "event"][1].offset
+    data = bytearray(f.read_bytes())
+    data[off + 30] ^= 0x55
+    f.write_bytes(bytes(data))
+    r = invoke(offline.replay_command, [f, "--json"])
+    assert r.exit_code == 2
+    # the corrupt record was the received RST, which joined the first rp_filter incident
+    assert len(r.stdout.splitlines()) == 3
+    assert "corrupt record at byte" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("cmd", [offline.replay_command, offline.report_command,
+                                 offline.merge_command])
+def test_not_a_session_is_one_line_exit_2(tmp_path, cmd):
+    f = tmp_path / "notes.txt"
+    f.write_text("not a session\n")
+    r = invoke(cmd, [f])
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert "not an nptrace session file" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = invoke(cmd, [tmp_path / "missing"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_replay_via_the_nptrace_entry_point(tmp_path):
+    """Through a group and cli.main, as the lead registers it: `nptrace: error: ...`."""
+    import click
+    from nptrace import cli
+    live(tmp_path / "a", scenario_a())
+    f = tmp_path / "bad"
+    f.write_text("x")
+    group = click.Group(commands={"replay": offline.replay_command})
+    saved = cli.main_group
+    cli.main_group = group
+    try:
+        with pytest.raises(SystemExit) as ex:
+            cli.main(["replay", str(f)])
+    finally:
+        cli.main_group = saved
+    assert ex.value.code == 2
+
+
+def test_replay_writes_pcap(tmp_path):
+    live(tmp_path / "a", scenario_a())
+    out = tmp_path / "x.pcapng"
+    r = invoke(offline.replay_command, [tmp_path / "a", "--json", "--pcap", out])
+    assert r.exit_code == 0
+    assert out.read_bytes()[:4] == b"\x0a\x0d\x0d\x0a"
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+
+
+def test_report(tmp_path):
+    counts = ({(1, 1, 16, 3, HOST_NS): 9, (3, 3, 0, 3, HOST_NS): 2},
+              {"emitted": 10, "lost": 1, "filtered": 4})
+    live(tmp_path / "a", scenario_a(), counters=lambda: counts)
+    text = offline.report(tmp_path / "a")
+    assert "4 events replayed, 3 labeled" in text
+    assert "rp_filter" in text and "default/web:http" in text and "eth1" in text
+    assert "top flows" in text and "192.168.2.10:5000 -> 10.0.0.2:30080" in text
+    assert "192.0.2.10:50000 -> 10.0.0.2:30080 -> 10.244.2.5:8080" in text
+    assert "timeline (per minute, UTC)" in text
+    assert "2023-11-14 22:13" in text and "2023-11-14 22:14" in text
+    assert "DROP           skb:kfree_skb            IP_RPFILTER" in text
+    assert "1 lost" in text and "WARNING: 1 event records were lost" in text
+    r = invoke(offline.report_command, [tmp_path / "a", "--top", "1"])
+    assert r.exit_code == 0 and "top flows (1 of 3)" in r.stdout
+
+
+def test_report_of_a_quiet_session(tmp_path):
+    live(tmp_path / "a", [])
+    text = offline.report(tmp_path / "a")
+    assert "no resets or drops recorded" in text and "kernel counts: none recorded" in text
+
+
+def test_merge_interleaves_nodes_and_joins_the_crossing_flow(tmp_path):
+    # Node A's monotonic clock started 500 s after node B's: only epoch time orders them.
+    live(tmp_path / "a", scenario_a(mono0=10 * 10**9), node="node-a", mono0=10 * 10**9)
+    live(tmp_path / "b", [pod_no_listener(900 * 10**9 + 61_500_000_000)], node="node-b",
+         mono0=900 * 10**9)
+    got = list(offline.merge([tmp_path / "a", tmp_path / "b"]))
+    # the first rp_filter drop and the reset the client received are one incident
+    assert [m.node for m in got] == ["node-a", "node-a", "node-b", "node-a"]
+    times = [m.item.epoch_ns for m in got]
+    assert times == sorted(times)
+    story = {m.verdict.event.type: m.story for m in got}
+    assert story[ev.EvType.RST_SENT] == story[ev.EvType.WIRE_RST]        # one connection
+    assert got[0].story != got[1].story != story[ev.EvType.RST_SENT]
+
+    r = invoke(offline.merge_command, [tmp_path / "a", tmp_path / "b"])
+    assert r.exit_code == 0, r.output
+    assert "stories across nodes (1)" in r.stdout
+    assert "node-b -> node-a" in r.stdout and "no_listener" in r.stdout
+    r = invoke(offline.merge_command, [tmp_path / "a", tmp_path / "b", "--json"])
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert {x["node"] for x in rows} == {"node-a", "node-b"}
+    assert rows[2]["story"] == rows[3]["story"] and rows[2]["cause"] == "no_listener"
+
+
+def test_merge_window_keeps_reused_tuples_apart(tmp_path):
+    live(tmp_path / "a", [rp_drop(0), rp_drop(100 * 10**9)])
+    got = list(offline.merge([tmp_path / "a"], window_s=30))
+    assert got[0].story != got[1].story
+    got = list(offline.merge([tmp_path / "a"], window_s=1000))
+    assert got[0].story == got[1].story
