@@ -140,3 +140,14 @@ def status(obj, as_json):
                f"{len(st['namespaces'])} namespaces, {st['servers_alive']}/{len(st['pids'])} servers alive")
     if st["missing"]:
         click.echo(f"missing namespaces: {' '.join(st['missing'])}")
+
+
+def _register_vm_commands():
+    """Real-VM commands (Vagrant lab): apply a scenario role to this host, trigger from it."""
+    from .vm import apply_role_command, nics_command, vm_trigger_command
+    lab.add_command(apply_role_command)
+    lab.add_command(vm_trigger_command)
+    lab.add_command(nics_command)
+
+
+_register_vm_commands()
