@@ -64,6 +64,21 @@ def _run_options(fn):
                      help="Ring buffer size in 4 KiB pages (power of two)."),
         click.option("--ready-file", hidden=True,
                      help="Write this file once every probe is attached."),
+        click.option("--record", "record_dir", metavar="DIR",
+                     help="Record raw kernel events to msgpack session files in DIR (0600) for "
+                          "`nptrace replay` / `report` / `merge`."),
+        click.option("--record-max-file-mb", type=click.IntRange(1), default=64, show_default=True,
+                     help="Start a new session file past this size."),
+        click.option("--record-max-age", type=click.IntRange(1), default=3600, show_default=True,
+                     metavar="SECONDS", help="Start a new session file past this age."),
+        click.option("--record-max-total-mb", type=click.IntRange(1), default=1024,
+                     show_default=True, help="Delete the oldest session files past this total."),
+        click.option("--metrics-addr", metavar="[HOST:]PORT",
+                     help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
+                          "elsewhere must be explicit)."),
+        click.option("--pcap", "--output-pcap", "pcap", metavar="FILE",
+                     help="Write the packets behind labeled events as pcapng (0600), with cause "
+                          "and evidence as packet comments."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -79,7 +94,8 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @main_group.command()
 @_run_options
 @one_line_errors
-def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
+def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, record_dir,
+        record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -89,12 +105,18 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
     """
     from nptrace.sinks.console import Console
     from nptrace.sinks.jsonl import JsonLines
-    from nptrace.tracer import Tracer, log
+    from nptrace.tracer import Outputs, Tracer, log
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
     cfg = build_config(ifaces, ports, hosts, ring_pages)
-    tracer = Tracer(cfg, [], ready_file=ready_file)
+    if metrics_addr and ":" not in metrics_addr:
+        metrics_addr = f"127.0.0.1:{metrics_addr}"
+    outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
+                      record_max_age_s=float(record_max_age),
+                      record_max_total_bytes=record_max_total_mb << 20,
+                      metrics_addr=metrics_addr, pcap=pcap)
+    tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
     sink = JsonLines(tracer.epoch_offset_ns) if as_json else Console(tracer.epoch_offset_ns)
     tracer.sinks.append(sink)
     try:
@@ -109,7 +131,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
 @main_group.command("dump-bpf")
 @_run_options
 @one_line_errors
-def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file):
+def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, **_outputs):
     """Print the BPF source and cflags `run` would compile (no root needed)."""
     from nptrace import btf, loader, offsets
     from nptrace.tracer import available_tracepoints
@@ -131,6 +153,10 @@ def _register_optional():
         main_group.add_command(lab, "lab")
     except ImportError:
         pass
+    from nptrace.offline import merge_command, replay_command, report_command
+    main_group.add_command(replay_command, "replay")
+    main_group.add_command(report_command, "report")
+    main_group.add_command(merge_command, "merge")
 
 
 _register_optional()

@@ -62,6 +62,17 @@ def check_ifaces(cfg: Config) -> None:
             raise InterfaceError(f"interface {spec.name!r} not found{where} (ip link)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """Where labeled events go besides stdout."""
+    record_dir: str | None = None
+    record_max_file_bytes: int = 64 << 20
+    record_max_age_s: float = 3600.0
+    record_max_total_bytes: int = 1 << 30
+    metrics_addr: str | None = None
+    pcap: str | None = None
+
+
 def inode_of_netns(name: str) -> int:
     return os.stat(Path("/run/netns") / name).st_ino
 
@@ -97,13 +108,14 @@ class InstanceLock:
 
 class Tracer:
     def __init__(self, cfg: Config, sinks: list, ready_file: str | None = None,
-                 context: Context | None = None):
+                 context: Context | None = None, outputs: Outputs | None = None):
         self.cfg = cfg
         self.sinks = sinks
         self.ready_file = ready_file
         self.ctx = context
         self.probes = None
         self.tc = None
+        self.recorder = None
         self.stop_requested = False
         self.decoded = 0
         self.bad_records = 0
@@ -112,6 +124,8 @@ class Tracer:
         self.reopen_requested = False
         self.recorders: list = []      # get every raw record (session files)
         self.reader = None
+        self.outputs = outputs or Outputs()
+        self.metrics = self.metrics_server = None
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -125,6 +139,7 @@ class Tracer:
         offset_flags = offsets.cflags(kbtf)
         drops, rsts = reasons.load_tables(kbtf)
         tps = available_tracepoints()
+        self._open_outputs(drops, rsts, tps)   # before the slow compile: bad paths fail fast
         loader.require_tracepoints(tps)
         missing = [tp for tp in self.cfg.tracepoints if tp not in tps]
         if missing:
@@ -154,10 +169,22 @@ class Tracer:
             self.knowledge = kn = NodeKnowledge(names)
             watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
             kn.preload(watched)
-            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
-                               service_of=kn.service_of, endpoint_of=kn.endpoint_of,
-                               nf_rule=kn.nf_rule,
-                               route_iface=kn.route_iface)
+            lookups = dict(iface_name=names.iface, service_of=kn.service_of,
+                           endpoint_of=kn.endpoint_of, nf_rule=kn.nf_rule,
+                           route_iface=kn.route_iface)
+            if self.recorder is not None:
+                # every answer the classifier gets is recorded, so replay labels alike
+                lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
+                lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
+                for name in ("endpoint_of", "nf_rule", "route_iface"):
+                    lookups[name] = self.recorder.lookup(name, lookups[name])
+            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
+        if self.metrics is not None:
+            probes = self.probes
+            self.metrics.watch_kernel(lambda: (probes.counts(), probes.stats()),
+                                      iface_name=names.iface, drop_name=drops.name,
+                                      rst_name=rsts.name, flows=lambda: len(self.classifier.flows),
+                                      probes=lambda: {p: 1 for p in probes.attached})
         self.classifier = Classifier(self.ctx)
         from nptrace.ringbuf import RingReader
         # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
@@ -170,6 +197,35 @@ class Tracer:
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         return elapsed
+
+    # -- outputs: session files, metrics endpoint, pcapng ----------------------------------
+    def _open_outputs(self, drops, rsts, tps) -> None:
+        o = self.outputs
+        self.recorder = None
+        if o.metrics_addr:
+            from prometheus_client import CollectorRegistry
+            from nptrace.sinks import prometheus
+            reg = CollectorRegistry()
+            self.metrics_server = prometheus.serve(o.metrics_addr, reg)
+            self.metrics = prometheus.MetricsSink(reg)
+            self.sinks.append(self.metrics)
+            log(f"metrics on http://{o.metrics_addr}/metrics")
+        if o.record_dir:
+            from nptrace import session
+            from nptrace.sinks.recorder import Recorder, snapshot_ifnames
+            hdr = session.make_header(
+                epoch_offset_ns=self.epoch_offset_ns, drops=drops, resets=rsts,
+                features={"tracepoints": sorted(tps), "ifaces": [str(i) for i in self.cfg.ifaces],
+                          "kprobes": Path("/sys/bus/event_source/devices/kprobe").exists()},
+                ifnames=snapshot_ifnames())
+            writer = session.SessionWriter(o.record_dir, o.record_max_file_bytes,
+                                           o.record_max_age_s, o.record_max_total_bytes, hdr)
+            self.recorder = Recorder(writer, counters=lambda: (self.probes.counts(),
+                                                               self.probes.stats()))
+            self.recorders.append(self.recorder)
+        if o.pcap:
+            from nptrace.sinks.pcapng import PcapngSink
+            self.sinks.append(PcapngSink(o.pcap, self.epoch_offset_ns))
 
     # -- enrichment: netfilter-hook view of NATed SYNs, kprobes ---------------------------
     NF_POINTS = None   # set lazily from nfhook: just after SNAT, where both NAT tuples are final
@@ -231,7 +287,7 @@ class Tracer:
     # -- run -----------------------------------------------------------------------------
     def _on_record(self, raw: bytes) -> None:
         for r in self.recorders:
-            r.write_event(raw)
+            r.on_raw(raw)
         try:
             e = ev.decode(raw)
         except ev.DecodeError:
@@ -271,6 +327,8 @@ class Tracer:
                 self._drain(timeout)
                 # incidents whose flow went quiet are reported on time, not at the next event
                 self._emit(self.classifier.tick(time.monotonic_ns()))
+                for r in self.recorders:
+                    r.tick()
                 if self.reopen_requested:
                     self.reopen_requested = False
                     for sink in self.sinks + self.recorders:
@@ -304,11 +362,16 @@ class Tracer:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        for r in self.recorders:      # their last counter snapshot reads the live maps
+            r.close()
         if self.probes is not None:
             self.probes.close()
             self.probes = None
-        for s in self.sinks + self.recorders:
+        for s in self.sinks:
             s.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         self.lock.release()
         lost = stats.get("lost", 0)
         log(f"stopped: {self.decoded} events decoded, {lost} lost"
