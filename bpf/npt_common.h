@@ -26,6 +26,7 @@
 #define NPT_AF_INET    2
 #define NPT_AF_INET6   10
 #define NPT_IPPROTO_TCP 6
+#define NPT_IPPROTO_UDP 17
 #define NPT_IPPROTO_ICMP 1
 #define NPT_IPPROTO_ICMPV6 58
 
@@ -34,6 +35,8 @@ BPF_PERCPU_HASH(counts, struct npt_count_key, u64, NPT_MAX_COUNTS);
 BPF_PERCPU_ARRAY(stats, u64, NPT_S_MAX);
 /* drop reasons worth an event (1) rather than only a count (0); filled from BTF names */
 BPF_ARRAY(drop_reasons, u8, NPT_MAX_REASONS);
+/* UDP destination ports that carry VXLAN (4789 IANA, 8472 Linux/flannel default) */
+BPF_HASH(vxlan_ports, u16, u8, 16);
 
 /* In-kernel filters. A gate macro keeps an unused filter free: no map lookup at all. */
 #if NPT_FILTER_PORTS
@@ -242,6 +245,42 @@ static __always_inline int npt_read_skb(struct npt_event *e, void *skb)
 		NPT_READ(p, qth, 0); e->sport = bpf_ntohs(p);
 		NPT_READ(p, qth, 2); e->dport = bpf_ntohs(p);
 		e->flags |= NPT_F_ICMP_QUOTE;
+	} else if (l4 == NPT_IPPROTO_UDP && e->family == NPT_AF_INET) {
+		/* VXLAN over an IPv4 underlay (an overlay node dropping encapsulated pod traffic,
+		 * e.g. rp_filter on the underlay): report the inner TCP tuple, outer in outer_*. */
+		u16 p = 0;
+		NPT_READ(p, l4h, 2);
+		p = bpf_ntohs(p);
+		if (!vxlan_ports.lookup(&p))
+			return l4;
+		void *vx = l4h + 8, *inner = vx + 8;
+		u8 vni[3] = {};
+		u16 etype = 0;
+		u8 vihl = 0, il4 = 0;
+		bpf_probe_read_kernel(vni, 3, vx + 4);
+		NPT_READ(etype, inner, 12);
+		if (bpf_ntohs(etype) != NPT_ETH_P_IP)
+			return l4;
+		void *iip = inner + 14;
+		NPT_READ(vihl, iip, 0);
+		NPT_READ(il4, iip, 9);
+		if (il4 != NPT_IPPROTO_TCP)
+			return l4;
+		__builtin_memcpy(e->outer_saddr, e->saddr, 16);
+		__builtin_memcpy(e->outer_daddr, e->daddr, 16);
+		bpf_probe_read_kernel(e->saddr, 4, iip + 12);
+		bpf_probe_read_kernel(e->daddr, 4, iip + 16);
+		void *ith = iip + (vihl & 0xf) * 4;
+		u32 s = 0;
+		u8 fl = 0;
+		NPT_READ(p, ith, 0); e->sport = bpf_ntohs(p);
+		NPT_READ(p, ith, 2); e->dport = bpf_ntohs(p);
+		NPT_READ(s, ith, 4); e->seq = bpf_ntohl(s);
+		NPT_READ(fl, ith, 13); e->tcpflags = fl;
+		e->vni = (u32)vni[0] << 16 | (u32)vni[1] << 8 | vni[2];
+		e->flags |= NPT_F_ENCAP;
+		e->l4proto = NPT_IPPROTO_TCP;
+		l4 = NPT_IPPROTO_TCP;
 	} else {
 		return -1;
 	}

@@ -17,7 +17,7 @@
  *   ASYM_SRC    a SYN-ACK's source is not the address:port the client's SYN was sent to
  *               (un-NATed reply); tuple = the reply, outer_saddr = the address the SYN was
  *               sent to (tuple's family), aux2 = its port, aux = the SYN's ingress ifindex
- * VXLAN (UDP dst port in tc_vxlan_ports, IPv4 underlay) is decapsulated: the event tuple is the
+ * VXLAN (UDP dst port in vxlan_ports, IPv4 underlay) is decapsulated: the event tuple is the
  * inner TCP packet, NPT_F_ENCAP set, outer_* = underlay IPv4 addresses, vni.
  *
  * Verdict: always TC_ACT_UNSPEC (-1), not TC_ACT_OK. In direct-action mode TC_ACT_OK ends the
@@ -112,7 +112,7 @@ struct npt_tc_iface {
 
 BPF_TABLE("lru_hash", struct npt_tc_flow_key, struct npt_tc_flow, tc_flows, NPT_FLOW_TABLE_SIZE);
 /* UDP destination ports (host order) that carry VXLAN: 4789 (IANA), 8472 (Linux default) */
-BPF_HASH(tc_vxlan_ports, u16, u8, 16);
+/* vxlan_ports (UDP ports carrying VXLAN) is in npt_common.h: the tracepoints decapsulate too */
 /* Watched ifindex -> netns inode; only read when NPT_TC_KSKB=0 */
 BPF_HASH(tc_ifaces, u32, struct npt_tc_iface, NPT_TC_MAX_IFACES);
 
@@ -450,7 +450,7 @@ static __always_inline int npt_tc(struct __sk_buff *skb, u8 egress)
 		if (udp + 8 + NPT_VXLAN_HLEN > end || ip + 20 > end)
 			return NPT_TC_PASS;
 		u16 port = bpf_ntohs(*(u16 *)(udp + 2));
-		if (!tc_vxlan_ports.lookup(&port))
+		if (!vxlan_ports.lookup(&port))
 			return NPT_TC_PASS;
 		void *vx = udp + 8;
 		if (!(*(u8 *)vx & NPT_VXLAN_F_VNI))

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     sc = known[a.scenario]
     print(f"== scenario {sc.name}: {sc.story}")
     print(f"== expected cause: {sc.cause}")
-    info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend)
+    info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe)
     outcomes = Counter(getattr(x, "outcome", "?") for x in attempts)
     print(f"== client saw: {dict(outcomes)}")
     print(f"== nptrace labeled {len(events)} events:")

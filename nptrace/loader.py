@@ -114,6 +114,9 @@ class Probes:
             table[ct.c_int(0)] = ct.c_uint8(1)
 
     def _fill_filters(self) -> None:
+        m = self.bpf["vxlan_ports"]
+        for p in self.cfg.vxlan_ports:
+            m[ct.c_uint16(p)] = ct.c_uint8(1)
         if self.cfg.ports:
             m = self.bpf["filter_ports"]
             for p in sorted(self.cfg.port_set())[:1024]:

@@ -26,6 +26,7 @@ class Score:
     labels: Counter = field(default_factory=Counter)
     services: Counter = field(default_factory=Counter)
     stderr: str = ""
+    as_expected: int = 0       # attempts whose client-visible outcome is the scenario's
 
     @property
     def total(self) -> int:
@@ -63,13 +64,15 @@ def scenario_events(attempts, events) -> list[dict]:
 
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
-          variant: str | None = None, prefix: str | None = None, watch: bool = True) -> Score:
+          variant: str | None = None, prefix: str | None = None, watch: bool = True,
+          observe: float = 1.0) -> Score:
     from nptrace.demo import trace_scenario
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
-                                                 watch=watch, variant=variant)
+                                                 watch=watch, variant=variant, settle=observe)
     mine = scenario_events(attempts, events)
     s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
-              expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err)
+              expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err,
+              as_expected=sum(1 for a in attempts if getattr(a, "expected", True)))
     for e in mine:
         # an incident gathers several kernel events; each of them got this label
         n = e.get("events", 1)
@@ -105,8 +108,10 @@ def main(argv=None) -> int:
     for sc in lab.scenarios():
         if a.scenarios and sc.name not in a.scenarios:
             continue
-        for backend in sc.backends:
-            s = score(sc.name, sc.cause, a.count, backend=backend)
+        runs = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants]
+        for backend, variant in runs:
+            s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
+                      observe=sc.observe)
             scores.append(s)
             print(f"{s.scenario:<32} {dict(s.outcomes)} {dict(s.labels)}", file=sys.stderr)
     md = matrix_markdown(scores)

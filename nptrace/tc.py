@@ -66,7 +66,7 @@ def tc_cflags(cfg: Config) -> list[str]:
 
 def configure(probes, cfg: Config) -> None:
     """Fill tc config maps that do not depend on attachment: the VXLAN UDP ports."""
-    m = probes.map("tc_vxlan_ports")
+    m = probes.map("vxlan_ports")
     for port in cfg.vxlan_ports:
         if not 0 < port < 65536:
             raise InterfaceError(f"bad VXLAN port {port}: want 1-65535")

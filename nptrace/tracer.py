@@ -335,7 +335,10 @@ class Tracer:
                         if hasattr(sink, "reopen"):
                             sink.reopen()
                     log("SIGHUP: reopened output files")
-            while self._drain(0):   # drain what arrived before the stop
+            # Drain what arrived before the stop, for a bounded time: under a reset storm the
+            # ring never empties, and a stop must still stop.
+            deadline = time.monotonic() + 2.0
+            while self._drain(0) and time.monotonic() < deadline:
                 pass
             self._emit(self.classifier.flush())
         finally:

@@ -60,13 +60,15 @@ class Scenario:
     variants: tuple[str, ...]
     expect: tuple[str, ...]    # client-visible outcomes the trigger must show
     path: Path = field(compare=False, repr=False)
+    observe: float = 1.0       # seconds a tracer should keep watching after the trigger
 
 
 def _scenario(raw: dict, path: Path) -> Scenario:
     expect = tuple(dict.fromkeys(o for t in raw.get("trigger", []) for o in t.get("expect", [])))
     return Scenario(name=raw["name"], story=raw["story"], cause=raw.get("cause") or None,
                     service=raw["service"], backends=tuple(raw.get("backends", BACKENDS)),
-                    variants=tuple(sorted(raw.get("variants", {}))), expect=expect, path=path)
+                    variants=tuple(sorted(raw.get("variants", {}))), expect=expect, path=path,
+                    observe=float(raw.get("observe", 1.0)))
 
 
 def load_scenarios() -> list[Scenario]:

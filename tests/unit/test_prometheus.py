@@ -39,6 +39,8 @@ def test_sink_counts_verdicts_by_bounded_labels():
     vs = verdicts()
     for v in vs:
         sink.write(v)
+    by_kind = {v.kind: v for v in vs}     # incidents come out in report order, not input order
+    vs = [by_kind["drop"], by_kind["drop"], by_kind["rst"], by_kind["anomaly"]]
     drop_cause = vs[0].cause
     assert reg.get_sample_value("nptrace_drops_total",
                                 {"cause": drop_cause, "iface": "npt-node1/eth1"}) == 2
@@ -58,7 +60,7 @@ def test_sink_counts_verdicts_by_bounded_labels():
 def test_iface_and_service_labels_are_capped():
     reg = CollectorRegistry()
     sink = P.MetricsSink(reg, max_ifaces=3, max_services=2)
-    base = verdicts()[2]
+    base = next(v for v in verdicts() if v.kind == "rst")
     from dataclasses import replace
     for i in range(10):
         sink.write(replace(base, iface=f"cni-{i}/eth0", service=f"ns/svc{i}"))

@@ -369,7 +369,7 @@ class FakeTable(dict):
 
 class FakeProbes:
     def __init__(self):
-        self.maps = {"tc_vxlan_ports": FakeTable(), "tc_ifaces": FakeTable()}
+        self.maps = {"vxlan_ports": FakeTable(), "tc_ifaces": FakeTable()}
 
     def map(self, name):
         return self.maps[name]
@@ -386,7 +386,7 @@ def test_cflags():
 def test_configure_fills_vxlan_ports():
     p = FakeProbes()
     tc.configure(p, Config(vxlan_ports=(4789, 8472)))
-    assert sorted(p.maps["tc_vxlan_ports"]) == [4789, 8472]
+    assert sorted(p.maps["vxlan_ports"]) == [4789, 8472]
     with pytest.raises(InterfaceError, match="bad VXLAN port 0"):
         tc.configure(p, Config(vxlan_ports=(0,)))
 
@@ -403,7 +403,7 @@ def test_attach_helper_fills_the_iface_map(net, proc, tmp_path):
         assert net.names("pod", 2) == ["npt_4242_ing", "npt_4242_egr"]
     assert net.names("pod", 2) == []
     att.close()                     # idempotent
-    assert sorted(p.maps["tc_vxlan_ports"]) == [4789, 8472]
+    assert sorted(p.maps["vxlan_ports"]) == [4789, 8472]
 
 
 def test_prog_stats_parses_fdinfo(tmp_path):

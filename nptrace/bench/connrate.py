@@ -1,0 +1,70 @@
+"""New connections per second through a NodePort, with and without nptrace.
+
+client (10.251.4.1) -- node (10.251.4.2 | 10.251.5.1) -- server (10.251.5.2:8080). The node
+forwards and DNATs 10.251.4.2:30080 to the server with iptables, as kube-proxy does. Two
+client processes keep 128 non-blocking connects each in flight; a connection counts when the
+server's FIN arrives (accept + close there), then the client closes: the client keeps no
+TIME_WAIT and its ports recycle. The node's conntrack TIME_WAIT timeout is 1 s (a per-netns
+sysctl) so the table holds seconds of connections, not two minutes of them.
+With nptrace: `--iface node/n0 --iface node/n1` (the node's two "NICs"), every tracepoint,
+and the netfilter-hook view it attaches in the node. Same alternation as throughput.py.
+"""
+from __future__ import annotations
+
+from nptrace.bench.context import Bench
+from nptrace.bench.report import Row, Section, si
+from nptrace.bench.throughput import alternate, ratio_row
+from nptrace.bench.topology import Topology
+from nptrace.bench.workloads import ConnLoad
+
+TARGET = 0.97
+NODEPORT, TARGET_PORT = 30080, 8080
+
+
+def setup(t: Topology) -> tuple[str, str, str]:
+    c, n, s = t.ns("c"), t.ns("n"), t.ns("s")
+    t.veth(c, "c0", "10.251.4.1/24", n, "n0", "10.251.4.2/24")
+    t.veth(n, "n1", "10.251.5.1/24", s, "s0", "10.251.5.2/24")
+    t.ip(c, "route", "add", "default", "via", "10.251.4.2")
+    t.ip(s, "route", "add", "default", "via", "10.251.5.1")
+    t.sysctl(n, "net.ipv4.ip_forward", 1)
+    t.sysctl(c, "net.ipv4.ip_local_port_range", "1024 65535")
+    t.run(n, ["iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-d", "10.251.4.2",
+              "--dport", str(NODEPORT), "-j", "DNAT", "--to-destination",
+              f"10.251.5.2:{TARGET_PORT}"])
+    # conntrack exists in the node namespace once the nat rule does
+    t.sysctl(n, "net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)
+    return c, n, s
+
+
+def run(b: Bench) -> Section:
+    sec = Section("connrate")
+    pairs, secs = b.scale(5, 2), b.scale(2, 1)
+    failures = []
+    with Topology("cr") as t:
+        c, n, s = setup(t)
+        load = ConnLoad(t, s, TARGET_PORT, c, "10.251.4.2", NODEPORT)
+        load.run(1)    # warm-up: ARP, conntrack, the server's accept queue
+
+        def measure(r):
+            failures.append(r["failed"])
+            return r["rate"]
+
+        def without():
+            return measure(load.run(secs))
+
+        def with_nptrace(i):
+            npt = b.nptrace(t, "connrate", f"connrate{i}",
+                            ["--iface", f"{n}/n0", "--iface", f"{n}/n1"])
+            try:
+                return measure(load.run(secs))
+            finally:
+                npt.stop()
+
+        w, wo = alternate(pairs, without, with_nptrace)
+    row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} pairs x "
+                          f"{secs}s, median)", lambda x: si(x, "/s"), w, wo, TARGET)
+    sec.rows.append(row)
+    sec.data = dict(data, pairs=pairs, secs=secs, failed_connects=sum(failures),
+                    clients=load.clients, in_flight=load.conc * load.clients)
+    return sec

@@ -1,0 +1,254 @@
+"""User-space throughput without a kernel: how fast nptrace can take records off a full ring.
+
+decoder   RingReader over a synthetic ring (the kernel's layout: consumer page, producer page,
+          data mapped twice) filled to the brim with records, read with read_batch() into
+          RECORD tuples (ringbuf.walk's fast path): events/s. Target >= 1,000,000/s.
+pipeline  what `nptrace run --json` does per record: read_batch(raw=True) -> events.decode ->
+          Classifier.feed (+ tick per batch, flush at the end) -> JsonLines to /dev/null.
+          One tcp_send_reset NO_SOCKET record per reset, every reset a flow of its own (a
+          storm): labeled resets/s. Target >= 200,000/s. A second run feeds the storm's real
+          mix (4 records per reset: kfree_skb of the SYN, tcp_send_reset, the RST on tc egress,
+          kfree_skb of the RST at the client).
+Both run for a bounded time (the classifier may be slow on many flows), then report the rate
+reached. A cProfile pass of the pipeline lists its hot spots in the JSON.
+
+`python -m nptrace.bench.pipeline [--resets N] [--mix]` runs the pipeline alone (for py-spy).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import struct
+import sys
+import time
+
+from nptrace import events as ev
+from nptrace import ringbuf as rb
+from nptrace.bench.report import Row, Section, si
+
+DECODER_TARGET = 1_000_000
+PIPELINE_TARGET = 200_000
+PAGE = 4096
+NO_SOCKET = 2          # SKB_DROP_REASON_NO_SOCKET (kfree_skb); sk_rst_reason NO_SOCKET is 1
+SERVER, PORT = "10.251.6.2", 9999
+_OFF = {name: getattr(ev.RawEvent, name).offset for name, _ in ev.RawEvent._fields_}
+
+
+def _templates() -> dict[str, bytes]:
+    """One record per kind of event a closed-port reset produces (server 10.251.6.2:9999)."""
+    common = dict(family=2, l4proto=6, netns=4026531840)
+    return {
+        "syn_drop": ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=NO_SOCKET,
+                              daddr=SERVER, dport=PORT, tcpflags=ev.TCP_SYN, ifindex=2,
+                              **common),
+        "rst_sent": ev.encode(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
+                              saddr=SERVER, sport=PORT, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                              **common),
+        "wire_rst": ev.encode(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_EGRESS,
+                              dir=ev.Dir.EGRESS, saddr=SERVER, sport=PORT, ifindex=2,
+                              tcpflags=ev.TCP_RST | ev.TCP_ACK, **common),
+        "rst_drop": ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=NO_SOCKET,
+                              saddr=SERVER, sport=PORT, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                              ifindex=2, **common),
+    }
+
+
+def records(n_resets: int, mix: bool, t0_ns: int = 10**12, gap_ns: int = 2000) -> list[bytes]:
+    """Raw records for n_resets resets of distinct client flows (10.251.128.0/17 x port)."""
+    tpl = _templates()
+    kinds = ("syn_drop", "rst_sent", "wire_rst", "rst_drop") if mix else ("rst_sent",)
+    out = []
+    for i in range(n_resets):
+        client = struct.pack("!I", (10 << 24 | 251 << 16 | 128 << 8) + 1 + i // 64000)
+        cport = 1024 + i % 64000
+        for k, kind in enumerate(kinds):
+            b = bytearray(tpl[kind])
+            struct.pack_into("<Q", b, _OFF["ts_ns"], t0_ns + i * gap_ns + k * 100)
+            struct.pack_into("<Q", b, _OFF["skb"], 0xFFFF000000000000 + i * 8 + k)
+            if kind == "syn_drop":      # the SYN: client -> server
+                b[_OFF["saddr"]:_OFF["saddr"] + 4] = client
+                struct.pack_into("<H", b, _OFF["sport"], cport)
+            else:                       # the RST: server -> client
+                b[_OFF["daddr"]:_OFF["daddr"] + 4] = client
+                struct.pack_into("<H", b, _OFF["dport"], cport)
+            out.append(bytes(b))
+    return out
+
+
+def full_ring(recs: list[bytes], data_size: int) -> tuple[bytearray, bytearray, int]:
+    """(consumer page, producer area, records written): the kernel's mapping, filled."""
+    stride = rb.stride_of(ev.SIZE)
+    n = data_size // stride          # records repeat: the walk does not care
+    cons = bytearray(PAGE)
+    area = bytearray(PAGE + 2 * data_size)
+    hdr = struct.pack("<II", ev.SIZE, 0)
+    pad = bytes(stride - rb.HDR - ev.SIZE)
+    blob = b"".join(hdr + recs[i % len(recs)] + pad for i in range(n))
+    area[PAGE:PAGE + len(blob)] = blob
+    area[PAGE + data_size:PAGE + data_size + len(blob)] = blob
+    struct.pack_into("<Q", area, 0, len(blob))
+    return cons, area, n
+
+
+def bench_decoder(data_size: int = 64 << 20, rounds: int = 3) -> dict:
+    recs = records(4096, mix=True)
+    cons, area, n = full_ring(recs, data_size)
+    rates = []
+    for _ in range(rounds):
+        struct.pack_into("<Q", cons, 0, 0)
+        reader = rb.RingReader.over_memory(cons, area, data_size, page=PAGE)
+        got = 0
+        t0 = time.perf_counter()
+        while True:
+            batch = reader.read_batch(65536)
+            if not batch:
+                break
+            got += len(batch)
+        dt = time.perf_counter() - t0
+        reader.close()
+        if got != n:
+            raise RuntimeError(f"decoder read {got} records of {n}")
+        rates.append(n / dt)
+    # the live path's variant: payload bytes, then events.decode per record
+    struct.pack_into("<Q", cons, 0, 0)
+    reader = rb.RingReader.over_memory(cons, area, data_size, page=PAGE)
+    t0 = time.perf_counter()
+    dec = 0
+    while True:
+        batch = reader.read_batch(65536, raw=True)
+        if not batch:
+            break
+        for raw in batch:
+            ev.decode(raw)
+        dec += len(batch)
+        if time.perf_counter() - t0 > 10:
+            break
+    decode_rate = dec / (time.perf_counter() - t0)
+    reader.close()
+    return {"records": n, "ring_bytes": data_size, "rates": rates, "eps": max(rates),
+            "raw_decode_eps": decode_rate}
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256) -> dict:
+    """Feed records through decode -> classify -> JSON (to /dev/null) for at most budget_s."""
+    from nptrace.classify import Classifier, Context
+    from nptrace.sinks.jsonl import JsonLines
+
+    recs = records(n_resets, mix)
+    per = 4 if mix else 1
+    ctx = Context(drop_name=lambda v: "NO_SOCKET" if v == NO_SOCKET else f"REASON_{v}",
+                  rst_name=lambda v: "NO_SOCKET" if v == 1 else f"REASON_{v}")
+    clf = Classifier(ctx)
+    devnull = open(os.devnull, "w")
+    sink = JsonLines(0, devnull)
+    tick = getattr(clf, "tick", None)
+    verdicts = fed = 0
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    complete = True
+    for start in range(0, len(recs), batch):
+        chunk = recs[start:start + batch]
+        for raw in chunk:
+            e = ev.decode(raw)
+            for v in _as_list(clf.feed(e)):
+                sink.write(v)
+                verdicts += 1
+        fed += len(chunk)
+        if tick is not None:
+            for v in _as_list(tick(e.ts_ns)):
+                sink.write(v)
+                verdicts += 1
+        if time.perf_counter() > deadline:
+            complete = fed >= len(recs)
+            break
+    flush = getattr(clf, "flush", None)
+    if flush is not None:
+        for v in _as_list(flush()):
+            sink.write(v)
+            verdicts += 1
+    dt = time.perf_counter() - t0
+    sink.close()
+    devnull.close()
+    resets = fed // per
+    return {"resets": resets, "records": fed, "records_per_reset": per, "verdicts": verdicts,
+            "secs": dt, "resets_per_s": resets / dt, "records_per_s": fed / dt,
+            "complete": complete, "budget_s": budget_s}
+
+
+def profile_pipeline(n_resets: int, budget_s: float, top: int = 15) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    run_pipeline(n_resets, False, budget_s)
+    prof.disable()
+    st = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"function": f"{os.path.relpath(fn) if fn.startswith('/') else fn}:"
+                                 f"{line}({name})", "calls": nc, "tottime": tt, "cumtime": ct})
+    rows.sort(key=lambda r: r["tottime"], reverse=True)
+    return rows[:top]
+
+
+def run(b) -> Section:
+    sec = Section("pipeline")
+    dec = bench_decoder(b.scale(64 << 20, 16 << 20))
+    n = b.scale(300_000, 60_000)
+    budget = b.scale(10, 2)
+    single = run_pipeline(n, False, budget)
+    mix = run_pipeline(n // 4 if b.quick else n // 2, True, budget)
+    hot = profile_pipeline(b.scale(30_000, 10_000), b.scale(5, 1.5))
+    sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
+                "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
+                "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET}
+    sec.rows = [
+        Row("pipeline", f"decoder: ring walk to tuples, events/s ({dec['records']} records, "
+            f"{dec['ring_bytes'] >> 20} MiB ring)", si(dec["eps"], "/s"), "",
+            f"{dec['eps'] / DECODER_TARGET:.2f}x / >= {si(DECODER_TARGET, '/s')}",
+            dec["eps"] >= DECODER_TARGET, dec["eps"], None, dec["eps"] / DECODER_TARGET,
+            f">= {DECODER_TARGET}/s"),
+        Row("pipeline", "decoder: ring walk + events.decode (live path), events/s",
+            si(dec["raw_decode_eps"], "/s"), "", "info", None, dec["raw_decode_eps"]),
+        _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled resets/s", single,
+                  True),
+        _pipe_row("pipeline: storm mix, 4 records/reset, labeled resets/s", mix, False),
+    ]
+    return sec
+
+
+def _pipe_row(metric: str, r: dict, target: bool) -> Row:
+    rps = r["resets_per_s"]
+    note = "" if r["complete"] else f" (stopped after {r['budget_s']:g}s: {r['resets']} resets)"
+    if r["verdicts"] < r["resets"]:
+        note += f" [{r['verdicts']} verdicts for {r['resets']} resets]"
+    return Row("pipeline", metric + note, si(rps, "/s"), f"{si(r['records_per_s'], '/s')} records",
+               (f"{rps / PIPELINE_TARGET:.2f}x / >= {si(PIPELINE_TARGET, '/s')}" if target
+                else "info"),
+               (rps >= PIPELINE_TARGET and r["verdicts"] >= r["resets"]) if target else None,
+               rps, None, rps / PIPELINE_TARGET if target else None,
+               f">= {PIPELINE_TARGET}/s" if target else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nptrace.bench.pipeline")
+    p.add_argument("--resets", type=int, default=200_000)
+    p.add_argument("--mix", action="store_true", help="4 records per reset (the storm's mix)")
+    p.add_argument("--budget", type=float, default=30.0, help="seconds at most")
+    a = p.parse_args(argv)
+    r = run_pipeline(a.resets, a.mix, a.budget)
+    print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Reset storm: SYNs to a closed port as fast as one Python AF_PACKET sender makes them, and
+what each observer costs and misses on the same storm.
+
+client (10.251.6.1, plus 10.251.128.0/17 routed locally as source addresses) -- server
+(10.251.6.2, nothing listening on 9999). Every SYN is a distinct flow (source address x
+port); the server answers each with a RST (tcp_send_reset, reason NO_SOCKET), the exact
+number of which is the server namespace's TcpOutRsts (what `nstat` shows) before and after.
+The same storm size runs once per observer, one at a time:
+
+  none      no observer: the storm rate the machine makes by itself
+  nptrace   `nptrace run --json --iface server/s0 --host 10.251.0.0/16` (tracepoints + tc),
+            stdout to a file; missed = RSTs sent - incident lines with port 9999; its own
+            `events decoded, lost` counts from stderr; every miss must be covered by `lost`
+  tcpdump   `tcpdump -i s0 -w FILE 'tcp[tcpflags] & tcp-rst != 0'` in the server namespace;
+            missed = RSTs sent - packets in FILE (it reports `dropped by kernel` itself)
+  trace     bcc's trace-bpfcc on tcp:tcp_send_reset, filtered to port 9999 (what an SRE would
+            type: bcc ships no reset tool); kernels >= 6.10 give that tracepoint an `enum
+            sk_rst_reason` field bcc 0.26 cannot compile, so a one-line header declares it
+  tcpdrop   bcc's tcpdrop-bpfcc, as shipped (reported as not running where it fails)
+
+CPU is utime+stime (+ reaped children) of the observer's process from /proc/<pid>/stat,
+from just before the storm until the observer went idle after it (its backlog drained).
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from nptrace.bench import bpfprog
+from nptrace.bench.context import Bench
+from nptrace.bench.report import (Row, Section, count_bcc_events, count_port_lines,
+                                  parse_bcc_lost, parse_tcpdump, pcap_count, per_100k, si)
+from nptrace.bench.topology import (BenchError, Topology, cpu_seconds, node_busy_seconds, snmp,
+                                    wait_for)
+from nptrace.bench.workloads import TRAFFIC
+
+SRC_NET = "10.251.128.0/17"
+SERVER = "10.251.6.2"
+PORT = 9999
+BPF_PROG_TYPE_TRACEPOINT = 5
+TRACE = "/usr/sbin/trace-bpfcc"
+TCPDROP = "/usr/sbin/tcpdrop-bpfcc"
+TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+
+
+class Storm:
+    def __init__(self, t: Topology, client: str, server: str):
+        self.t, self.client, self.server = t, client, server
+        self.dmac = t.mac(server, "s0")
+        self.first = 0
+
+    def fire(self, count: int) -> dict:
+        """Send `count` SYNs of new flows; the node's busy CPU is counted from here until
+        settled() (after the observer drained)."""
+        import json
+        self.node0 = node_busy_seconds()
+        r0 = snmp(self.server, "Tcp", "OutRsts")
+        out = self.t.run(self.client, TRAFFIC + [
+            "syn", "--dev", "c0", "--dmac", self.dmac, "--src-net", SRC_NET, "--dst", SERVER,
+            "--dport", str(PORT), "--count", str(count), "--first", str(self.first)],
+            timeout=300)
+        self.first += count
+        r = json.loads(out.strip().splitlines()[-1])
+        resets = snmp(self.server, "Tcp", "OutRsts") - r0
+        self.last = {"sent": r["sent"], "secs": r["secs"], "resets": resets,
+                     "rate": resets / r["secs"] if r["secs"] else None}
+        return self.last
+
+    def settled(self) -> None:
+        self.last["node_cpu_s"] = node_busy_seconds() - self.node0
+
+
+def wait_idle(pid: int, max_s: float, quiet_cpu: float = 0.03, step: float = 0.25,
+              min_s: float = 2.0) -> tuple[bool, float]:
+    """Wait until process pid uses < quiet_cpu CPU-seconds per `step` twice in a row (its
+    backlog is drained), and at least min_s: tcpdump's TPACKET_V3 blocks are handed to it
+    only when full or when their timer retires them, so an idle-looking tcpdump may still
+    have packets coming. Returns (went idle, monotonic time it was last busy)."""
+    t_min = time.monotonic() + min_s
+    end = time.monotonic() + max_s
+    last = cpu_seconds(pid)
+    busy_at = time.monotonic()
+    quiet = 0
+    while time.monotonic() < end:
+        time.sleep(step)
+        now = cpu_seconds(pid)
+        if now - last < quiet_cpu:
+            quiet += 1
+            if quiet >= 2 and time.monotonic() >= t_min:
+                return True, busy_at
+        else:
+            quiet = 0
+            busy_at = time.monotonic()
+        last = now
+    return False, busy_at
+
+
+def _has_tp_prog(pid: int) -> bool:
+    try:
+        return any(v["type"] == BPF_PROG_TYPE_TRACEPOINT
+                   for v in bpfprog.process_prog_stats(pid).values())
+    except OSError:
+        return False
+
+
+def _tracepoint_format(name: str) -> str:
+    for root in TRACEFS:
+        p = root / "events" / name / "format"
+        if p.exists():
+            return p.read_text()
+    return ""
+
+
+def _result(name: str, st: dict, cpu: float | None, seen: int | None, **kw) -> dict:
+    resets = st["resets"]
+    missed = None if seen is None else max(0, resets - seen)
+    return dict({"tool": name, "resets": resets, "storm_secs": st["secs"],
+                 "storm_rate": st["rate"], "cpu_s": cpu, "node_cpu_s": st.get("node_cpu_s"),
+                 "node_cpu_per_100k": per_100k(st["node_cpu_s"], resets)
+                 if st.get("node_cpu_s") is not None else None,
+                 "cpu_per_100k": per_100k(cpu, resets) if cpu is not None else None,
+                 "seen": seen, "missed": missed}, **kw)
+
+
+def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
+                drain_s: float) -> dict:
+    out = b.logdir / "storm-nptrace.jsonl"
+    n = b.nptrace(t, "reset_storm", "storm-nptrace",
+                  ["--iface", f"{server}/s0", "--host", "10.251.0.0/16"], stdout_path=out)
+    from nptrace.tc import enable_bpf_stats
+    try:
+        with enable_bpf_stats():
+            p0 = bpfprog.process_prog_stats(n.pid)
+            cpu0, t0 = n.cpu(), time.monotonic()
+            st = storm.fire(count)
+            p1 = bpfprog.process_prog_stats(n.pid)
+        names = bpfprog.prog_names(p1)      # while nptrace still holds its programs
+        idle, busy_until = wait_idle(n.pid, drain_s)
+        storm.settled()
+        cpu = n.cpu() - cpu0
+        rss = n.rss()
+    finally:
+        n.stop()
+    progs = bpfprog.delta(p0, p1)
+    prog_costs = {f"{names.get(i, i)}": {"runs": v["runs"], "ns_per_run": v["ns_per_run"],
+                                         "ns_per_reset": v["ns"] / st["resets"]
+                                         if st["resets"] else None}
+                  for i, v in progs.items() if v["runs"]}
+    with open(out, "rb") as f:
+        seen = count_port_lines(f, PORT)
+    _trim(out)
+    missed = max(0, st["resets"] - seen)
+    counted = missed == 0 or (n.lost is not None and n.lost >= missed)
+    secs = max(busy_until - t0, st["secs"])
+    return _result("nptrace", st, cpu, seen, decoded=n.decoded, lost=n.lost,
+                   decoded_per_s=(n.decoded / secs) if n.decoded else None,
+                   drained=idle, killed=n.killed, stop_s=n.stop_s, rss_after=rss,
+                   every_loss_counted=counted, bpf_programs=prog_costs)
+
+
+def run_tcpdump(b: Bench, t: Topology, storm: Storm, server: str, count: int,
+                drain_s: float) -> dict:
+    tcpdump = shutil.which("tcpdump")
+    if not tcpdump:
+        return {"tool": "tcpdump", "note": "tcpdump not installed"}
+    pcap, errp = (b.logdir / "storm.pcap").resolve(), b.logdir / "storm-tcpdump.stderr"
+    p = t.spawn(server, [tcpdump, "-i", "s0", "-n", "-w", str(pcap),
+                         "tcp[tcpflags] & tcp-rst != 0"], stderr=t.open_log(errp))
+    try:
+        wait_for(lambda: "listening on" in errp.read_text(), 15, 0.02, "tcpdump listening", p)
+        cpu0 = cpu_seconds(p.pid)
+        st = storm.fire(count)
+        idle, _ = wait_idle(p.pid, drain_s)
+        storm.settled()
+        cpu = cpu_seconds(p.pid) - cpu0
+    finally:
+        t.stop(p, signal.SIGINT, 10)
+    stats = parse_tcpdump(errp.read_text())
+    seen = pcap_count(pcap.read_bytes()) if pcap.exists() else 0
+    pcap.unlink(missing_ok=True)
+    return _result("tcpdump", st, cpu, seen, kernel_dropped=stats.get("dropped"),
+                   captured=stats.get("captured"), drained=idle)
+
+
+def _bcc_tool(b: Bench, t: Topology, storm: Storm, name: str, argv: list[str], count: int,
+              drain_s: float, count_events) -> dict:
+    outp, errp = b.logdir / f"storm-{name}.stdout", b.logdir / f"storm-{name}.stderr"
+    p = t.spawn(None, argv, stdout=t.open_log(outp), stderr=t.open_log(errp))
+    try:
+        try:
+            wait_for(lambda: _has_tp_prog(p.pid), 60, 0.05, f"{name} attached", p)
+        except BenchError:
+            t.stop(p, signal.SIGINT, 5)
+            err = errp.read_text()
+            why = next((ln.strip() for ln in err.splitlines() if "error:" in ln),
+                       err.strip().splitlines()[-1] if err.strip() else "exited")
+            return {"tool": name, "note": f"does not run here: {why[:160]}"}
+        time.sleep(0.3)       # attach happens right after load; let its poll loop start
+        cpu0 = cpu_seconds(p.pid)
+        st = storm.fire(count)
+        idle, _ = wait_idle(p.pid, drain_s)
+        storm.settled()
+        cpu = cpu_seconds(p.pid) - cpu0
+    finally:
+        t.stop(p, signal.SIGINT, 10)
+    text_out, text_err = outp.read_text(errors="replace"), errp.read_text(errors="replace")
+    lost = parse_bcc_lost(text_out + text_err)
+    seen = count_events(text_out)
+    _trim(outp)
+    return _result(name, st, cpu, seen, lost_reported=lost, drained=idle)
+
+
+def run_trace(b, t, storm, count, drain_s) -> dict:
+    if not Path(TRACE).exists():
+        return {"tool": "trace", "note": f"{TRACE} not installed (bpfcc-tools)"}
+    fmt = _tracepoint_format("tcp/tcp_send_reset")
+    argv = [TRACE]
+    if "enum sk_rst_reason" in fmt:
+        hdr = (b.logdir / "sk_rst_reason.h").resolve()
+        hdr.write_text("enum sk_rst_reason { SK_RST_REASON_NOT_SPECIFIED };\n")
+        argv += ["-I", str(hdr)]
+    if "sport;" in fmt:            # Linux < 6.10: ports are fields of their own
+        filt = f"args->sport == {PORT} || args->dport == {PORT}"
+    else:                          # 6.10+: saddr is the RST sender's sockaddr_in
+        filt = f"args->saddr[2] == {PORT >> 8} && args->saddr[3] == {PORT & 0xFF}"
+    argv.append(f"t:tcp:tcp_send_reset ({filt})")
+    return _bcc_tool(b, t, storm, "trace", argv, count, drain_s, count_bcc_events)
+
+
+def run_tcpdrop(b, t, storm, count, drain_s) -> dict:
+    if not Path(TCPDROP).exists():
+        return {"tool": "tcpdrop", "note": f"{TCPDROP} not installed (bpfcc-tools)"}
+    import re
+    line = re.compile(rf"^\d\d:\d\d:\d\d .*:{PORT}\b", re.M)
+    return _bcc_tool(b, t, storm, "tcpdrop", [TCPDROP], count, drain_s,
+                     lambda text: len(line.findall(text)))
+
+
+def _trim(path: Path, keep: int = 200) -> None:
+    """Keep the head of a large output file as a sample; the counts are already taken."""
+    if not path.exists() or path.stat().st_size < 1 << 20:
+        return
+    with open(path, "rb") as f:
+        head = [f.readline() for _ in range(keep)]
+    path.write_bytes(b"".join(head) + b"... (cut by the benchmark after counting)\n")
+
+
+def run(b: Bench) -> Section:
+    sec = Section("reset_storm")
+    count = b.scale(300_000, 50_000)
+    drain_s = b.scale(20, 5)
+    tools: dict[str, dict] = {}
+    with Topology("rs") as t:
+        c, s = t.ns("c"), t.ns("s")
+        t.veth(c, "c0", "10.251.6.1/24", s, "s0", f"{SERVER}/24")
+        t.ip(c, "route", "add", "local", SRC_NET, "dev", "lo")
+        t.ip(s, "route", "add", SRC_NET, "via", "10.251.6.1")
+        storm = Storm(t, c, s)
+        storm.fire(5000)      # warm-up: neighbour entries, page cache of the sender
+        storm.fire(count)
+        time.sleep(2)         # the same settling time the observers get (wait_idle min_s)
+        storm.settled()
+        tools["none"] = _result("none", storm.last, None, None)
+        tools["nptrace"] = run_nptrace(b, t, storm, s, count, drain_s)
+        tools["tcpdump"] = run_tcpdump(b, t, storm, s, count, drain_s)
+        tools["trace"] = run_trace(b, t, storm, count, drain_s)
+        tools["tcpdrop"] = run_tcpdrop(b, t, storm, count, drain_s)
+    sec.data = {"resets": count, "tools": tools, "port": PORT}
+    sec.rows = rows(tools, count)
+    return sec
+
+
+def rows(tools: dict, count: int) -> list[Row]:
+    out = []
+    none, npt, td = tools["none"], tools["nptrace"], tools.get("tcpdump", {})
+    out.append(Row("reset_storm", f"storm: RSTs sent (TcpOutRsts), no observer",
+                   f"{none['resets']} at {si(none['storm_rate'], '/s')}", "", "info", None,
+                   none["storm_rate"]))
+    c_n, c_t = npt.get("cpu_per_100k"), td.get("cpu_per_100k")
+    ratio = c_n / c_t if c_n is not None and c_t else None
+    out.append(Row("reset_storm", "storm: observer CPU s per 100k resets (vs tcpdump -w)",
+                   _f(c_n, "s"), f"{_f(c_t, 's')} tcpdump",
+                   f"{ratio:.1f}x / < tcpdump" if ratio is not None else "n/a / < tcpdump",
+                   None if ratio is None else ratio < 1, c_n, c_t, ratio, "< tcpdump"))
+    base = none.get("node_cpu_per_100k")
+    over = {k: (r["node_cpu_per_100k"] - base) if r.get("node_cpu_per_100k") is not None
+            and base is not None else None for k, r in tools.items()}
+    out.append(Row("reset_storm", "storm: node CPU s per 100k resets over no observer "
+                   "(kernel side included)", _f(over.get("nptrace"), "s"),
+                   f"{_f(over.get('tcpdump'), 's')} tcpdump, {_f(over.get('trace'), 's')} "
+                   "bcc trace", "info", None, over.get("nptrace"), over.get("tcpdump")))
+    lost = npt.get("lost")
+    out.append(Row("reset_storm", f"storm: resets missed of {npt['resets']} (vs tcpdump)",
+                   f"{npt.get('missed')} ({'?' if lost is None else lost} events lost, "
+                   f"counted)" if not npt.get("killed") else f"{npt.get('missed')} (killed "
+                   "before its counts)",
+                   f"{td.get('missed', 'n/a')} (kernel dropped {td.get('kernel_dropped', '?')})",
+                   "every loss counted", bool(npt.get("every_loss_counted")),
+                   npt.get("missed"), td.get("missed"), None, "every loss counted"))
+    out.append(Row("reset_storm", "storm: nptrace events decoded/s (until drained)",
+                   si(npt.get("decoded_per_s"), "/s"),
+                   f"{si(npt.get('storm_rate'), '/s')} resets made", "info", None,
+                   npt.get("decoded_per_s")))
+    out.append(Row("reset_storm", "storm: resets/s the sender made with the observer on",
+                   si(npt.get("storm_rate"), "/s"), f"{si(none['storm_rate'], '/s')} none, "
+                   f"{si(td.get('storm_rate'), '/s')} tcpdump", "info", None,
+                   npt.get("storm_rate"), none["storm_rate"]))
+    for key, label in (("trace", "bcc trace-bpfcc tcp:tcp_send_reset"),
+                       ("tcpdrop", "bcc tcpdrop-bpfcc")):
+        r = tools.get(key, {})
+        if "note" in r:
+            note = r["note"] if len(r["note"]) <= 70 else r["note"][:67] + "..."
+            out.append(Row("reset_storm", f"storm: {label}", "", note, "info"))
+            continue
+        c_b = r.get("cpu_per_100k")
+        out.append(Row("reset_storm", f"storm: CPU s per 100k resets (vs {label})", _f(c_n, "s"),
+                       _f(c_b, "s"), f"{c_n / c_b:.1f}x" if c_n is not None and c_b else "n/a",
+                       None, c_n, c_b))
+        out.append(Row("reset_storm", f"storm: resets missed (vs {label})",
+                       str(npt.get("missed")), f"{r.get('missed')} ({r.get('lost_reported')} "
+                       "reported lost)", "info", None, npt.get("missed"), r.get("missed")))
+    return out
+
+
+def _f(x, unit="") -> str:
+    return "n/a" if x is None else f"{x:.3g} {unit}".strip()

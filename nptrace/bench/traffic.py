@@ -1,0 +1,219 @@
+"""Traffic generators the benchmarks run inside their namespaces (`ip netns exec NS python -m
+nptrace.bench.traffic CMD ...`). Standard library only, so a generator starts in tens of ms.
+Each prints one JSON line with what it did, and stops by itself (bounded by count or time).
+
+  syn      SYNs to one address:port from distinct (source address, port) pairs, written as
+           whole Ethernet frames to an AF_PACKET socket (one send per frame, no socket per
+           flow): the fastest reset source Python has; --rate limits it (flow churn)
+  accept   accept() and close() forever (the server end of a connection-rate run)
+  connect  non-blocking connects kept --conc in flight for --secs; a connection counts once
+           the server's FIN arrives (the client closes second, so it keeps no TIME_WAIT)
+  sink / source   bulk TCP without iperf3 (fallback)
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import json
+import select
+import socket
+import struct
+import sys
+import time
+
+SPORT_LO, SPORT_N = 1024, 64000
+_IP_TCP = struct.Struct("!BBHHHBBH4s4sHHIIBBHHH")
+
+
+def _fold(s: int) -> int:
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def _words(b: bytes) -> int:
+    return sum(struct.unpack(f"!{len(b) // 2}H", b))
+
+
+class SynFrames:
+    """Ethernet+IPv4+TCP SYN frames, flow i = (src_net[i // SPORT_N], SPORT_LO + i % SPORT_N).
+    Checksums are filled incrementally: only the source address and port vary."""
+
+    def __init__(self, src_net: str, dst: str, dport: int, smac: str, dmac: str):
+        self.net = ipaddress.ip_network(src_net)
+        self.base = int(self.net.network_address) + 1
+        self.hosts = max(1, self.net.num_addresses - 2)
+        self.dst = socket.inet_aton(dst)
+        self.dport = dport
+        self.eth = bytes.fromhex(dmac.replace(":", "")) + bytes.fromhex(smac.replace(":", "")) \
+            + b"\x08\x00"
+        d = _words(self.dst)
+        # IP header sum without the source address; TCP pseudo-header + header without
+        # the source address and port (seq = 1, flags SYN, window 64240, data offset 5).
+        self.ip_base = _words(struct.pack("!BBHHHBB", 0x45, 0, 40, 0, 0x4000, 64, 6)) + d
+        self.tcp_base = d + 6 + 20 + dport + 1 + (5 << 12 | 0x02) + 64240
+
+    def frame(self, i: int) -> bytes:
+        src = self.base + (i // SPORT_N) % self.hosts
+        sport = SPORT_LO + i % SPORT_N
+        s = (src >> 16) + (src & 0xFFFF)
+        ipc = ~_fold(self.ip_base + s) & 0xFFFF
+        tcpc = ~_fold(self.tcp_base + s + sport) & 0xFFFF
+        return self.eth + _IP_TCP.pack(0x45, 0, 40, 0, 0x4000, 64, 6, ipc,
+                                       src.to_bytes(4, "big"), self.dst, sport, self.dport,
+                                       1, 0, 5 << 4, 0x02, 64240, tcpc, 0)
+
+
+def cmd_syn(a) -> dict:
+    smac = open(f"/sys/class/net/{a.dev}/address").read().strip()
+    gen = SynFrames(a.src_net, a.dst, a.dport, smac, a.dmac)
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    s.bind((a.dev, 0))
+    send = s.send
+    start = a.first
+    if a.rate:                       # paced: batches of 1/100 s, by wall time
+        batch = max(1, int(a.rate / 100))
+        end = time.monotonic() + a.secs
+        t0 = time.monotonic()
+        i = start
+        while time.monotonic() < end:
+            for k in range(i, i + batch):
+                send(gen.frame(k))
+            i += batch
+            ahead = (i - start) / a.rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        return {"sent": i - start, "secs": time.monotonic() - t0}
+    frames = [gen.frame(k) for k in range(start, start + a.count)]   # built before timing
+    t0 = time.monotonic()
+    for f in frames:
+        send(f)
+    return {"sent": a.count, "secs": time.monotonic() - t0}
+
+
+def cmd_accept(a) -> dict:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", a.port))
+    s.listen(4096)
+    print(json.dumps({"ready": True}), flush=True)
+    acc = s.accept
+    while True:
+        c, _ = acc()
+        c.close()
+
+
+def cmd_connect(a) -> dict:
+    ep = select.epoll()
+    socks: dict[int, socket.socket] = {}
+    done = failed = 0
+    addr = (a.host, a.port)
+    flags = select.EPOLLIN | select.EPOLLRDHUP
+
+    def start() -> None:
+        nonlocal failed
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        r = s.connect_ex(addr)
+        if r not in (0, errno.EINPROGRESS):
+            failed += 1
+            s.close()
+            return
+        socks[s.fileno()] = s
+        ep.register(s.fileno(), flags)
+
+    t0 = time.monotonic()
+    end = t0 + a.secs
+    for _ in range(a.conc):
+        start()
+    while time.monotonic() < end:
+        for fd, ev in ep.poll(0.05):
+            s = socks.pop(fd)
+            if ev & select.EPOLLERR:
+                failed += 1
+            else:
+                done += 1
+            s.close()
+            start()
+    secs = time.monotonic() - t0
+    return {"done": done, "failed": failed, "secs": secs}
+
+
+def cmd_sink(a) -> dict:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", a.port))
+    s.listen(8)
+    print(json.dumps({"ready": True}), flush=True)
+    while True:
+        c, _ = s.accept()
+        buf = bytearray(1 << 20)
+        while c.recv_into(buf):
+            pass
+        c.close()
+
+
+def cmd_source(a) -> dict:
+    s = socket.create_connection((a.host, a.port))
+    buf = b"\0" * (1 << 20)
+    n = 0
+    t0 = time.monotonic()
+    end = t0 + a.secs
+    while time.monotonic() < end:
+        n += s.send(buf)
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)
+    secs = time.monotonic() - t0
+    s.close()
+    return {"bytes": n, "secs": secs, "bps": n * 8 / secs}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nptrace.bench.traffic")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("syn")
+    s.add_argument("--dev", required=True)
+    s.add_argument("--dmac", required=True)
+    s.add_argument("--src-net", required=True)
+    s.add_argument("--dst", required=True)
+    s.add_argument("--dport", type=int, required=True)
+    s.add_argument("--count", type=int, default=100000)
+    s.add_argument("--first", type=int, default=0, help="index of the first flow")
+    s.add_argument("--rate", type=float, default=0, help="frames/s (0: as fast as possible)")
+    s.add_argument("--secs", type=float, default=10, help="with --rate: how long")
+    s = sub.add_parser("accept")
+    s.add_argument("--port", type=int, required=True)
+    s = sub.add_parser("connect")
+    s.add_argument("--host", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--secs", type=float, default=2)
+    s.add_argument("--conc", type=int, default=128)
+    s = sub.add_parser("sink")
+    s.add_argument("--port", type=int, required=True)
+    s = sub.add_parser("source")
+    s.add_argument("--host", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--secs", type=float, default=2)
+    return p
+
+
+COMMANDS = {"syn": cmd_syn, "accept": cmd_accept, "connect": cmd_connect, "sink": cmd_sink,
+            "source": cmd_source}
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        out = COMMANDS[a.cmd](a)
+    except (OSError, ValueError) as e:
+        print(f"traffic {a.cmd}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

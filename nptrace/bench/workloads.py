@@ -1,0 +1,88 @@
+"""The two steady workloads the with/without comparisons run: bulk TCP (iperf3, or the Python
+fallback in traffic.py when iperf3 is absent) and new connections through a DNAT'd NodePort
+(traffic.py's accept server and non-blocking connect clients)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from nptrace.bench.topology import PY, BenchError, Topology, in_ns, sh, wait_for
+
+TRAFFIC = [PY, "-m", "nptrace.bench.traffic"]
+
+
+def _json_tail(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise BenchError(f"no JSON result in {text[-200:]!r}")
+
+
+class Bulk:
+    """Bulk TCP from client_ns to host:port in server_ns; run(secs) -> receiver bits/s."""
+
+    def __init__(self, topo: Topology, server_ns: str, client_ns: str, host: str,
+                 port: int = 5201):
+        self.topo, self.client_ns, self.host, self.port = topo, client_ns, host, port
+        self.iperf3 = shutil.which("iperf3")
+        if self.iperf3:
+            self.tool = "iperf3"
+            self.server = topo.spawn(server_ns, [self.iperf3, "-s", "-p", str(port)])
+            # iperf3 -s has no ready line on stdout worth parsing: wait for its socket
+            wait_for(lambda: f":{port}" in sh(*in_ns(server_ns, ["ss", "-Htln"])), 10,
+                     0.05, "iperf3 server listening", self.server)
+        else:
+            self.tool = "python"
+            self.server = topo.spawn(server_ns, TRAFFIC + ["sink", "--port", str(port)],
+                                     stdout=subprocess.PIPE)
+            if "ready" not in self.server.stdout.readline():
+                raise BenchError("bulk sink did not start")
+
+    def run(self, secs: float) -> float:
+        if self.tool == "iperf3":
+            # whole seconds: iperf3 3.12 never ends a run given a fractional -t
+            secs = max(1, round(secs))
+            out = sh(*in_ns(self.client_ns, [self.iperf3, "-c", self.host, "-p", str(self.port),
+                                             "-t", str(secs), "-J"]), timeout=secs + 30)
+            from nptrace.bench.report import iperf3_bps
+            return iperf3_bps(json.loads(out))
+        out = sh(*in_ns(self.client_ns, TRAFFIC + ["source", "--host", self.host, "--port",
+                                                   str(self.port), "--secs", f"{secs:g}"]),
+                 timeout=secs + 30)
+        return float(_json_tail(out)["bps"])
+
+
+class ConnLoad:
+    """Connections/s from `clients` processes in client_ns to host:port (a NodePort)."""
+
+    def __init__(self, topo: Topology, server_ns: str, server_port: int, client_ns: str,
+                 host: str, port: int, clients: int = 2, conc: int = 128):
+        self.topo, self.client_ns, self.host, self.port = topo, client_ns, host, port
+        self.clients, self.conc = clients, conc
+        self.server = topo.spawn(server_ns, TRAFFIC + ["accept", "--port", str(server_port)],
+                                 stdout=subprocess.PIPE)
+        if "ready" not in self.server.stdout.readline():
+            raise BenchError("accept server did not start")
+
+    def run(self, secs: float) -> dict:
+        argv = TRAFFIC + ["connect", "--host", self.host, "--port", str(self.port),
+                          "--secs", f"{secs:g}", "--conc", str(self.conc)]
+        procs = [self.topo.spawn(self.client_ns, argv, stdout=subprocess.PIPE)
+                 for _ in range(self.clients)]
+        done = failed = 0
+        secs_max = 0.0
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=secs + 30)
+            except subprocess.TimeoutExpired:
+                self.topo.stop(p)
+                raise BenchError("connect client did not finish") from None
+            if p in self.topo.procs:
+                self.topo.procs.remove(p)
+            r = _json_tail(out)
+            done += r["done"]
+            failed += r["failed"]
+            secs_max = max(secs_max, r["secs"])
+        return {"done": done, "failed": failed, "secs": secs_max,
+                "rate": done / secs_max if secs_max else 0.0}
