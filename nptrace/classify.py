@@ -100,6 +100,16 @@ class Verdict:
     ctx: "Context | None" = field(default=None, repr=False, compare=False)
 
     @property
+    def nat(self):
+        """The connection's NAT mapping, client -> NodePort/Service -> endpoint, from the first
+        event of the incident that carried a DNAT conntrack entry (None if none did)."""
+        for l in (self.event,) + tuple(x.ev for x in self.labeled):
+            ct = getattr(l, "ct", None)
+            if ct is not None and ct.dnat:
+                return ct
+        return None
+
+    @property
     def evidence(self) -> tuple[Evidence, ...]:
         """Rendered on demand: a sink that does not print evidence does not pay for it."""
         ctx = self.ctx or Context()

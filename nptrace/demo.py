@@ -93,17 +93,28 @@ def main(argv=None) -> int:
     print(f"== scenario {sc.name}: {sc.story}")
     print(f"== expected cause: {sc.cause}")
     info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe)
+    from nptrace.scorecard import scenario_events
     outcomes = Counter(getattr(x, "outcome", "?") for x in attempts)
     print(f"== client saw: {dict(outcomes)}")
-    print(f"== nptrace labeled {len(events)} events:")
-    for e in events:
-        print(f"  {e['kind']:<7} {e.get('direction') or '':<9} {e['cause']:<18} "
-              f"{e['saddr']}:{e['sport']} -> {e['daddr']}:{e['dport']}  {e.get('iface') or '-'}"
-              f"  [{e['hook']} {e['reason']}]")
-    if events:
-        print(f"== hint: {events[0]['hint']}")
-    causes = Counter(e["cause"] for e in events)
-    print(f"== causes: {dict(causes)}")
+    mine = scenario_events(attempts, events)   # only this lab's connections
+    print(f"== nptrace reported {len(mine)} incidents for these connections "
+          f"({sum(e.get('events', 1) for e in mine)} kernel events):")
+    for e in mine[:12]:
+        flow = (f"{e['client']} -> {e['frontend']} -> {e['endpoint']}" if e.get("client")
+                else f"{e['saddr']}:{e['sport']} -> {e['daddr']}:{e['dport']}")
+        print(f"  {e['kind']:<7} {e.get('direction') or '':<9} {e['cause']:<18} {flow}"
+              f"  {e.get('iface') or '-'}"
+              f"  [{e['hook']} {e['reason']}] svc={e.get('service') or '-'} events={e.get('events', 1)}")
+    if len(mine) > 12:
+        print(f"  ... and {len(mine) - 12} more")
+    if mine:
+        first = mine[0]
+        print(f"== hint: {first['hint']}")
+        print("== evidence of the first incident:")
+        for x in first.get("evidence", [])[:10]:
+            print(f"     {x['hook']:<26} {x['what']:<16} {x.get('iface') or '-':<22} {x['detail']}")
+    causes = Counter(e["cause"] for e in mine)
+    print(f"== causes: {dict(causes)} (expected: {sc.cause or 'none'})")
     for line in err.splitlines():
         if "attached" in line or "lost" in line:
             print(f"== {line}")

@@ -22,9 +22,10 @@ class Console:
         self.by_service[v.service or "-"] += 1
         ts = time.strftime("%H:%M:%S", time.localtime((e.ts_ns + self.offset) / 1e9))
         flow = f"{e.saddr}:{e.sport} -> {e.daddr}:{e.dport}"
-        if e.ct is not None and e.ct.dnat:
-            flow = (f"{e.ct.orig_src}:{e.ct.orig_sport} -> {e.ct.orig_dst}:{e.ct.orig_dport}"
-                    f" -> {e.ct.reply_src}:{e.ct.reply_sport}")
+        nat = v.nat
+        if nat is not None:   # client -> NodePort -> pod, the way an SRE thinks of it
+            flow = (f"{nat.orig_src}:{nat.orig_sport} -> {nat.orig_dst}:{nat.orig_dport}"
+                    f" -> {nat.reply_src}:{nat.reply_sport}")
         what = f"{v.kind}" + (f"/{v.direction}" if v.direction else "")
         self.stream.write(f"{ts} {v.cause:<18} {what:<14} {flow}  {v.iface or '-'}"
                           f"  [{v.hook} {v.reason}]"

@@ -35,6 +35,11 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int) -> dict:
             "reply": [c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport],
             "dnat": c.dnat, "snat": c.snat, "seen_reply": c.seen_reply,
         }
+    nat = v.nat
+    if nat is not None:
+        d["client"] = f"{nat.orig_src}:{nat.orig_sport}"
+        d["frontend"] = f"{nat.orig_dst}:{nat.orig_dport}"
+        d["endpoint"] = f"{nat.reply_src}:{nat.reply_sport}"
     if e.outer_saddr is not None:
         d["outer"] = {"saddr": e.outer_saddr, "daddr": e.outer_daddr, "vni": e.vni}
     return d
