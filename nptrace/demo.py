@@ -92,11 +92,13 @@ def main(argv=None) -> int:
     sc = known[a.scenario]
     print(f"== scenario {sc.name}: {sc.story}")
     print(f"== expected cause: {sc.cause}")
-    info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe)
+    inodes: dict = {}
+    info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe,
+                                                 inode_sink=inodes)
     from nptrace.scorecard import scenario_events
     outcomes = Counter(getattr(x, "outcome", "?") for x in attempts)
     print(f"== client saw: {dict(outcomes)}")
-    mine = scenario_events(attempts, events)   # only this lab's connections
+    mine = scenario_events(attempts, events, set(inodes.values()))   # only this lab's
     print(f"== nptrace reported {len(mine)} incidents for these connections "
           f"({sum(e.get('events', 1) for e in mine)} kernel events):")
     for e in mine[:12]:

@@ -48,13 +48,17 @@ def _ports_of(detail: str) -> set[int]:
     return out
 
 
-def scenario_events(attempts, events) -> list[dict]:
+def scenario_events(attempts, events, netns: set | None = None) -> list[dict]:
     """Incidents about the trigger's connections: a client port appears in the incident's own
     tuple, its conntrack entry or any of its evidence (masquerade may pick another port on the
-    pod side, the client side keeps it)."""
+    pod side, the client side keeps it); with `netns` (the lab's namespace inodes), only
+    incidents whose primary event happened there (other traffic on the machine may reuse a
+    port)."""
     ports = {a.sport for a in attempts}
 
     def mine(e):
+        if netns is not None and e.get("netns") not in netns:
+            return False
         if e["sport"] in ports or e["dport"] in ports:
             return True
         if e.get("conntrack") and e["conntrack"]["orig"][1] in ports:
@@ -67,9 +71,11 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
           observe: float = 1.0) -> Score:
     from nptrace.demo import trace_scenario
+    inodes: dict = {}
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
-                                                 watch=watch, variant=variant, settle=observe)
-    mine = scenario_events(attempts, events)
+                                                 watch=watch, variant=variant, settle=observe,
+                                                 inode_sink=inodes)
+    mine = scenario_events(attempts, events, set(inodes.values()))
     s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
               expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err,
               as_expected=sum(1 for a in attempts if getattr(a, "expected", True)))
