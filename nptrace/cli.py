@@ -82,6 +82,8 @@ def _run_options(fn):
     ]
     for o in reversed(opts):
         fn = o(fn)
+    for p in fn.__click_params__:     # every option also NPTRACE_RUN_<NAME>; --help says so
+        p.show_envvar = True
     return fn
 
 
