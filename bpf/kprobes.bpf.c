@@ -43,17 +43,7 @@
 
 #if NPT_WITH_KPROBES
 
-/* nptrace_events.h defines NPT_HAVE_KFUNC_ENUM once it carries this enum */
-#ifndef NPT_HAVE_KFUNC_ENUM
-enum npt_kfunc {
-	NPT_KF_NAT_MANIP     = 1,
-	NPT_KF_NAT_PACKET    = 2,
-	NPT_KF_FIB_VALIDATE  = 3,
-	NPT_KF_NF_SEND_RESET = 4,
-	NPT_KF_IPVS_IN       = 5,
-	NPT_KF_IPVS_OUT      = 6,
-};
-#endif
+/* enum npt_kfunc (which function an event comes from, in aux) is in nptrace_events.h */
 
 #define NPT_TCP_SYN 0x02
 #define NPT_TCP_RST 0x04

@@ -21,6 +21,23 @@ enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 
 #include "npt_common.h"
 
+/* The socket tracepoints (tcp_receive_reset, tcp_retransmit_synack) carry the socket's
+ * addresses in two layouts: __u8 saddr[4] / saddr_v6[16]. `swap` puts the local side as the
+ * destination (a received RST travels remote -> local). */
+#define NPT_SOCK_TUPLE(e, args, swap) do {					\
+	(e).family = (args)->family;						\
+	if ((args)->family == NPT_AF_INET6) {					\
+		bpf_probe_read_kernel((e).saddr, 16, swap ? (args)->daddr_v6 : (args)->saddr_v6); \
+		bpf_probe_read_kernel((e).daddr, 16, swap ? (args)->saddr_v6 : (args)->daddr_v6); \
+	} else {								\
+		bpf_probe_read_kernel((e).saddr, 4, swap ? (args)->daddr : (args)->saddr); \
+		bpf_probe_read_kernel((e).daddr, 4, swap ? (args)->saddr : (args)->daddr); \
+	}									\
+	(e).sport = swap ? (args)->dport : (args)->sport;			\
+	(e).dport = swap ? (args)->sport : (args)->dport;			\
+	(e).l4proto = NPT_IPPROTO_TCP;						\
+} while (0)
+
 #define NPT_SOCKADDR_FAMILY 0
 #define NPT_SOCKADDR_PORT   2
 #define NPT_SOCKADDR_IN4    4   /* struct sockaddr_in.sin_addr */
@@ -102,18 +119,7 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 	void *sk = (void *)args->skaddr;
 	e.netns = npt_netns_of_sk(sk);
 	e.flags |= NPT_F_HAS_SOCK;
-	e.family = args->family;
-	/* The socket's local address is the RST's destination. */
-	if (args->family == NPT_AF_INET6) {
-		bpf_probe_read_kernel(e.saddr, 16, args->daddr_v6);
-		bpf_probe_read_kernel(e.daddr, 16, args->saddr_v6);
-	} else {
-		bpf_probe_read_kernel(e.saddr, 4, args->daddr);
-		bpf_probe_read_kernel(e.daddr, 4, args->saddr);
-	}
-	e.sport = args->dport;
-	e.dport = args->sport;
-	e.l4proto = NPT_IPPROTO_TCP;
+	NPT_SOCK_TUPLE(e, args, 1);   /* the socket's local address is the RST's destination */
 	e.tcpflags = 0x04;
 	u8 st = 0;
 	if (sk)
@@ -153,17 +159,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_synack)
 	struct npt_event e;
 	npt_init(&e, NPT_T_SYNACK_RETX, NPT_H_SYNACK_RETX);
 	e.netns = npt_netns_of_sk((void *)args->skaddr);
-	e.family = args->family;
-	if (args->family == NPT_AF_INET6) {
-		bpf_probe_read_kernel(e.saddr, 16, args->saddr_v6);
-		bpf_probe_read_kernel(e.daddr, 16, args->daddr_v6);
-	} else {
-		bpf_probe_read_kernel(e.saddr, 4, args->saddr);
-		bpf_probe_read_kernel(e.daddr, 4, args->daddr);
-	}
-	e.sport = args->sport;
-	e.dport = args->dport;
-	e.l4proto = NPT_IPPROTO_TCP;
+	NPT_SOCK_TUPLE(e, args, 0);
 	e.tcpflags = 0x12;
 	e.dir = NPT_D_LOCAL;
 	npt_emit(&e);

@@ -81,7 +81,7 @@ class NodeKnowledge:
         for i in inodes:
             self.rules(i)
 
-    def service_of(self, addr: str, port: int) -> str | None:
+    def _lookup(self, addr: str, port: int, kind: str | None = None) -> str | None:
         for _, smap in self._maps.values():
             if smap is None:
                 continue
@@ -89,21 +89,15 @@ class NodeKnowledge:
                 s = smap.lookup(addr, port)
             except Exception:
                 continue
-            if s is not None:
+            if s is not None and (kind is None or s.kind == kind):
                 return s.name
         return None
 
+    def service_of(self, addr: str, port: int) -> str | None:
+        return self._lookup(addr, port)
+
     def endpoint_of(self, addr: str, port: int) -> str | None:
-        for _, smap in self._maps.values():
-            if smap is None:
-                continue
-            try:
-                s = smap.lookup(addr, port)
-            except Exception:
-                continue
-            if s is not None and s.kind == "endpoint":
-                return s.name
-        return None
+        return self._lookup(addr, port, "endpoint")
 
     # -- routes ------------------------------------------------------------------------
     def route_iface(self, inode: int, addr: str) -> str | None:

@@ -174,7 +174,7 @@ def test_nf_hook_sees_syn_after_dnat(dnat_lab):
     node_inode = os.stat(f"/run/netns/{node}").st_ino
     b, flags = _base_cflags()
     bpf = loader.compile_families(("npt_common.h", "nf_hook.bpf.c"),
-                                  flags + nfhook.cflags(b))
+                                  flags + nfhook.cflags(b) + ["-DNPT_NF_NAT_ONLY=0"])  # every SYN and RST, not only NATed SYNs
     try:
         prog_fd = loader.load_netfilter_prog(bpf)
         with nfhook.NfHookLinks(prog_fd) as links, \
