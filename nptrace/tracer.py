@@ -73,6 +73,37 @@ class Outputs:
     pcap: str | None = None
 
 
+def release_startup_memory() -> None:
+    """Start-up needs the whole BTF (tens of MB of Python objects) and clang's heap; the
+    running tracer needs neither. Drop the BTF and hand freed heap back to the kernel, so a
+    long-running node agent's RSS is what it uses."""
+    import ctypes
+    import gc
+    from nptrace import btf
+    btf._DEFAULT = None
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return
+    # LLVM and clang (about 80 MiB of library text) only ran for the compile. Ask the kernel to
+    # reclaim their clean file pages now (MADV_PAGEOUT, Linux 5.4); if a recompile ever needs
+    # them, they fault back in from the page cache.
+    MADV_PAGEOUT = 21
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 6 or not ("libLLVM" in parts[5] or "libclang" in parts[5]):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                libc.madvise(lo, hi - lo, MADV_PAGEOUT)
+    except OSError:
+        pass
+
+
 def inode_of_netns(name: str) -> int:
     return os.stat(Path("/run/netns") / name).st_ino
 
@@ -186,6 +217,7 @@ class Tracer:
                                       rst_name=rsts.name, flows=lambda: len(self.classifier.flows),
                                       probes=lambda: {p: 1 for p in probes.attached})
         self.classifier = Classifier(self.ctx)
+        release_startup_memory()
         from nptrace.ringbuf import RingReader
         # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
         # near 350-600k records/s in Python, the mmap walk above 1M/s (PLATFORM.md).
@@ -302,7 +334,7 @@ class Tracer:
                 s.write(v)
 
     def _drain(self, timeout_ms: int) -> int:
-        batch = self.reader.poll(timeout_ms, raw=True)
+        batch = self.reader.poll(timeout_ms, max_records=4096, raw=True)  # a stop waits <= 1 batch
         for raw in batch:
             self._on_record(raw)
         return len(batch)

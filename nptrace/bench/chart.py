@@ -58,6 +58,7 @@ def _tc(ax, d, _name):
 def _ratio(ax, d, name):
     ratios = d.get("ratios", [])
     ax.plot(range(1, len(ratios) + 1), [r * 100 for r in ratios], "o-")
+    ax.set_xticks(range(1, len(ratios) + 1))
     target = d.get("target", 0)
     ax.axhline(target * 100, color="red", linestyle="--", label=f"target {target:.0%}")
     ax.axhline(100, color="grey", linewidth=0.5)

@@ -280,3 +280,27 @@ def count_port_lines(lines, port: int) -> int:
     labeled incident, so per reset when every reset is a flow of its own."""
     a, b = f'"sport":{port},'.encode(), f'"dport":{port},'.encode()
     return sum(1 for ln in lines if a in ln or b in ln)
+
+
+_PROM = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def prom_samples(text: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample in Prometheus text exposition format."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _PROM.match(line)
+        if m:
+            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def prom_sum(samples, name: str, **contains: str) -> float | None:
+    """Sum of the samples of `name` whose labels contain each given substring; None if the
+    metric is absent."""
+    vals = [v for n, labels, v in samples if n == name
+            and all(s in labels.get(k, "") for k, s in contains.items())]
+    return sum(vals) if vals else None

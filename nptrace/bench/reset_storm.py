@@ -8,9 +8,11 @@ number of which is the server namespace's TcpOutRsts (what `nstat` shows) before
 The same storm size runs once per observer, one at a time:
 
   none      no observer: the storm rate the machine makes by itself
-  nptrace   `nptrace run --json --iface server/s0 --host 10.251.0.0/16` (tracepoints + tc),
-            stdout to a file; missed = RSTs sent - incident lines with port 9999; its own
-            `events decoded, lost` counts from stderr; every miss must be covered by `lost`
+  nptrace   `nptrace run --json --iface server/s0 --host 10.251.0.0/16 --metrics-addr ...`
+            (tracepoints + tc), stdout to a file; missed = RSTs sent - incident lines with
+            port 9999; its own `events decoded, lost` counts from stderr; every miss must be
+            covered by `lost`; its exact in-kernel RST_SENT counter (scraped from its metrics
+            on loopback before the stop) must equal TcpOutRsts
   tcpdump   `tcpdump -i s0 -w FILE 'tcp[tcpflags] & tcp-rst != 0'` in the server namespace;
             missed = RSTs sent - packets in FILE (it reports `dropped by kernel` itself)
   trace     bcc's trace-bpfcc on tcp:tcp_send_reset, filtered to port 9999 (what an SRE would
@@ -31,7 +33,8 @@ from pathlib import Path
 from nptrace.bench import bpfprog
 from nptrace.bench.context import Bench
 from nptrace.bench.report import (Row, Section, count_bcc_events, count_port_lines,
-                                  parse_bcc_lost, parse_tcpdump, pcap_count, per_100k, si)
+                                  parse_bcc_lost, parse_tcpdump, pcap_count, per_100k,
+                                  prom_samples, prom_sum, si)
 from nptrace.bench.topology import (BenchError, Topology, cpu_seconds, node_busy_seconds, snmp,
                                     wait_for)
 from nptrace.bench.workloads import TRAFFIC
@@ -124,11 +127,30 @@ def _result(name: str, st: dict, cpu: float | None, seen: int | None, **kw) -> d
                  "seen": seen, "missed": missed}, **kw)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> list:
+    """nptrace's Prometheus metrics (loopback): its exact in-kernel counters."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return prom_samples(r.read().decode())
+    except OSError:
+        return []
+
+
 def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
                 drain_s: float) -> dict:
     out = b.logdir / "storm-nptrace.jsonl"
+    port = _free_port()
     n = b.nptrace(t, "reset_storm", "storm-nptrace",
-                  ["--iface", f"{server}/s0", "--host", "10.251.0.0/16"], stdout_path=out)
+                  ["--iface", f"{server}/s0", "--host", "10.251.0.0/16",
+                   "--metrics-addr", f"127.0.0.1:{port}"], stdout_path=out)
     from nptrace.tc import enable_bpf_stats
     try:
         with enable_bpf_stats():
@@ -141,8 +163,13 @@ def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
         storm.settled()
         cpu = n.cpu() - cpu0
         rss = n.rss()
+        metrics = _scrape(port)
     finally:
         n.stop()
+    exact = {"rst_sent": prom_sum(metrics, "nptrace_kernel_events_total", type="RST_SENT",
+                                  iface=server),
+             "emitted": prom_sum(metrics, "nptrace_events_emitted_total"),
+             "lost": prom_sum(metrics, "nptrace_events_lost_total")}
     progs = bpfprog.delta(p0, p1)
     prog_costs = {f"{names.get(i, i)}": {"runs": v["runs"], "ns_per_run": v["ns_per_run"],
                                          "ns_per_reset": v["ns"] / st["resets"]
@@ -152,12 +179,13 @@ def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
         seen = count_port_lines(f, PORT)
     _trim(out)
     missed = max(0, st["resets"] - seen)
-    counted = missed == 0 or (n.lost is not None and n.lost >= missed)
+    counted = (missed == 0 or (n.lost is not None and n.lost >= missed)) and \
+        exact["rst_sent"] in (None, st["resets"])
     secs = max(busy_until - t0, st["secs"])
     return _result("nptrace", st, cpu, seen, decoded=n.decoded, lost=n.lost,
                    decoded_per_s=(n.decoded / secs) if n.decoded else None,
                    drained=idle, killed=n.killed, stop_s=n.stop_s, rss_after=rss,
-                   every_loss_counted=counted, bpf_programs=prog_costs)
+                   every_loss_counted=counted, bpf_programs=prog_costs, exact=exact)
 
 
 def run_tcpdump(b: Bench, t: Topology, storm: Storm, server: str, count: int,
@@ -299,6 +327,12 @@ def rows(tools: dict, count: int) -> list[Row]:
                    f"{td.get('missed', 'n/a')} (kernel dropped {td.get('kernel_dropped', '?')})",
                    "every loss counted", bool(npt.get("every_loss_counted")),
                    npt.get("missed"), td.get("missed"), None, "every loss counted"))
+    ex = npt.get("exact") or {}
+    if ex.get("rst_sent") is not None:
+        k = int(ex["rst_sent"])
+        out.append(Row("reset_storm", "storm: nptrace exact in-kernel RST_SENT count vs "
+                       "TcpOutRsts", str(k), f"{npt['resets']} TcpOutRsts",
+                       "equal", k == npt["resets"], k, npt["resets"]))
     out.append(Row("reset_storm", "storm: nptrace events decoded/s (until drained)",
                    si(npt.get("decoded_per_s"), "/s"),
                    f"{si(npt.get('storm_rate'), '/s')} resets made", "info", None,
