@@ -136,8 +136,8 @@ class Context:
     route_iface: Callable[[int, str], str | None] = lambda netns, addr: None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
-    window_ns: int = 30 * 1_000_000_000     # how long a reported flow's history is kept
-    max_flows: int = 65536                  # bound on the correlation state
+    window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept
+    max_flows: int = 32768                  # bound on the correlation state (~1 KiB a flow)
 
 
 def reason_name(ev: Event, ctx: Context) -> str:
@@ -178,16 +178,17 @@ class Labeled:
 @dataclass
 class Flow:
     keys: set = field(default_factory=set)
-    history: list = field(default_factory=list)   # Labeled, reported or not, newest last
-    pending: list = field(default_factory=list)   # Labeled of the open incident
+    pending: list = field(default_factory=list)   # Labeled of the open incident (<= MAX_KEPT)
+    extra: int = 0                                # further events of it, counted not kept
     first_ns: int = 0                             # of the open incident
     last_ns: int = 0
     root: Labeled | None = None                   # the cause an earlier incident named
     strong: bool = False                          # the open incident has a non-weak label
 
 
-# An incident that keeps growing (one tuple dropped thousands of times) is cut here.
-MAX_PENDING = 256
+# Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
+# flows, not by how often one flow's packets are dropped).
+MAX_KEPT = 32
 
 
 class Classifier:
@@ -228,10 +229,11 @@ class Classifier:
         return flow
 
     def _merge(self, into: Flow, other: Flow) -> None:
-        into.history = sorted(into.history + other.history, key=lambda x: x.ev.ts_ns)[-64:]
         if other.pending:
             into.first_ns = min(into.first_ns, other.first_ns) if into.pending else other.first_ns
             into.pending = sorted(into.pending + other.pending, key=lambda x: x.ev.ts_ns)
+            into.extra += other.extra + max(0, len(into.pending) - MAX_KEPT)
+            del into.pending[MAX_KEPT:]
         into.last_ns = max(into.last_ns, other.last_ns)
         into.strong = into.strong or other.strong
         if other.root is not None and (into.root is None or other.root.ev.ts_ns < into.root.ev.ts_ns):
@@ -270,22 +272,23 @@ class Classifier:
         due = self.tick(ev.ts_ns)
         flow = self._flow(ev)
         rname = reason_name(ev, ctx)
-        lab = self._label(ev, rname, flow.history)
-        flow.history.append(lab)
-        if len(flow.history) > 64:
-            del flow.history[:-64]
+        lab = self._label(ev, rname, flow.pending)
         if not flow.pending:
             flow.first_ns = ev.ts_ns
             flow.strong = False
-        flow.pending.append(lab)
+            flow.extra = 0
+        if len(flow.pending) < MAX_KEPT:
+            flow.pending.append(lab)
+        elif lab.cause is not None and all(
+                l.cause is None or RANK[lab.cause] < RANK[l.cause] for l in flow.pending):
+            flow.pending[-1] = lab      # a better label than any kept: keep it, count the other
+            flow.extra += 1
+        else:
+            flow.extra += 1
         flow.last_ns = max(flow.last_ns, ev.ts_ns)
         if lab.cause is not None and lab.cause not in WEAK_CAUSES:
             flow.strong = True
         self._queue(flow)
-        if len(flow.pending) >= MAX_PENDING:
-            v = self._report(flow)
-            if v is not None:
-                due.append(v)
         return due
 
     def tick(self, now_ns: int) -> list[Verdict]:
@@ -329,6 +332,7 @@ class Classifier:
 
     # -- labeling ----------------------------------------------------------------------
     def _label(self, ev: Event, rname: str, history: list) -> Labeled:
+        """`history`: the open incident's earlier events, for rules that need them."""
         if ev.type in EVIDENCE_ONLY:
             return Labeled(ev, rname, None)
         for rule in RULES:
@@ -342,6 +346,7 @@ class Classifier:
 
     def _report(self, flow: Flow) -> Verdict | None:
         pending, flow.pending = flow.pending, []
+        extra, flow.extra = flow.extra, 0
         flow.strong = False
         self.strong.pop(id(flow), None)
         self.weak.pop(id(flow), None)
@@ -375,7 +380,7 @@ class Classifier:
                      service=service or "the Service")
         return Verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOKS[ev.hook],
                        primary.rname, cause, conf, hint, iface, service, tuple(ordered),
-                       len(pending), ctx)
+                       len(pending) + extra, ctx)
 
 
 def _fill(text: str, **vals: str) -> str:

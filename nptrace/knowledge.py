@@ -14,6 +14,9 @@ import time
 from nptrace.netns import Names
 
 
+ROUTE_LOOKUPS_PER_S = 20
+
+
 class NodeKnowledge:
     def __init__(self, names: Names, refresh_s: float = 10.0, clock=time.monotonic):
         self.names = names
@@ -22,6 +25,8 @@ class NodeKnowledge:
         self._maps: dict[int, tuple[float, object | None]] = {}
         self._routes: dict[tuple[int, str], tuple[float, str | None]] = {}
         self.errors: dict[int, str] = {}
+        self._route_window = 0.0
+        self._route_budget = ROUTE_LOOKUPS_PER_S
 
     # -- netfilter rules ---------------------------------------------------------------
     def _netns_arg(self, inode: int) -> str | None | bool:
@@ -108,6 +113,12 @@ class NodeKnowledge:
             return hit[1]
         ns = self._netns_arg(inode)
         dev = None
+        # A flood of distinct (spoofed) sources must not fork `ip` per event: a few a second.
+        if now - self._route_window >= 1.0:
+            self._route_window, self._route_budget = now, ROUTE_LOOKUPS_PER_S
+        if self._route_budget <= 0:
+            return None
+        self._route_budget -= 1
         if ns is not False:
             cmd = (["ip", "-n", ns] if ns else ["ip"]) + ["-o", "route", "get", addr]
             try:

@@ -71,6 +71,11 @@ FLUSH_BYTES = 256 << 10
 RETRY_S = 10.0                  # after a write error (disk full), try a new file this late
 
 
+# Lookup answers repeated in each rotated file's header (the newest; older answers stay in
+# the files that recorded them): keyed by client address, they could otherwise grow forever.
+MAX_HEADER_LOOKUPS = 2048
+
+
 class SessionError(NptraceError):
     """A session cannot be written or read at all (not a session, unreadable, bad limits)."""
 
@@ -209,7 +214,7 @@ class SessionWriter:
                    start_ns=self.wall_ns(),
                    ifnames={ns: dict(m) for ns, m in self.ifnames.items()},
                    services=[[a, p, n] for (a, p), n in self.services.items()],
-                   lookups={name: [[list(k), v] for k, v in tab.items()]
+                   lookups={name: [[list(k), v] for k, v in list(tab.items())[-MAX_HEADER_LOOKUPS:]]
                             for name, tab in self.lookups.items()})
         return rec
 
@@ -513,6 +518,23 @@ def read_header(path) -> dict:
     return rec
 
 
+def _cut_at_birth(path: Path) -> bool:
+    """Empty, or a first frame that starts right (magic) but is cut short."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(FRAME.size)
+            if not head:
+                return True
+            if head[:4] != MAGIC[:len(head[:4])]:
+                return False
+            if len(head) < FRAME.size:
+                return True
+            n = FRAME.unpack(head)[1]
+            return n <= MAX_PAYLOAD and len(f.read(n)) < n
+    except OSError:
+        return False
+
+
 def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
     try:
         buf = _open_map(path)
@@ -582,6 +604,14 @@ def read_session(paths) -> tuple[list[dict], Iterator[Record], list[Problem]]:
         try:
             headers.append(read_header(f))
         except SessionError as e:
+            if len(files) > 1 and _cut_at_birth(f):
+                # A crash between creating a rotated file and writing its header: a torn tail
+                # of the session, not a foreign file.
+                size = f.stat().st_size
+                problems.append(Problem(str(f), "torn_tail", 0, size,
+                                        f"{f}: torn tail at byte 0: {size} bytes dropped "
+                                        "(the header was never completely written)"))
+                continue
             if len(files) == 1:
                 raise
             problems.append(Problem(str(f), "not_session", 0, 0, str(e)))

@@ -16,6 +16,8 @@ from nptrace.config import TRACEPOINTS, Config
 from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
 
 TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+# Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
+DRAIN_BATCH = 4096
 LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"))
 
 
@@ -334,7 +336,7 @@ class Tracer:
                 s.write(v)
 
     def _drain(self, timeout_ms: int) -> int:
-        batch = self.reader.poll(timeout_ms, max_records=4096, raw=True)  # a stop waits <= 1 batch
+        batch = self.reader.poll(timeout_ms, max_records=DRAIN_BATCH, raw=True)  # a stop waits <= 1 batch
         for raw in batch:
             self._on_record(raw)
         return len(batch)
@@ -356,9 +358,12 @@ class Tracer:
                     if left <= 0:
                         break
                     timeout = max(1, min(timeout, int(left * 1000)))
-                self._drain(timeout)
-                # incidents whose flow went quiet are reported on time, not at the next event
-                self._emit(self.classifier.tick(time.monotonic_ns()))
+                now = time.monotonic_ns()   # before the drain: no event read is newer
+                if self._drain(timeout) < DRAIN_BATCH:
+                    # Caught up: incidents whose flow went quiet are reported on time, not at
+                    # the next event. Behind (a full batch), event time alone decides, as in
+                    # replay: wall time would split incidents whose events are still unread.
+                    self._emit(self.classifier.tick(now))
                 for r in self.recorders:
                     r.tick()
                 if self.reopen_requested:

@@ -29,11 +29,14 @@ pytestmark = [pytest.mark.privileged,
 PREFIX = f"npt-d6{os.getpid() % 100000}-"
 SCENARIO = "no-listener"
 COUNT = 20
+# SIGTERM -> exit under a reset storm: the run drains for at most 2 s after a stop
+# (tracer.py), plus one ring batch and the final flush.
+STOP_BUDGET_S = 6.0
 HOLD_S = 1.0                 # classifier: an incident is reported once its flow is quiet this long
 NPTRACE = [sys.executable, "-m", "nptrace.cli"]
 
-# Connection attempts at a steady rate; each from a new source port, and with a 4th argument
-# from a random 127/8 source address as well, so every attempt is a flow of its own.
+# Connection attempts at a steady rate; each from a new source port, and with a fifth
+# argument from a random 127/8 source address as well, so every attempt is a flow of its own.
 CHURN = r"""
 import random, socket, sys, time
 dst, port, rate, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
@@ -209,7 +212,7 @@ class Lab:
         t = self.info.namespaces["client"]
         return subprocess.Popen(["ip", "netns", "exec", t, sys.executable, "-c", CHURN,
                                  "192.168.10.11", "30080", str(rate), str(secs)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
@@ -304,13 +307,19 @@ def test_sigkill_while_recording_loses_nothing_flushed_and_next_run_cleans_up(la
     got = [json.loads(line) for line in r.stdout.splitlines()]
     assert all(e in got for e in first)
 
-    # The stale lock (its holder is dead) is free and the dead run's tc leftovers go away.
-    again = Run(["--duration", "1", *lab_env.ifaces], tmp_path, lab_env.env, name="again")
+    # The stale lock (its holder is dead) is free and the dead run's tc leftovers go away;
+    # the new run records into the same directory, next to the killed run's files.
+    again = Run(["--duration", "1", "--record", rec, *lab_env.ifaces], tmp_path, lab_env.env,
+                name="again")
     assert again.proc.wait(60) == 0, again.stderr()
     assert again.ready.exists()
     after = tc_state(lab_env.info.watch)
     assert not npt_filters(after), after
     assert after == lab_env.baseline, "a clsact qdisc of the dead run is still there"
+    headers, _, _ = session.read_session(rec)
+    assert len({h["run_id"] for h in headers}) == 2
+    r = replay(rec)
+    assert r.returncode == 0 and len(r.stderr.strip().splitlines()) <= 1, r.stderr
 
 
 # --- 2. metrics ---------------------------------------------------------------------------
@@ -410,6 +419,38 @@ def test_sighup_second_instance_and_sigterm(lab_env, tmp_path):
 
     after = tc_state(lab_env.info.watch)
     assert not npt_filters(after) and after == lab_env.baseline, after
+
+
+def test_sigterm_during_a_reset_storm_stops_promptly(churn_ns, tmp_path, daemon_env):
+    """A DaemonSet pod gets SIGTERM and, terminationGracePeriodSeconds later (30 s by
+    default), SIGKILL. Under a reset storm the ring never empties: the stop must not wait for
+    it, and must still close the session cleanly."""
+    ns, _ = churn_ns
+    rec = tmp_path / "rec"
+    run = Run(["--json", "--record", rec], tmp_path, daemon_env)
+    storm = None
+    try:
+        run.wait_ready()
+        storm = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", CHURN,
+                                  "127.0.0.1", "9", "1000000", "30", "spread"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: len(run.out.read_bytes()) > 1 << 20, 20, "the storm's incidents")
+        time.sleep(1)
+        t0 = time.monotonic()
+        rc = run.stop(signal.SIGTERM, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if storm is not None:
+            storm.kill()
+            storm.wait()
+        run.kill_quietly()
+    print(f"\nSIGTERM -> exit under a reset storm: {took:.1f}s")
+    assert rc == 0, run.stderr()
+    assert took < STOP_BUDGET_S, f"SIGTERM took {took:.1f}s to stop under a reset storm"
+    assert "nptrace: stopped: " in run.stderr()
+    _, recs, problems = session.read_session(rec)
+    assert sum(1 for r in recs if r.kind == "event") > 0
+    assert problems == [], problems[:1]         # closed cleanly, no torn tail
 
 
 # --- 4. bad input to run: one line, exit 2, nothing attached --------------------------------

@@ -243,7 +243,7 @@ def test_startup_rows():
     assert d["rss_max"] == 125 * mib and abs(d["second_half_growth"] - 5 / 120) < 1e-9
     assert d["killed"] == 1 and d["cpu_share_during_churn"] == 0.2
     out = rows(d)
-    assert out[0].met is True and out[0].value == 1.6
+    assert out[0].met is True and out[0].value == 1.4     # the median is judged
     assert [r.met for r in out[2:4]] == [True, True]
     d = _data(samples[:1] + [{"t": 5.0, "rss": 100 * mib, "cpu": 1},
                              {"t": 10.0, "rss": 200 * mib, "cpu": 2}], launches, 10, 3000, 1)
@@ -295,3 +295,21 @@ def test_main_rejects_unknown_section(capsys):
     with pytest.raises(SystemExit) as e:
         m.main(["--only", "nope"])
     assert e.value.code == 2
+
+
+def test_prometheus_text_sums():
+    text = ('# HELP nptrace_kernel_events_total x\n'
+            'nptrace_kernel_events_total{type="RST_SENT",hook="tcp:tcp_send_reset",'
+            'reason="NO_SOCKET",iface="npt-bn1-rs-s/s0"} 300000.0\n'
+            'nptrace_kernel_events_total{type="RST_SENT",hook="tcp:tcp_send_reset",'
+            'reason="NO_SOCKET",iface="other"} 5.0\n'
+            'nptrace_kernel_events_total{type="DROP",hook="skb:kfree_skb",reason="NO_SOCKET",'
+            'iface="npt-bn1-rs-s/s0"} 7.0\n'
+            'nptrace_events_lost_total 12.0\n')
+    s = rp.prom_samples(text)
+    assert len(s) == 4
+    assert rp.prom_sum(s, "nptrace_kernel_events_total", type="RST_SENT",
+                       iface="npt-bn1-rs-s") == 300000
+    assert rp.prom_sum(s, "nptrace_kernel_events_total", type="RST_SENT") == 300005
+    assert rp.prom_sum(s, "nptrace_events_lost_total") == 12
+    assert rp.prom_sum(s, "nptrace_events_emitted_total") is None

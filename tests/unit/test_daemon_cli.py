@@ -120,6 +120,15 @@ def test_session_cut_inside_its_header_is_not_a_session(tmp_path, capsys):
         one_error_line(err, "not an nptrace session file")
 
 
+def test_crash_right_after_rotation_is_a_torn_tail(tmp_path, capsys):
+    d = tmp_path / "rec"
+    make_session(d)
+    (d / "nptrace-29991231T235959Z-0000000000ff-00001.nps").write_bytes(b"")
+    rc, out, err = nptrace(capsys, "replay", d, "--json")
+    assert len(ports(out)) == N
+    assert rc == 0 and err.startswith("nptrace: warning: "), err
+
+
 # --- corruption in the middle: an error, after every readable record ------------------------
 
 @pytest.mark.parametrize("where", ["payload", "crc", "length", "magic"])
