@@ -27,6 +27,12 @@
 #ifndef NPT_NF_NAT_ONLY
 #define NPT_NF_NAT_ONLY 1
 #endif
+#ifndef NPT_NF_EVENTS
+#define NPT_NF_EVENTS 0         /* also send each NATed SYN's view to user space */
+#endif
+#ifndef NPT_NAT_PEERS
+#define NPT_NAT_PEERS 131072    /* two entries per connection */
+#endif
 /* Priority each hook number is linked at (nfhook.py sets the ones it links). */
 #ifndef NPT_NF_PRIO_H0
 #define NPT_NF_PRIO_H0 (-99)  /* PRE_ROUTING: NF_IP_PRI_NAT_DST + 1, just after DNAT */
@@ -81,9 +87,49 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 	return fl;
 }
 
+#if NPT_NF_NAT_ONLY
+/* The two tuples of every NATed connection, written at its first packet and looked up by
+ * user space only when an incident needs them (classify.Context.nat_peer): linking a client's
+ * tuple to its pod's costs nothing per healthy connection in user space. Keyed by each side's
+ * tuple in its packet direction; the value is the other side's. LRU: old mappings go first. */
+struct npt_nat_key {
+	u8  src[16];
+	u8  dst[16];
+	u16 sport;
+	u16 dport;
+};
+BPF_TABLE("lru_hash", struct npt_nat_key, struct npt_nat_key, nat_peers, NPT_NAT_PEERS);
+
+static __always_inline void npt_tuple_key(struct npt_nat_key *k, u8 *src, u16 sport, u8 *dst, u16 dport)
+{
+	__builtin_memcpy(k->src, src, 16);
+	__builtin_memcpy(k->dst, dst, 16);
+	k->sport = sport;
+	k->dport = dport;
+}
+
+/* Only a connection's first packet with a NAT decision: the entry is not confirmed before
+ * POST_ROUTING's conntrack confirm hook. Two reads decide it for every other packet. */
+static __always_inline int npt_nf_first_nat_packet(void *skb)
+{
+	unsigned long nfct = 0;
+	u32 status = 0;
+	NPT_READ(nfct, skb, NPT_OFF_sk_buff___nfct);
+	void *ct = (void *)(nfct & ~7UL);
+	if (!ct)
+		return 0;
+	NPT_READ(status, ct, NPT_OFF_nf_conn__status);
+	return (status & (NPT_IPS_SRC_NAT | NPT_IPS_DST_NAT)) && !(status & NPT_IPS_CONFIRMED);
+}
+#endif
+
 int npt_nf_view(struct npt_nf_ctx *ctx)
 {
 	void *skb = ctx->skb, *state = ctx->state;
+#if NPT_NF_NAT_ONLY
+	if (!npt_nf_first_nat_packet(skb))
+		return NPT_NF_ACCEPT;
+#endif
 	if (!(npt_nf_tcpflags(skb) & 0x06))  /* SYN or RST */
 		return NPT_NF_ACCEPT;
 
@@ -92,10 +138,16 @@ int npt_nf_view(struct npt_nf_ctx *ctx)
 	if (npt_read_skb(&e, skb) != NPT_IPPROTO_TCP)
 		return NPT_NF_ACCEPT;
 #if NPT_NF_NAT_ONLY
-	/* Only what links a connection's two NAT tuples: its first SYN with a NAT decision.
-	 * Healthy un-NATed traffic then costs the flag test above and nothing else. */
-	if ((e.tcpflags & 0x12) != 0x02 || !(e.ct_status & (NPT_IPS_SRC_NAT | NPT_IPS_DST_NAT)))
+	if ((e.tcpflags & 0x12) != 0x02 || !(e.flags & NPT_F_HAS_CT))
 		return NPT_NF_ACCEPT;
+	struct npt_nat_key orig = {}, reply = {};
+	npt_tuple_key(&orig, e.ct_osrc, e.ct_osport, e.ct_odst, e.ct_odport);
+	npt_tuple_key(&reply, e.ct_rsrc, e.ct_rsport, e.ct_rdst, e.ct_rdport);
+	nat_peers.update(&orig, &reply);
+	nat_peers.update(&reply, &orig);
+#if !NPT_NF_EVENTS
+	return NPT_NF_ACCEPT;   /* the map is enough; NF_VIEW records only when asked for */
+#endif
 #endif
 	u8 hook = 0, pf = 0;
 	NPT_READ(hook, state, NPT_OFF_nf_hook_state__hook);

@@ -132,6 +132,9 @@ class Context:
     endpoint_of: Callable[[str, int], str | None] = lambda a, p: None
     # knowledge.NodeKnowledge.nf_rule: the rule behind a netfilter drop, as plain data.
     nf_rule: Callable[..., dict | None] = lambda *a: None
+    # (saddr, sport, daddr, dport) -> the other side of that NATed connection, in its own
+    # packet direction (the kernel's nat_peers map), or None.
+    nat_peer: Callable[[str, int, str, int], tuple | None] = lambda *a: None
     # (netns inode, address) -> the interface the route to address leaves by, or None.
     route_iface: Callable[[int, str], str | None] = lambda netns, addr: None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
@@ -209,6 +212,14 @@ class Classifier:
     # -- correlation state -------------------------------------------------------------
     def _flow(self, ev: Event) -> Flow:
         keys = flow_keys(ev)
+        if ev.ct is None and ev.type not in EVIDENCE_ONLY:
+            # No conntrack on this event (a pod's own stack, the client's): ask the kernel's
+            # NAT map for the connection's other tuple, in either packet direction.
+            nat = self.ctx.nat_peer
+            peer = nat(ev.saddr, ev.sport, ev.daddr, ev.dport) or \
+                nat(ev.daddr, ev.dport, ev.saddr, ev.sport)
+            if peer:
+                keys.append(_pair((peer[0], peer[1]), (peer[2], peer[3])))
         found: list[Flow] = []
         for k in keys:
             f = self.keys.get(k)

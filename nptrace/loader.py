@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -27,6 +28,11 @@ from nptrace.reasons import ReasonTable, interesting_drops
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
 FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
+
+
+def _addr16(addr: str) -> bytes:
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    return socket.inet_pton(fam, addr).ljust(16, b"\0")
 
 
 def source_text(families=FAMILIES) -> str:
@@ -142,6 +148,24 @@ class Probes:
         except Exception as e:
             raise LoadError(f"tc programs failed to load: {e}") from None
         return ing.fd, egr.fd
+
+    def nat_peer(self, saddr: str, sport: int, daddr: str, dport: int):
+        """The other side of a NATed connection (bpf/nf_hook.bpf.c `nat_peers`), as
+        (src, sport, dst, dport) in that side's packet direction, or None."""
+        try:
+            m = self.bpf["nat_peers"]
+        except KeyError:
+            return None
+        k = m.Key()
+        ct.memmove(ct.addressof(k.src), _addr16(saddr), 16)
+        ct.memmove(ct.addressof(k.dst), _addr16(daddr), 16)
+        k.sport, k.dport = sport, dport
+        try:
+            v = m[k]
+        except KeyError:
+            return None
+        fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
+        return (ev.ntop(fam, bytes(v.src)), int(v.sport), ev.ntop(fam, bytes(v.dst)), int(v.dport))
 
     def map(self, name: str):
         """A bcc table by name, for modules that fill config maps (no bcc import needed there)."""

@@ -77,7 +77,7 @@ def context_from_header(h: dict, ifnames: dict, services: dict, lookups: dict | 
                    iface_name=lambda ns, i: ifnames.get(ns, {}).get(i),
                    service_of=lambda a, p: services.get((a, p)),
                    endpoint_of=recorded("endpoint_of"), nf_rule=recorded("nf_rule"),
-                   route_iface=recorded("route_iface"))
+                   route_iface=recorded("route_iface"), nat_peer=recorded("nat_peer"))
 
 
 class Replay:

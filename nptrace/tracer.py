@@ -204,12 +204,12 @@ class Tracer:
             kn.preload(watched)
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=kn.nf_rule,
-                           route_iface=kn.route_iface)
+                           route_iface=kn.route_iface, nat_peer=self._nat_peer)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface"):
+                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         if self.metrics is not None:
@@ -231,6 +231,12 @@ class Tracer:
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         return elapsed
+
+    def _nat_peer(self, saddr, sport, daddr, dport):
+        if self.nf_links is None or self.probes is None:
+            return None
+        peer = self.probes.nat_peer(saddr, sport, daddr, dport)
+        return list(peer) if peer else None    # lists: what msgpack gives back in replay
 
     # -- outputs: session files, metrics endpoint, pcapng ----------------------------------
     def _open_outputs(self, drops, rsts, tps) -> None:
