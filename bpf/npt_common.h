@@ -47,6 +47,20 @@ struct npt_lpm_key { u32 prefixlen; u8 addr[16]; };
 BPF_LPM_TRIE(filter_hosts, struct npt_lpm_key, u8, 256);
 #endif
 
+#ifndef NPT_MAX_RATE
+#define NPT_MAX_RATE 0          /* records per second per CPU sent to user space; 0: no limit */
+#endif
+#if NPT_MAX_RATE
+/* Storm protection: past NPT_MAX_RATE records in a second, a CPU only counts (exactly) and
+ * sends nothing. A person needs a sample of a 100k-resets/s storm, not all of it; the counts
+ * map keeps the totals. */
+struct npt_rate {
+	u64 window_ns;
+	u64 sent;
+};
+BPF_PERCPU_ARRAY(rate, struct npt_rate, 1);
+#endif
+
 #define NPT_READ(dst, base, off) bpf_probe_read_kernel(&(dst), sizeof(dst), (void *)(base) + (off))
 
 static __always_inline void npt_stat_inc(u32 idx)
@@ -101,6 +115,21 @@ static __always_inline void npt_emit(struct npt_event *e)
 		return;
 	}
 	npt_count(e);
+#if NPT_MAX_RATE
+	u32 zero = 0;
+	struct npt_rate *r = rate.lookup(&zero);
+	if (r) {
+		if (e->ts_ns - r->window_ns >= 1000000000ULL) {
+			r->window_ns = e->ts_ns;
+			r->sent = 0;
+		}
+		if (r->sent >= NPT_MAX_RATE) {
+			npt_stat_inc(NPT_S_SAMPLED);
+			return;
+		}
+		r->sent++;
+	}
+#endif
 	if (events.ringbuf_output(e, sizeof(*e), 0) == 0)
 		npt_stat_inc(NPT_S_EMITTED);
 	else

@@ -2,6 +2,7 @@
 and exit code 2 here, in one place, so an expected failure never prints a traceback."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -62,6 +63,10 @@ def _run_options(fn):
                      help="Only flows with an address in CIDR on either side (repeatable)."),
         click.option("--ring-pages", type=int, default=4096, show_default=True,
                      help="Ring buffer size in 4 KiB pages (power of two)."),
+        click.option("--max-rate", type=click.IntRange(0), default=5000, show_default=True,
+                     metavar="N", help="Send at most N records per second per CPU to user space "
+                     "(storm protection; 0 = all). Counts stay exact; drops beyond N are "
+                     "reported as sampled, not lost."),
         click.option("--ready-file", hidden=True,
                      help="Write this file once every probe is attached."),
         click.option("--record", "record_dir", metavar="DIR",
@@ -96,7 +101,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @main_group.command()
 @_run_options
 @one_line_errors
-def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, record_dir,
+def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, ready_file, record_dir,
         record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
     """Trace resets and drops and print each with its cause.
 
@@ -111,7 +116,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, record_
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
-    cfg = build_config(ifaces, ports, hosts, ring_pages)
+    cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate)
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
@@ -133,7 +138,8 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, record_
 @main_group.command("dump-bpf")
 @_run_options
 @one_line_errors
-def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, **_outputs):
+def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
+             **_outputs):
     """Print the BPF source and cflags `run` would compile (no root needed)."""
     from nptrace import btf, loader, offsets
     from nptrace.tracer import available_tracepoints

@@ -66,6 +66,7 @@ class Config:
     hosts: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
     ringbuf_pages: int = 4096          # 16 MiB of 4 KiB pages
+    max_rate: int = 0                  # records/s per CPU to user space (0: all); counts stay exact
     flow_table_size: int = 65536
     max_counts: int = 16384
     nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
@@ -99,6 +100,7 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
     flags = [
         f"-DNPT_RINGBUF_PAGES={pages}",
         f"-DNPT_MAX_COUNTS={cfg.max_counts}",
+        f"-DNPT_MAX_RATE={int(cfg.max_rate)}",
         f"-DNPT_FLOW_TABLE_SIZE={cfg.flow_table_size}",
         f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",

@@ -424,5 +424,7 @@ class Tracer:
             + (f", {self.bad_records} undecodable" if self.bad_records else ""))
         if lost:
             log(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
-                "(raise --ring-pages)")
+                "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
+        if stats.get("sampled"):
+            log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
         return stats
