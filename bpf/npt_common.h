@@ -51,14 +51,15 @@ BPF_LPM_TRIE(filter_hosts, struct npt_lpm_key, u8, 256);
 #define NPT_MAX_RATE 0          /* records per second per CPU sent to user space; 0: no limit */
 #endif
 #if NPT_MAX_RATE
-/* Storm protection: past NPT_MAX_RATE records in a second, a CPU only counts (exactly) and
- * sends nothing. A person needs a sample of a 100k-resets/s storm, not all of it; the counts
- * map keeps the totals. */
+/* Storm protection: past NPT_MAX_RATE records in a second of one kind (the counter key: type,
+ * hook, reason, interface, netns), a CPU only counts (exactly) and sends nothing. A person
+ * needs a sample of a 100k-resets/s storm, not all of it; the counts map keeps the totals, and
+ * a storm of one kind never starves the records of another. */
 struct npt_rate {
 	u64 window_ns;
 	u64 sent;
 };
-BPF_PERCPU_ARRAY(rate, struct npt_rate, 1);
+BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
 #endif
 
 #define NPT_READ(dst, base, off) bpf_probe_read_kernel(&(dst), sizeof(dst), (void *)(base) + (off))
@@ -70,14 +71,19 @@ static __always_inline void npt_stat_inc(u32 idx)
 		(*v)++;
 }
 
+static __always_inline void npt_count_key_of(struct npt_count_key *k, struct npt_event *e)
+{
+	k->ifindex = e->ifindex;
+	k->reason = e->reason;
+	k->netns = e->netns;
+	k->type = e->type;
+	k->hook = e->hook;
+}
+
 static __always_inline void npt_count(struct npt_event *e)
 {
 	struct npt_count_key k = {};
-	k.ifindex = e->ifindex;
-	k.reason = e->reason;
-	k.netns = e->netns;
-	k.type = e->type;
-	k.hook = e->hook;
+	npt_count_key_of(&k, e);
 	/* bcc's lookup_or_try_init returns the map's value after inserting: start from 0 */
 	u64 zero = 0, *v = counts.lookup_or_try_init(&k, &zero);
 	if (v)
@@ -116,8 +122,10 @@ static __always_inline void npt_emit(struct npt_event *e)
 	}
 	npt_count(e);
 #if NPT_MAX_RATE
-	u32 zero = 0;
-	struct npt_rate *r = rate.lookup(&zero);
+	struct npt_count_key rk = {};
+	struct npt_rate fresh = {};
+	npt_count_key_of(&rk, e);
+	struct npt_rate *r = rate.lookup_or_try_init(&rk, &fresh);
 	if (r) {
 		if (e->ts_ns - r->window_ns >= 1000000000ULL) {
 			r->window_ns = e->ts_ns;
