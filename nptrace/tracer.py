@@ -156,6 +156,7 @@ class Tracer:
         self.lock = InstanceLock()
         self.reopen_requested = False
         self.recorders: list = []      # get every raw record (session files)
+        self.status_every = 10.0       # seconds between status lines on stderr (0: none)
         self.reader = None
         self.outputs = outputs or Outputs()
         self.metrics = self.metrics_server = None
@@ -356,8 +357,19 @@ class Tracer:
         old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
         old[signal.SIGHUP] = signal.signal(signal.SIGHUP, _hup)
         end = time.monotonic() + duration if duration else None
+        next_status = time.monotonic() + self.status_every
+        last_decoded = 0
         try:
             while not self.stop_requested:
+                if self.status_every and time.monotonic() >= next_status:
+                    # the 3 a.m. view: is it attached, how busy, is anything being lost
+                    st = self.probes.stats()
+                    rate = (self.decoded - last_decoded) / self.status_every
+                    last_decoded = self.decoded
+                    next_status += self.status_every
+                    log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
+                        f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
+                        f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked")
                 timeout = 200
                 if end is not None:
                     left = end - time.monotonic()

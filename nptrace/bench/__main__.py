@@ -75,7 +75,8 @@ def run_section(name: str, bench: Bench) -> Section:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nptrace.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nptrace.bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short runs (under 2 minutes)")
     p.add_argument("--only", action="append", choices=SECTIONS, metavar="SECTION",
                    help=f"run only this section (repeatable): {', '.join(SECTIONS)}")

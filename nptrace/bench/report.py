@@ -161,6 +161,7 @@ _STOPPED = re.compile(r"stopped: (\d+) events decoded, (\d+) lost")
 _ATTACHED = re.compile(r"attached .* in ([0-9.]+) ?s\b")
 _TCPDUMP = re.compile(r"(\d+) packets? (captured|received by filter|dropped by kernel)")
 _BCC_LOST = re.compile(r"[Pp]ossibly lost (\d+) samples")
+_SAMPLED = re.compile(r"(\d+) events over --max-rate were counted")
 
 
 def parse_stopped(stderr: str) -> tuple[int, int] | None:
@@ -169,6 +170,12 @@ def parse_stopped(stderr: str) -> tuple[int, int] | None:
     for m in _STOPPED.finditer(stderr):
         pass
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_sampled(stderr: str) -> int:
+    """Records nptrace's in-kernel rate limit (--max-rate) counted but did not send."""
+    m = _SAMPLED.search(stderr)
+    return int(m.group(1)) if m else 0
 
 
 def parse_attached(stderr: str) -> float | None:

@@ -84,7 +84,8 @@ def run(b: Bench) -> Section:
             sec.rows.append(Row(
                 "tc_cost", f"tc {hook} ns/packet, bulk TCP over {path} ({h['runs']} runs)",
                 _ns(h["nptrace_ns"]), f"{_ns(h['empty_ns'])} empty prog",
-                f"{'+' if over is not None and over >= 0 else ''}{_ns(over)} / <= +{TARGET_NS:.0f} ns",
+                f"{'+' if over is not None and over >= 0 else ''}{_ns(over)} / "
+                f"<= +{TARGET_NS:.0f} ns",
                 None if over is None else over <= TARGET_NS,
                 h["nptrace_ns"], h["empty_ns"], over, f"<= +{TARGET_NS:.0f} ns over empty"))
         for name, o in r["other"].items():

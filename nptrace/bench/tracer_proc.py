@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from nptrace.bench.report import parse_attached, parse_stopped
+from nptrace.bench.report import parse_attached, parse_sampled, parse_stopped
 from nptrace.bench.topology import PY, BenchError, Topology, cpu_seconds, rss_bytes, wait_for
 
 START_TIMEOUT_S = 90
@@ -34,6 +34,7 @@ class Nptrace:
         self.rss_ready: int | None = None
         self.decoded: int | None = None
         self.lost: int | None = None
+        self.sampled: int | None = None    # over --max-rate: counted in the kernel, not sent
         self.stderr = ""
         self.stop_wait = stop_wait
         self.stop_s: float | None = None
@@ -83,6 +84,7 @@ class Nptrace:
         got = parse_stopped(self.stderr)
         if got:
             self.decoded, self.lost = got
+            self.sampled = parse_sampled(self.stderr)
         else:
             self.killed = True
         self.ready.unlink(missing_ok=True)
@@ -92,7 +94,7 @@ class Nptrace:
         return {"section": section, "tag": self.tag, "wall_s": self.startup_wall_s,
                 "self_s": self.startup_self_s, "rss_ready": self.rss_ready,
                 "stop_s": self.stop_s, "killed": self.killed, "decoded": self.decoded,
-                "lost": self.lost}
+                "lost": self.lost, "sampled": self.sampled}
 
     def __enter__(self) -> "Nptrace":
         return self.start()
