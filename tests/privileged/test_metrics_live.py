@@ -16,42 +16,15 @@ from nptrace import events as ev
 
 pytestmark = pytest.mark.privileged
 
-TRACEPOINTS = {"skb/kfree_skb", "tcp/tcp_send_reset", "tcp/tcp_receive_reset",
-               "icmp/icmp_send", "tcp/tcp_retransmit_synack"}
-CLOSED_PORT = 9
-N = 50
+from loopback import CLOSED_PORT, GENERATOR, TRACEPOINTS, loopback_netns  # noqa: E402
 
-GENERATOR = r"""
-import socket, sys
-n, port = int(sys.argv[1]), int(sys.argv[2])
-refused = 0
-for _ in range(n):
-    s = socket.socket()
-    try:
-        s.connect(("127.0.0.1", port))
-    except ConnectionRefusedError:
-        refused += 1
-    finally:
-        s.close()
-print(refused)
-"""
+N = 50
 
 
 @pytest.fixture
 def netns():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
-    name = f"npt-met{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name, os.stat(f"/run/netns/{name}").st_ino
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+    with loopback_netns("npt-met") as ns:
+        yield ns
 
 
 def scrape(url: str) -> dict:

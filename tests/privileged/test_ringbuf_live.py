@@ -18,24 +18,7 @@ from nptrace import ringbuf as rb
 
 pytestmark = pytest.mark.privileged
 
-TRACEPOINTS = {"skb/kfree_skb", "tcp/tcp_send_reset", "tcp/tcp_receive_reset",
-               "icmp/icmp_send", "tcp/tcp_retransmit_synack"}
-CLOSED_PORT = 9   # nothing listens on discard in a fresh namespace
-
-GENERATOR = r"""
-import socket, sys
-n, port = int(sys.argv[1]), int(sys.argv[2])
-refused = 0
-for _ in range(n):
-    s = socket.socket()
-    try:
-        s.connect(("127.0.0.1", port))
-    except ConnectionRefusedError:
-        refused += 1
-    finally:
-        s.close()
-print(refused)
-"""
+from loopback import CLOSED_PORT, GENERATOR, TRACEPOINTS, loopback_netns  # noqa: E402
 
 
 def _need_root_and_bcc():
@@ -49,14 +32,8 @@ def _need_root_and_bcc():
 
 @pytest.fixture(scope="module")
 def netns():
-    _need_root_and_bcc()
-    name = f"npt-rb{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name, os.stat(f"/run/netns/{name}").st_ino
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+    with loopback_netns("npt-rb") as ns:
+        yield ns
 
 
 def load_probes(**cfg_kw):
