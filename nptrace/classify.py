@@ -212,7 +212,8 @@ class Classifier:
     # -- correlation state -------------------------------------------------------------
     def _flow(self, ev: Event) -> Flow:
         keys = flow_keys(ev)
-        if ev.ct is None and ev.type not in EVIDENCE_ONLY:
+        known = self.keys.get(keys[0])
+        if ev.ct is None and ev.type not in EVIDENCE_ONLY and (known is None or len(known.keys) < 2):
             # No conntrack on this event (a pod's own stack, the client's): ask the kernel's
             # NAT map for the connection's other tuple, in either packet direction.
             nat = self.ctx.nat_peer

@@ -346,7 +346,14 @@ class Tracer:
         batch = self.reader.poll(timeout_ms, max_records=DRAIN_BATCH, raw=True)  # a stop waits <= 1 batch
         for raw in batch:
             self._on_record(raw)
+        self._flush_sinks()
         return len(batch)
+
+    def _flush_sinks(self) -> None:
+        for s in self.sinks:
+            flush = getattr(s, "flush", None)
+            if flush is not None:
+                flush()
 
     def run(self, duration: float | None = None) -> None:
         def _stop(_sig, _frm):
@@ -382,6 +389,7 @@ class Tracer:
                     # the next event. Behind (a full batch), event time alone decides, as in
                     # replay: wall time would split incidents whose events are still unread.
                     self._emit(self.classifier.tick(now))
+                    self._flush_sinks()
                 for r in self.recorders:
                     r.tick()
                 if self.reopen_requested:

@@ -52,7 +52,13 @@ class JsonLines:
 
     def write(self, v: Verdict) -> None:
         self.stream.write(json.dumps(verdict_dict(v, self.offset), separators=(",", ":")) + "\n")
-        self.stream.flush()
+
+    def flush(self) -> None:
+        """Once per drained batch (the tracer calls it), not once per line."""
+        try:
+            self.stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
 
     def close(self) -> None:
         try:
