@@ -80,6 +80,9 @@ def test_parse_nptrace_stderr():
     assert rp.parse_stopped(err) == (192, 3)
     assert rp.parse_attached(err) == 0.97
     assert rp.parse_stopped("nptrace: attached x in 1s") is None
+    assert rp.parse_sampled(err) == 0
+    assert rp.parse_sampled("nptrace: 1178504 events over --max-rate were counted in the "
+                            "kernel, not sent\n") == 1178504
     assert rp.parse_attached("nothing") is None
 
 
@@ -141,8 +144,8 @@ def test_iperf3_and_bpf_fdinfo_and_tc_json():
 
 
 def test_count_port_lines():
-    lines = [b'{"kind":"rst","saddr":"10.251.6.2","sport":9999,"daddr":"10.251.128.1","dport":1024,}',
-             b'{"kind":"drop","saddr":"10.251.128.1","sport":1024,"daddr":"10.251.6.2","dport":9999,}',
+    lines = [b'{"kind":"rst","saddr":"10.251.6.2","sport":9999,"daddr":"10.0.0.1","dport":1024,}',
+             b'{"kind":"drop","saddr":"10.0.0.1","sport":1024,"daddr":"10.251.6.2","dport":9999,}',
              b'{"kind":"rst","saddr":"10.0.0.1","sport":99990,"dport":80,}']
     assert rp.count_port_lines(lines, 9999) == 2
 
@@ -224,12 +227,21 @@ def test_storm_rows_verdicts():
     out = {r.metric: r for r in rows(tools, 1000)}
     cpu = out["storm: observer CPU s per 100k resets (vs tcpdump -w)"]
     assert cpu.met is True and cpu.ratio == 0.5
-    assert out["storm: resets missed of 1000 (vs tcpdump)"].met is True
+    missed = "storm: resets with no line of their own, of 1000 (vs tcpdump)"
+    assert out[missed].met is True and "all counted" in out[missed].nptrace
     drop = out["storm: bcc tcpdrop-bpfcc"]
     assert drop.verdict == "-" and len(drop.baseline) <= 70
+    assert not any("max-rate 0" in m for m in out)
+    tools["nptrace_unlimited"] = _tool("nptrace_unlimited", 3.0, 500, lost=2000, sampled=0,
+                                       every_loss_counted=True, decoded_per_s=2e4)
+    tools["nptrace"].update(sampled=900, lost=0)
+    out = {r.metric: r for r in rows(tools, 1000)}
+    assert "900 over --max-rate" in out[missed].nptrace
+    unl = [r for m, r in out.items() if "max-rate 0" in m]
+    assert len(unl) == 1 and unl[0].value == 3.0
     tools["nptrace"].update(every_loss_counted=False, killed=True)
     out = {r.metric: r for r in rows(tools, 1000)}
-    assert out["storm: resets missed of 1000 (vs tcpdump)"].met is False
+    assert out[missed].met is False and "killed" in out[missed].nptrace
 
 
 def test_startup_rows():
