@@ -102,36 +102,34 @@ static __always_inline void npt_kp_reverse(struct npt_event *e)
 }
 
 /* ---- NAT ---------------------------------------------------------------------------- */
-int npt_kp_nat_manip(struct pt_regs *ctx)
+/* The packet a NAT function was handed, if it is a SYN or RST: aux names the function,
+ * aux2 its two small arguments. */
+static __always_inline int npt_kp_nat_view(void *skb, u32 kfunc, u32 hi, u32 lo)
 {
-	void *skb = (void *)PT_REGS_PARM1(ctx);
-	u32 mtype = (u32)PT_REGS_PARM3(ctx), dir = (u32)PT_REGS_PARM4(ctx);
 	if (!(npt_kp_tcpflags(skb) & (NPT_TCP_SYN | NPT_TCP_RST)))
 		return 0;
 	struct npt_event e;
 	npt_init(&e, NPT_T_NF_VIEW, NPT_H_KPROBE);
 	if (npt_read_skb(&e, skb) != NPT_IPPROTO_TCP)
 		return 0;
-	e.aux = NPT_KF_NAT_MANIP;
-	e.aux2 = (mtype & 0xff) << 8 | (dir & 0xff);
+	e.aux = kfunc;
+	e.aux2 = (hi & 0xff) << 8 | (lo & 0xff);
 	npt_emit(&e);
 	return 0;
 }
 
+int npt_kp_nat_manip(struct pt_regs *ctx)
+{
+	/* nf_nat_manip_pkt(skb, ct, mtype, dir) */
+	return npt_kp_nat_view((void *)PT_REGS_PARM1(ctx), NPT_KF_NAT_MANIP,
+			       (u32)PT_REGS_PARM3(ctx), (u32)PT_REGS_PARM4(ctx));
+}
+
 int npt_kp_nat_packet(struct pt_regs *ctx)
 {
-	u32 ctinfo = (u32)PT_REGS_PARM2(ctx), hooknum = (u32)PT_REGS_PARM3(ctx);
-	void *skb = (void *)PT_REGS_PARM4(ctx);
-	if (!(npt_kp_tcpflags(skb) & (NPT_TCP_SYN | NPT_TCP_RST)))
-		return 0;
-	struct npt_event e;
-	npt_init(&e, NPT_T_NF_VIEW, NPT_H_KPROBE);
-	if (npt_read_skb(&e, skb) != NPT_IPPROTO_TCP)
-		return 0;
-	e.aux = NPT_KF_NAT_PACKET;
-	e.aux2 = (hooknum & 0xff) << 8 | (ctinfo & 0xff);
-	npt_emit(&e);
-	return 0;
+	/* nf_nat_packet(ct, ctinfo, hooknum, skb) */
+	return npt_kp_nat_view((void *)PT_REGS_PARM4(ctx), NPT_KF_NAT_PACKET,
+			       (u32)PT_REGS_PARM3(ctx), (u32)PT_REGS_PARM2(ctx));
 }
 
 /* ---- reverse-path check --------------------------------------------------------------- */

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from loopback import loopback_netns
 
 from nptrace import session
 
@@ -505,13 +506,8 @@ def rss_kib(pid: int) -> int | None:
 @pytest.fixture
 def churn_ns():
     _need_root_and_bcc()
-    name = f"{PREFIX}churn"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name, os.stat(f"/run/netns/{name}").st_ino
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+    with loopback_netns(f"{PREFIX}churn") as ns:
+        yield ns
 
 
 DURATION_S = 20
