@@ -48,16 +48,23 @@ BPF_LPM_TRIE(filter_hosts, struct npt_lpm_key, u8, 256);
 #endif
 
 #ifndef NPT_MAX_RATE
-#define NPT_MAX_RATE 0          /* records per second per CPU sent to user space; 0: no limit */
+#define NPT_MAX_RATE 0          /* records per second per CPU and kind sent to user space; 0: all */
+#endif
+#ifndef NPT_MAX_BURST
+#define NPT_MAX_BURST 200       /* ...after a burst of this many */
 #endif
 #if NPT_MAX_RATE
-/* Storm protection: past NPT_MAX_RATE records in a second of one kind (the counter key: type,
- * hook, reason, interface, netns), a CPU only counts (exactly) and sends nothing. A person
- * needs a sample of a 100k-resets/s storm, not all of it; the counts map keeps the totals, and
- * a storm of one kind never starves the records of another. */
+/* Storm protection, a token bucket per kind (the counter key: type, hook, reason, interface,
+ * netns) and CPU: a burst of NPT_MAX_BURST records goes out at once (a hundred clients failing
+ * together are all labeled), then NPT_MAX_RATE a second; the rest is only counted (exactly).
+ * A person needs a sample of a 100k-resets/s storm, not all of it, and each record costs user
+ * space ~30 us; the counts map keeps the totals, and a storm of one kind never starves the
+ * records of another. Credit is kept in nanoseconds: a record costs 1e9 / NPT_MAX_RATE. */
+#define NPT_RATE_COST (1000000000ULL / NPT_MAX_RATE)
+#define NPT_RATE_CAP (NPT_RATE_COST * NPT_MAX_BURST)
 struct npt_rate {
-	u64 window_ns;
-	u64 sent;
+	u64 last_ns;
+	u64 credit_ns;
 };
 BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
 #endif
@@ -123,19 +130,22 @@ static __always_inline void npt_emit(struct npt_event *e)
 	npt_count(e);
 #if NPT_MAX_RATE
 	struct npt_count_key rk = {};
-	struct npt_rate fresh = {};
+	struct npt_rate fresh = { .last_ns = e->ts_ns, .credit_ns = NPT_RATE_CAP };
 	npt_count_key_of(&rk, e);
 	struct npt_rate *r = rate.lookup_or_try_init(&rk, &fresh);
 	if (r) {
-		if (e->ts_ns - r->window_ns >= 1000000000ULL) {
-			r->window_ns = e->ts_ns;
-			r->sent = 0;
-		}
-		if (r->sent >= NPT_MAX_RATE) {
+		u64 credit = r->credit_ns;
+		if (e->ts_ns > r->last_ns)
+			credit += e->ts_ns - r->last_ns;
+		if (credit > NPT_RATE_CAP)
+			credit = NPT_RATE_CAP;
+		r->last_ns = e->ts_ns;
+		if (credit < NPT_RATE_COST) {
+			r->credit_ns = credit;
 			npt_stat_inc(NPT_S_SAMPLED);
 			return;
 		}
-		r->sent++;
+		r->credit_ns = credit - NPT_RATE_COST;
 	}
 #endif
 	if (events.ringbuf_output(e, sizeof(*e), 0) == 0)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
-from nptrace.events import (Dir, Event, EvType, F_ENCAP, F_HAS_SOCK, HOOK_NAMES, TCP_ACK,
-                            TCP_SYN)
+from nptrace.events import (Dir, Event, EvType, F_ENCAP, F_HAS_SOCK, HOOK_NAMES, IPS_DST_NAT,
+                            TCP_ACK, TCP_SYN)
 
 # Plain-int aliases for the hot path: attribute access on an Enum class costs ~100 ns in
 # CPython 3.11, an int module global a tenth of that.
@@ -103,8 +103,11 @@ class Verdict:
     def nat(self):
         """The connection's NAT mapping, client -> NodePort/Service -> endpoint, from the first
         event of the incident that carried a DNAT conntrack entry (None if none did)."""
-        for l in (self.event,) + tuple(x.ev for x in self.labeled):
-            ct = getattr(l, "ct", None)
+        ct = getattr(self.event, "ct", None)
+        if ct is not None and ct.dnat:
+            return ct
+        for x in self.labeled:
+            ct = getattr(x.ev, "ct", None)
             if ct is not None and ct.dnat:
                 return ct
         return None
@@ -169,8 +172,8 @@ def flow_keys(ev: Event) -> list:
     return keys
 
 
-@dataclass
-class Labeled:
+class Labeled(NamedTuple):
+    """One event with its own label. A tuple: a storm makes one per record."""
     ev: Event
     rname: str
     cause: str | None            # None: evidence only
@@ -178,15 +181,22 @@ class Labeled:
     hint: str = ""
 
 
-@dataclass
+_tuple_new = tuple.__new__
+
+
 class Flow:
-    keys: set = field(default_factory=set)
-    pending: list = field(default_factory=list)   # Labeled of the open incident (<= MAX_KEPT)
-    extra: int = 0                                # further events of it, counted not kept
-    first_ns: int = 0                             # of the open incident
-    last_ns: int = 0
-    root: Labeled | None = None                   # the cause an earlier incident named
-    strong: bool = False                          # the open incident has a non-weak label
+    """One connection's correlation state. __slots__ and a key list, not a set: the classifier
+    keeps up to max_flows of these (a set of one key alone is 216 bytes)."""
+    __slots__ = ("keys", "pending", "extra", "first_ns", "last_ns", "root", "strong")
+
+    def __init__(self):
+        self.keys: list = []          # direction-free tuples naming this connection
+        self.pending: list = []       # Labeled of the open incident (<= MAX_KEPT)
+        self.extra = 0                # further events of it, counted not kept
+        self.first_ns = 0             # of the open incident
+        self.last_ns = 0
+        self.root: Labeled | None = None   # the cause an earlier incident named
+        self.strong = False           # the open incident has a non-weak label
 
 
 # Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
@@ -208,12 +218,21 @@ class Classifier:
         self.strong: OrderedDict[int, Flow] = OrderedDict()    # open strong incidents, by last event
         self.weak: OrderedDict[int, Flow] = OrderedDict()      # open weak incidents, by first event
         self.now_ns = 0
+        self._rules: dict[int, list] = {}      # event type -> the RULES that can match it
 
     # -- correlation state -------------------------------------------------------------
     def _flow(self, ev: Event) -> Flow:
-        keys = flow_keys(ev)
-        known = self.keys.get(keys[0])
-        if ev.ct is None and ev.type not in EVIDENCE_ONLY and (known is None or len(known.keys) < 2):
+        a, b = (ev.saddr, ev.sport), (ev.daddr, ev.dport)
+        k0 = (a, b) if a <= b else (b, a)
+        kmap = self.keys
+        known = kmap.get(k0)
+        c = ev.ct
+        if c is not None and c.orig_dport:
+            keys = [k0, _pair((c.orig_src, c.orig_sport), (c.orig_dst, c.orig_dport)),
+                    _pair((c.reply_src, c.reply_sport), (c.reply_dst, c.reply_dport))]
+        else:
+            keys = [k0]
+        if c is None and ev.type not in EVIDENCE_ONLY and (known is None or len(known.keys) < 2):
             # No conntrack on this event (a pod's own stack, the client's): ask the kernel's
             # NAT map for the connection's other tuple, in either packet direction.
             nat = self.ctx.nat_peer
@@ -221,9 +240,19 @@ class Classifier:
                 nat(ev.daddr, ev.dport, ev.saddr, ev.sport)
             if peer:
                 keys.append(_pair((peer[0], peer[1]), (peer[2], peer[3])))
+        flows = self.flows
+        if len(keys) == 1:                      # the common case: one tuple
+            if known is None:
+                flow = Flow()
+                flow.keys.append(k0)
+                kmap[k0] = flow
+                flows[id(flow)] = flow          # new: already last
+                return flow
+            flows.move_to_end(id(known))
+            return known
         found: list[Flow] = []
         for k in keys:
-            f = self.keys.get(k)
+            f = kmap.get(k)
             if f is not None and all(f is not g for g in found):
                 found.append(f)
         if not found:
@@ -232,12 +261,14 @@ class Classifier:
             flow = found[0]
             for other in found[1:]:          # NAT tuples just met: one connection
                 self._merge(flow, other)
+        fkeys = flow.keys
         for k in keys:
-            if k not in flow.keys:
-                flow.keys.add(k)
-                self.keys[k] = flow
-        self.flows[id(flow)] = flow
-        self.flows.move_to_end(id(flow))
+            if k not in fkeys:
+                fkeys.append(k)
+                kmap[k] = flow
+        fid = id(flow)
+        flows[fid] = flow
+        flows.move_to_end(fid)
         return flow
 
     def _merge(self, into: Flow, other: Flow) -> None:
@@ -252,7 +283,8 @@ class Classifier:
             into.root = other.root
         for k in other.keys:
             self.keys[k] = into
-        into.keys |= other.keys
+            if k not in into.keys:
+                into.keys.append(k)
         for q in (self.flows, self.strong, self.weak):
             q.pop(id(other), None)
         if into.pending:
@@ -269,65 +301,95 @@ class Classifier:
             self.weak[fid] = flow
 
     def _drop_flow(self, flow: Flow) -> None:
+        kmap = self.keys
         for k in flow.keys:
-            if self.keys.get(k) is flow:
-                del self.keys[k]
-        for q in (self.flows, self.strong, self.weak):
-            q.pop(id(flow), None)
+            if kmap.get(k) is flow:
+                del kmap[k]
+        fid = id(flow)
+        self.flows.pop(fid, None)
+        self.strong.pop(fid, None)
+        self.weak.pop(fid, None)
 
     # -- input -------------------------------------------------------------------------
     def feed(self, ev: Event) -> list[Verdict]:
         """Take one event; return the incidents that are due (possibly none)."""
-        ctx = self.ctx
         # Report what went quiet BEFORE this event joins its flow: incident boundaries then
         # depend on event times only, so a replay cuts incidents exactly as the live run did.
-        due = self.tick(ev.ts_ns)
+        ts = ev.ts_ns
+        due = self.tick(ts)
         flow = self._flow(ev)
-        rname = reason_name(ev, ctx)
-        lab = self._label(ev, rname, flow.pending)
-        if not flow.pending:
-            flow.first_ns = ev.ts_ns
+        t = ev.type
+        ctx = self.ctx
+        if t == T_DROP:                          # reason_name, inlined
+            rname = ctx.drop_name(ev.reason)
+        elif t == T_RST_SENT:
+            rname = ctx.rst_name(ev.reason)
+        else:
+            rname = reason_name(ev, ctx)
+        pending = flow.pending
+        lab = self._label(ev, rname, pending)
+        if not pending:
+            flow.first_ns = ts
             flow.strong = False
             flow.extra = 0
-        if len(flow.pending) < MAX_KEPT:
-            flow.pending.append(lab)
-        elif lab.cause is not None and all(
-                l.cause is None or RANK[lab.cause] < RANK[l.cause] for l in flow.pending):
-            flow.pending[-1] = lab      # a better label than any kept: keep it, count the other
+        cause = lab.cause
+        if len(pending) < MAX_KEPT:
+            pending.append(lab)
+        elif cause is not None and all(
+                l.cause is None or RANK[cause] < RANK[l.cause] for l in pending):
+            pending[-1] = lab      # a better label than any kept: keep it, count the other
             flow.extra += 1
         else:
             flow.extra += 1
-        flow.last_ns = max(flow.last_ns, ev.ts_ns)
-        if lab.cause is not None and lab.cause not in WEAK_CAUSES:
+        if ts > flow.last_ns:
+            flow.last_ns = ts
+        if cause is not None and cause not in WEAK_CAUSES:
             flow.strong = True
-        self._queue(flow)
+        # _queue, inlined
+        fid = id(flow)
+        if flow.strong or flow.root is not None:
+            self.weak.pop(fid, None)
+            strong = self.strong
+            strong[fid] = flow
+            strong.move_to_end(fid)
+        elif fid not in self.weak:
+            self.weak[fid] = flow
         return due
+
+    def _emit_due(self, queue: OrderedDict, before_ns: int, stamp: str, out: list) -> None:
+        """Report the flows at the head of a time-ordered queue whose `stamp` is older than
+        before_ns (strictly: the same comparison as `now - stamp < hold` keeping a flow)."""
+        while queue:
+            flow = queue[next(iter(queue))]
+            if getattr(flow, stamp) > before_ns:
+                break
+            self._emit(flow, out)
 
     def tick(self, now_ns: int) -> list[Verdict]:
         """Report the incidents that are due at `now_ns` (monotonic ns, the events' clock)."""
-        self.now_ns = now = max(self.now_ns, now_ns)
+        now = self.now_ns
+        if now_ns > now:
+            self.now_ns = now = now_ns
         ctx = self.ctx
         out: list[Verdict] = []
-        while self.strong:                       # quiet for hold_ns: the cause is in
-            flow = next(iter(self.strong.values()))
-            if now - flow.last_ns < ctx.hold_ns:
-                break
-            self._emit(flow, out)
-        while self.weak:                         # weak only: waited max_hold_ns for a cause
-            flow = next(iter(self.weak.values()))
-            if now - flow.first_ns < ctx.max_hold_ns:
-                break
-            self._emit(flow, out)
-        while self.flows:                        # reported and past the window: forget
-            flow = next(iter(self.flows.values()))
-            if flow.pending or now - flow.last_ns <= ctx.window_ns:
-                break
-            self._drop_flow(flow)
-        while len(self.flows) > ctx.max_flows:  # a flood of distinct flows: oldest first
-            flow = next(iter(self.flows.values()))
-            if flow.pending:
-                self._emit(flow, out)
-            self._drop_flow(flow)
+        strong, weak, flows = self.strong, self.weak, self.flows
+        if strong:                               # quiet for hold_ns: the cause is in
+            self._emit_due(strong, now - ctx.hold_ns, "last_ns", out)
+        if weak:                                 # weak only: waited max_hold_ns for a cause
+            self._emit_due(weak, now - ctx.max_hold_ns, "first_ns", out)
+        if flows:                                # reported and past the window: forget
+            window = ctx.window_ns
+            while flows:
+                flow = flows[next(iter(flows))]
+                if flow.pending or now - flow.last_ns <= window:
+                    break
+                self._drop_flow(flow)
+            cap = ctx.max_flows
+            while len(flows) > cap:              # a flood of distinct flows: oldest first
+                flow = flows[next(iter(flows))]
+                if flow.pending:
+                    self._emit(flow, out)
+                self._drop_flow(flow)
         return out
 
     def _emit(self, flow: Flow, out: list) -> None:
@@ -345,28 +407,38 @@ class Classifier:
     # -- labeling ----------------------------------------------------------------------
     def _label(self, ev: Event, rname: str, history: list) -> Labeled:
         """`history`: the open incident's earlier events, for rules that need them."""
-        if ev.type in EVIDENCE_ONLY:
-            return Labeled(ev, rname, None)
-        for rule in RULES:
-            got = rule(ev, rname, history, self.ctx)
+        t = ev.type
+        if t in EVIDENCE_ONLY:
+            return _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
+        rules = self._rules.get(t)
+        if rules is None:
+            rules = self._rules[t] = _rules_for(t)
+        ctx = self.ctx
+        for rule in rules:
+            got = rule(ev, rname, history, ctx)
             if got:
                 return Labeled(ev, rname, *got)
-        if ev.type == T_DROP and rname in WEAK_DROPS:
-            return Labeled(ev, rname, None)
-        return Labeled(ev, rname, "unknown", 0.0,
-                       "no rule explains this event; the evidence lists what the kernel showed")
+        if t == T_DROP and rname in WEAK_DROPS:
+            return _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
+        return _tuple_new(Labeled, (ev, rname, "unknown", 0.0, UNKNOWN_HINT))
 
     def _report(self, flow: Flow) -> Verdict | None:
         pending, flow.pending = flow.pending, []
         extra, flow.extra = flow.extra, 0
         flow.strong = False
-        self.strong.pop(id(flow), None)
-        self.weak.pop(id(flow), None)
-        labeled = [l for l in pending if l.cause is not None]
-        if not labeled:
-            return None                       # evidence only: nothing went wrong here
+        fid = id(flow)
+        self.strong.pop(fid, None)
+        self.weak.pop(fid, None)
+        if len(pending) == 1:                    # a flow of one record: most of a storm
+            primary = pending[0]
+            if primary.cause is None:
+                return None                      # evidence only: nothing went wrong here
+        else:
+            labeled = [l for l in pending if l.cause is not None]
+            if not labeled:
+                return None
+            primary = min(labeled, key=_primary_key)
         root = flow.root
-        primary = min(labeled, key=lambda l: (RANK[l.cause], l.ev.ts_ns))
         if root is not None:
             # The flow named its root cause in an earlier incident: what follows on the same
             # connection (a retransmitted SYN-ACK the client now resets, the peer's RST) is
@@ -375,30 +447,62 @@ class Classifier:
         else:
             cause, conf, hint = primary.cause, primary.confidence, primary.hint
             if cause not in WEAK_CAUSES:
-                flow.root = primary
+                # kept for window_ns: without its raw record (an incident never prints it)
+                pev = primary.ev
+                flow.root = primary if not pev.raw else \
+                    _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
         ev = primary.ev
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
-        service = None
-        for l in sorted(pending, key=lambda l: l.ev is not ev):
-            service = _service(l.ev, ctx)
-            if service:
-                break
-        ordered = sorted(pending, key=lambda l: l.ev.ts_ns)
+        service = _service(ev, ctx)
+        if not service and len(pending) > 1:
+            for l in pending:
+                if l.ev is not ev:
+                    service = _service(l.ev, ctx)
+                    if service:
+                        break
+        if len(pending) == 1:
+            ordered = pending.copy()
+        else:
+            ordered = sorted(pending, key=_ts_key)
         if root is not None and root not in pending:
             ordered.insert(0, root)
-        hint = _fill(hint, iface=iface or f"ifindex {ev.ifindex}", port=str(ev.dport),
-                     sport=str(ev.sport), daddr=ev.daddr, saddr=ev.saddr,
-                     service=service or "the Service")
-        return Verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOKS[ev.hook],
-                       primary.rname, cause, conf, hint, iface, service, tuple(ordered),
-                       len(pending) + extra, ctx)
+        if "{" in hint:
+            hint = _fill(hint, iface=iface or f"ifindex {ev.ifindex}", port=str(ev.dport),
+                         sport=str(ev.sport), daddr=ev.daddr, saddr=ev.saddr,
+                         service=service or "the Service")
+        return _make_verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOKS[ev.hook],
+                             primary.rname, cause, conf, hint, iface, service, tuple(ordered),
+                             len(pending) + extra, ctx)
+
+
+def _primary_key(l: Labeled):
+    return (RANK[l.cause], l.ev.ts_ns)
+
+
+def _ts_key(l: Labeled) -> int:
+    return l.ev.ts_ns
+
+
+_VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
+                   "hint", "iface", "service", "labeled", "events", "ctx")
+_object_new = object.__new__
+
+
+def _make_verdict(*values) -> "Verdict":
+    """Verdict(*values) without the frozen dataclass's per-field object.__setattr__ (1.3 us
+    of a storm's per-incident budget): the same instance, built through its __dict__."""
+    v = _object_new(Verdict)
+    v.__dict__.update(zip(_VERDICT_FIELDS, values))
+    return v
 
 
 def _fill(text: str, **vals: str) -> str:
     """Fill {name} placeholders; rule texts quoted in hints keep their own braces (nft sets)."""
     for k, v in vals.items():
-        text = text.replace("{" + k + "}", v)
+        tok = "{" + k + "}"
+        if tok in text:
+            text = text.replace(tok, v)
     return text
 
 
@@ -431,6 +535,23 @@ def _service(ev: Event, ctx: Context) -> str | None:
     return None
 
 
+def evidence_dicts(v: Verdict) -> list[dict]:
+    """[x.to_dict() for x in v.evidence] without the Evidence objects (the JSON hot path)."""
+    ctx = v.ctx or Context()
+    iface_name = ctx.iface_name
+    out = []
+    for l in v.labeled[:MAX_EVIDENCE]:
+        ev = l.ev
+        detail = f"{ev.saddr}:{ev.sport} > {ev.daddr}:{ev.dport}"
+        c = ev.ct
+        if c is not None and c.status & IPS_DST_NAT:
+            detail += f" (dnat {c.orig_dst}:{c.orig_dport} -> {c.reply_src}:{c.reply_sport})"
+        out.append({"ts_ns": ev.ts_ns, "hook": HOOKS[ev.hook], "what": l.rname,
+                    "iface": iface_name(ev.netns, ev.ifindex) if ev.ifindex else None,
+                    "detail": detail, "label": l.cause or ""})
+    return out
+
+
 def _evidence(l: Labeled, ctx: Context) -> Evidence:
     ev = l.ev
     iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
@@ -442,6 +563,20 @@ def _evidence(l: Labeled, ctx: Context) -> Evidence:
 
 # --- rules: (event, reason name, earlier events of the flow, ctx) -> (cause, confidence, hint)
 Rule = Callable[[Event, str, list, Context], "tuple[str, float, str] | None"]
+UNKNOWN_HINT = "no rule explains this event; the evidence lists what the kernel showed"
+
+
+def applies_to(*types: int):
+    """Declare the event types a rule can match: the classifier then skips it for the others
+    (eight Python calls per record add up in a storm). A rule without it sees every event."""
+    def mark(rule):
+        rule.event_types = frozenset(int(t) for t in types)
+        return rule
+    return mark
+
+
+def _rules_for(t: int) -> list:
+    return [r for r in RULES if t in getattr(r, "event_types", (t,))]
 
 SYNACK = TCP_SYN | TCP_ACK
 
@@ -463,6 +598,7 @@ def _orig_dst(ev: Event) -> tuple[str, int]:
     return ev.daddr, ev.dport
 
 
+@applies_to(T_DROP)
 def rule_rp_filter(ev, rname, history, ctx):
     if ev.type == T_DROP and rname == "IP_RPFILTER":
         # an encapsulated packet is checked on its outer source (the sending node's VTEP)
@@ -478,6 +614,7 @@ def rule_rp_filter(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_ASYM_SRC, T_RST_SENT, T_DROP)
 def rule_unexpected_reply(ev, rname, history, ctx):
     """A SYN-ACK its receiver never asked for: the reply left with the pod's own source."""
     if ev.type == T_ASYM_SRC:
@@ -498,6 +635,7 @@ def rule_unexpected_reply(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_ASYM_IFACE)
 def rule_wrong_iface(ev, rname, history, ctx):
     if ev.type != T_ASYM_IFACE:
         return None
@@ -541,6 +679,7 @@ _TAG_CAUSE = {
 }
 
 
+@applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
 def rule_netfilter(ev, rname, history, ctx):
     if not _is_nf_reject(ev, rname):
         return None
@@ -554,6 +693,10 @@ def rule_netfilter(ev, rname, history, ctx):
                 "`nft list ruleset` in the namespace")
     tag = got.get("tag")
     rule = f"{got.get('where')}: `{got.get('text')}`"
+    if got.get("source"):
+        # nftrace_live: whether nf_tables tracing saw this rule drop the flow, or why not
+        rule += (", seen by nft trace" if got["source"] == "nft trace"
+                 else f", named from the ruleset; {got.get('note') or 'not traced'}")
     if tag in _TAG_CAUSE:
         cause, conf, hint = _TAG_CAUSE[tag]
         return (cause, conf, hint.replace("{rule}", rule)
@@ -567,10 +710,12 @@ def rule_netfilter(ev, rname, history, ctx):
         return ("netfilter_reject", 0.75, f"netfilter dropped or rejected the packet at {rule}")
     return ("netfilter_reject", 0.5,
             "netfilter dropped or rejected this packet but no rule in the namespace's ruleset "
-            "matches it as far as nptrace evaluates rules: trace it with "
-            "`nft monitor trace` / `iptables -j TRACE`")
+            "matches it as far as nptrace evaluates rules, so the rule cannot be known from the "
+            "ruleset" + (f"; {got['note']}" if got.get("note") else
+                         ": trace it with `nft monitor trace` / `iptables -j TRACE`"))
 
 
+@applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
 def rule_stale_endpoint(ev, rname, history, ctx):
     """DNAT to an address nobody answers for: the endpoint is gone, the rules are not."""
     gone = (ev.type == T_DROP and rname in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")) \
@@ -583,6 +728,7 @@ def rule_stale_endpoint(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_RST_SENT, T_DROP)
 def rule_no_listener(ev, rname, history, ctx):
     if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
             and _answered(ev) & (TCP_SYN | TCP_ACK) == TCP_SYN:
@@ -593,6 +739,7 @@ def rule_no_listener(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_RST_SENT)
 def rule_app_reset(ev, rname, history, ctx):
     if ev.type == T_RST_SENT and ev.flags & F_HAS_SOCK and rname in APP_RESETS:
         return ("app_reset", 0.8,
@@ -601,6 +748,7 @@ def rule_app_reset(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_RST_RECV, T_WIRE_RST)
 def rule_peer_reset(ev, rname, history, ctx):
     if ev.type == T_RST_RECV or (ev.type == T_WIRE_RST and ev.dir == D_INGRESS):
         return ("peer_reset", 0.5,

@@ -61,12 +61,25 @@ def _run_options(fn):
                      help="Only flows with this port on either side (repeatable; default all)."),
         click.option("--host", "hosts", multiple=True, metavar="CIDR",
                      help="Only flows with an address in CIDR on either side (repeatable)."),
-        click.option("--ring-pages", type=int, default=4096, show_default=True,
+        click.option("--ring-pages", type=int, default=1024, show_default=True,
                      help="Ring buffer size in 4 KiB pages (power of two)."),
-        click.option("--max-rate", type=click.IntRange(0), default=5000, show_default=True,
-                     metavar="N", help="Send at most N records per second per CPU to user space "
-                     "(storm protection; 0 = all). Counts stay exact; drops beyond N are "
-                     "reported as sampled, not lost."),
+        click.option("--max-rate", type=click.IntRange(0), default=100, show_default=True,
+                     metavar="N", help="Storm protection: per CPU and kind of record (type, "
+                     "hook, reason, interface, namespace), send user space at most N records a "
+                     "second after a burst of --max-burst (0 = send all). Counts stay exact; "
+                     "records beyond it are reported as sampled, not lost."),
+        click.option("--max-burst", type=click.IntRange(1, 1000000), default=200,
+                     show_default=True, metavar="N",
+                     help="Records of one kind a CPU sends at once before --max-rate applies."),
+        click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
+                     help="Print at most N alike incidents (same cause, Service, server end, "
+                     "hook) per second; the rest become one line with `repeat` = how many. "
+                     "0 prints every incident. Default: 20 on the console, 0 with --json. "
+                     "Metrics and session files always see every incident."),
+        click.option("--nft-trace/--no-nft-trace", default=True, show_default=True,
+                     help="Name the rule behind a netfilter drop with nf_tables tracing: on a "
+                     "namespace's first drop, add table inet nptrace_trace there and trace the "
+                     "dropped destinations' next packets (at most 50/s; removed at exit)."),
         click.option("--ready-file", hidden=True,
                      help="Write this file once every probe is attached."),
         click.option("--record", "record_dir", metavar="DIR",
@@ -92,6 +105,14 @@ def _run_options(fn):
     return fn
 
 
+def storm_collapse(burst: int | None, as_json: bool):
+    """The StormCollapse for --collapse: a person reads the console, a program reads JSON."""
+    from nptrace.sinks.collapse import BURST, StormCollapse
+    if burst is None:
+        burst = 0 if as_json else BURST
+    return StormCollapse(burst) if burst else None
+
+
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
     return Config(ifaces=tuple(IfaceSpec.parse(i) for i in ifaces),
                   ports=tuple(PortRange.parse(p) for p in ports),
@@ -101,8 +122,8 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @main_group.command()
 @_run_options
 @one_line_errors
-def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, ready_file, record_dir,
-        record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
+def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
+        nft_trace, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -116,7 +137,8 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, ready_fil
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
-    cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate)
+    cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
+                              max_burst=max_burst, nft_trace=nft_trace)
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
@@ -124,7 +146,9 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, ready_fil
                       record_max_total_bytes=record_max_total_mb << 20,
                       metrics_addr=metrics_addr, pcap=pcap)
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
-    sink = JsonLines(tracer.epoch_offset_ns) if as_json else Console(tracer.epoch_offset_ns)
+    storm = storm_collapse(collapse, as_json)
+    sink = JsonLines(tracer.epoch_offset_ns, collapse=storm) if as_json \
+        else Console(tracer.epoch_offset_ns, collapse=storm)
     tracer.sinks.append(sink)
     try:
         tracer.start()

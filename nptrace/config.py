@@ -65,11 +65,13 @@ class Config:
     ports: tuple[PortRange, ...] = ()
     hosts: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
-    ringbuf_pages: int = 4096          # 16 MiB of 4 KiB pages
-    max_rate: int = 0                  # records/s per CPU to user space (0: all); counts stay exact
+    ringbuf_pages: int = 1024          # 4 MiB: ~18k records; its pages count in RSS twice (mmap)
+    max_rate: int = 0                  # records/s per CPU and kind to user space (0: all); counts stay exact
+    max_burst: int = 200               # ...after a burst of this many (a token bucket)
     flow_table_size: int = 65536
     max_counts: int = 16384
     nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
+    nft_trace: bool = True             # nf_tables tracing of dropped flows (nftrace_live.py)
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] = tuple(TRACEPOINTS)
     extra: dict = field(default_factory=dict)
@@ -101,6 +103,7 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
         f"-DNPT_RINGBUF_PAGES={pages}",
         f"-DNPT_MAX_COUNTS={cfg.max_counts}",
         f"-DNPT_MAX_RATE={int(cfg.max_rate)}",
+        f"-DNPT_MAX_BURST={max(1, int(cfg.max_burst))}",
         f"-DNPT_FLOW_TABLE_SIZE={cfg.flow_table_size}",
         f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",

@@ -61,6 +61,7 @@ class CounterSnapshot:
     emitted: int = 0    # records written to the ring buffer
     lost: int = 0       # records the ring buffer had no room for (the events are counted)
     filtered: int = 0   # events the in-kernel port/host filters rejected (not counted)
+    sampled: int = 0    # counted, not sent: over --max-rate (the kernel's token bucket)
 
     @property
     def counted(self) -> int:
@@ -68,9 +69,9 @@ class CounterSnapshot:
 
     @property
     def unaccounted(self) -> int:
-        """counted - (emitted + lost): 0 when read at rest. While events are in flight a
-        snapshot can see a count whose ring outcome is not yet recorded (a few, per CPU)."""
-        return self.counted - self.emitted - self.lost
+        """counted - (emitted + lost + sampled): 0 when read at rest. While events are in
+        flight a snapshot can see a count whose ring outcome is not yet recorded (a few, per CPU)."""
+        return self.counted - self.emitted - self.lost - self.sampled
 
     def total(self, **match) -> int:
         """Sum of counts whose key fields equal `match`, e.g. total(type="RST_SENT", netns=n)."""
@@ -103,7 +104,7 @@ def snapshot(counts: Mapping[RawKey, int], stats: Mapping[str, int],
                      int(ifindex), int(netns))
         out[k] = out.get(k, 0) + int(n)
     return CounterSnapshot(out, int(stats.get("emitted", 0)), int(stats.get("lost", 0)),
-                           int(stats.get("filtered", 0)))
+                           int(stats.get("filtered", 0)), int(stats.get("sampled", 0)))
 
 
 def _sub(new: int, old: int) -> int:
@@ -120,18 +121,18 @@ def delta(old: CounterSnapshot, new: CounterSnapshot) -> CounterSnapshot:
         if d:
             counts[k] = d
     return CounterSnapshot(counts, _sub(new.emitted, old.emitted), _sub(new.lost, old.lost),
-                           _sub(new.filtered, old.filtered))
+                           _sub(new.filtered, old.filtered), _sub(new.sampled, old.sampled))
 
 
 def merge(snaps: Iterable[CounterSnapshot]) -> CounterSnapshot:
     """Sum of snapshots (e.g. successive deltas)."""
     counts: dict[CountKey, int] = {}
-    em = lo = fi = 0
+    em = lo = fi = sa = 0
     for s in snaps:
         for k, v in s.counts.items():
             counts[k] = counts.get(k, 0) + v
-        em, lo, fi = em + s.emitted, lo + s.lost, fi + s.filtered
-    return CounterSnapshot(counts, em, lo, fi)
+        em, lo, fi, sa = em + s.emitted, lo + s.lost, fi + s.filtered, sa + s.sampled
+    return CounterSnapshot(counts, em, lo, fi, sa)
 
 
 def loss_line(d: CounterSnapshot) -> str | None:

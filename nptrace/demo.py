@@ -36,8 +36,10 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: 
 
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
-                   inode_sink: dict | None = None, variant: str | None = None):
-    """Up, trace, trigger, stop, down. Returns (lab info, attempts, JSON events, stderr)."""
+                   inode_sink: dict | None = None, variant: str | None = None,
+                   rounds: int = 1, pause: float = 1.5):
+    """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down.
+    Returns (lab info, attempts, JSON events, stderr)."""
     from nptrace import lab
     info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
     if inode_sink is not None:   # netns inodes exist only while the lab is up
@@ -58,6 +60,9 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
                 try:
                     wait_ready(ready, proc, stderr=err)
                     attempts = lab.trigger(name, count=count, prefix=prefix)
+                    for _ in range(rounds - 1):
+                        time.sleep(pause)
+                        attempts += lab.trigger(name, count=count, prefix=prefix)
                     time.sleep(settle)   # let the last records reach user space
                 finally:
                     if proc.poll() is None:

@@ -655,8 +655,10 @@ def _netfilter_backend(root: Path, release: str, cfg: dict[str, str]) -> tuple[b
             nft, where = on, "CONFIG_NF_TABLES"
     names = _read(root / "proc/net/ip_tables_names")
     legacy = names.split() if names else []
-    parts = [f"nf_tables ({where})" if nft else
-             ("nf_tables unknown" if nft is None else "no nf_tables")]
+    # nftrace_live names the rule behind a drop with nf_tables tracing; legacy rules log TRACE
+    # through nf_log instead, so with them the rule is named from iptables-save alone
+    parts = [f"nf_tables ({where}; drops traced to their rule)" if nft else
+             ("nf_tables unknown" if nft is None else "no nf_tables: rules named from dumps only")]
     if names is None and _exists(root / "proc/net/ip_tables_names"):
         parts.append("legacy iptables unreadable (not root)")
     elif names is None:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from nptrace import events as ev
@@ -30,6 +31,7 @@ BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent
 FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
 
 
+@lru_cache(maxsize=4096)
 def _addr16(addr: str) -> bytes:
     fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
     return socket.inet_pton(fam, addr).ljust(16, b"\0")
@@ -108,6 +110,7 @@ class Probes:
         self._fill_drop_reasons(drops)
         self._fill_filters()
         self._ring = None
+        self._nat = None     # (bpf_lookup_elem, fd, key, value) once nat_peer is first asked
 
     # --- configuration maps -------------------------------------------------------------
     def _fill_drop_reasons(self, drops: ReasonTable) -> None:
@@ -152,17 +155,22 @@ class Probes:
     def nat_peer(self, saddr: str, sport: int, daddr: str, dport: int):
         """The other side of a NATed connection (bpf/nf_hook.bpf.c `nat_peers`), as
         (src, sport, dst, dport) in that side's packet direction, or None."""
-        try:
-            m = self.bpf["nat_peers"]
-        except KeyError:
-            return None
-        k = m.Key()
+        nat = self._nat
+        if nat is None:
+            try:
+                m = self.bpf["nat_peers"]
+            except KeyError:
+                return None
+            from bcc.libbcc import lib
+            # One key and value reused, looked up by a direct bpf() call: in a reset storm every
+            # unlinked flow asks once, and bcc's m[k] (a Key() built per call, then a KeyError
+            # per miss) cost a third of the process's CPU there.
+            nat = self._nat = (lib.bpf_lookup_elem, m.map_fd, m.Key(), m.Leaf())
+        lookup, fd, k, v = nat
         ct.memmove(ct.addressof(k.src), _addr16(saddr), 16)
         ct.memmove(ct.addressof(k.dst), _addr16(daddr), 16)
         k.sport, k.dport = sport, dport
-        try:
-            v = m[k]
-        except KeyError:
+        if lookup(fd, ct.byref(k), ct.byref(v)) < 0:
             return None
         fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
         return (ev.ntop(fam, bytes(v.src)), int(v.sport), ev.ntop(fam, bytes(v.dst)), int(v.dport))

@@ -473,8 +473,11 @@ _PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line, as `run --json`.")
 @click.option("--output-pcap", "--pcap", "pcap", metavar="FILE",
               help="Also write the verdicts as reconstructed packets to a pcapng FILE.")
+@click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
+              help="As `run --collapse`: at most N alike incidents a second, the rest as one "
+                   "line with `repeat` (default 20 on the console, 0 with --json).")
 @_guard
-def replay_command(paths, as_json, pcap):
+def replay_command(paths, as_json, pcap, collapse):
     """Label a recorded session again with this nptrace's classifier (no root needed).
 
     \b
@@ -488,11 +491,14 @@ def replay_command(paths, as_json, pcap):
       nptrace replay /var/lib/nptrace --json | jq -r .cause | sort | uniq -c
       nptrace replay nptrace-20260101T120000Z-....nps --pcap resets.pcapng
     """
+    from nptrace.cli import storm_collapse
     from nptrace.sinks.console import Console
-    from nptrace.sinks.jsonl import verdict_dict
+    from nptrace.sinks.jsonl import JsonLines
     r = Replay(paths)
     out = sys.stdout
-    console = None if as_json else Console(0, out)
+    storm = storm_collapse(collapse, as_json)
+    lines = JsonLines(0, out, collapse=storm) if as_json else Console(0, out, collapse=storm)
+    console = None if as_json else lines
     sink = None
     if pcap:
         from nptrace.sinks.pcapng import PcapngSink
@@ -500,14 +506,12 @@ def replay_command(paths, as_json, pcap):
     try:
         for it in r.items():
             off = int(it.header.get("epoch_offset_ns", 0))
-            if as_json:
-                out.write(json.dumps(verdict_dict(it.verdict, off), separators=(",", ":")) + "\n")
-            else:
-                console.offset = off
-                console.write(it.verdict)
+            lines.offset = off
+            lines.write(it.verdict)
             if sink is not None:
                 sink.offset = off
                 sink.write(it.verdict)
+        lines.close()      # the summary lines of storm windows still open
         out.flush()
     finally:
         if sink is not None:

@@ -8,9 +8,14 @@ TIME_WAIT and its ports recycle. The node's conntrack TIME_WAIT timeout is 1 s (
 sysctl) so the table holds seconds of connections, not two minutes of them.
 With nptrace: `--iface node/n0 --iface node/n1` (the node's two "NICs"), every tracepoint,
 and the netfilter-hook view it attaches in the node. Same alternation as throughput.py.
+
+After the pairs, one more run with nptrace holds BPF_ENABLE_STATS and divides each of its
+programs' run_time_ns by the connections made: where the kernel-side cost per connection
+goes (info rows). Stats are on only in that run, so the ratio runs are not charged for them.
 """
 from __future__ import annotations
 
+from nptrace.bench import bpfprog
 from nptrace.bench.context import Bench
 from nptrace.bench.report import Row, Section, si
 from nptrace.bench.throughput import alternate, ratio_row
@@ -39,7 +44,8 @@ def setup(t: Topology) -> tuple[str, str, str]:
 
 def run(b: Bench) -> Section:
     sec = Section("connrate")
-    pairs, secs = b.scale(5, 2), b.scale(2, 1)
+    # an even number of pairs: as many start without nptrace as with it (ABBA)
+    pairs, secs = b.scale(6, 2), b.scale(2, 1)
     failures = []
     with Topology("cr") as t:
         c, n, s = setup(t)
@@ -62,9 +68,44 @@ def run(b: Bench) -> Section:
                 npt.stop()
 
         w, wo = alternate(pairs, without, with_nptrace)
+        costs = per_connection_costs(b, t, n, load, secs)
     row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} pairs x "
                           f"{secs}s, median)", lambda x: si(x, "/s"), w, wo, TARGET)
     sec.rows.append(row)
     sec.data = dict(data, pairs=pairs, secs=secs, failed_connects=sum(failures),
-                    clients=load.clients, in_flight=load.conc * load.clients)
+                    clients=load.clients, in_flight=load.conc * load.clients,
+                    kernel_per_conn=costs)
+    total = sum(c["ns_per_conn"] for c in costs["programs"].values())
+    sec.rows.append(Row("connrate", f"NodePort: nptrace kernel ns per connection, all programs "
+                        f"({costs['connections']} connections, stats on)", f"{total:.0f} ns",
+                        "", "info", None, total))
+    for name, c in sorted(costs["programs"].items(), key=lambda kv: -kv[1]["ns_per_conn"]):
+        sec.rows.append(Row("connrate", f"NodePort: {name} ns per connection "
+                            f"({c['runs_per_conn']:.1f} runs x {c['ns_per_run']:.0f} ns)",
+                            f"{c['ns_per_conn']:.0f} ns", "", "info", None, c["ns_per_conn"]))
     return sec
+
+
+def per_connection_costs(b: Bench, t: Topology, node: str, load: ConnLoad, secs: float) -> dict:
+    """{connections, programs: {name: {runs_per_conn, ns_per_run, ns_per_conn}}} of one run
+    of nptrace with BPF_ENABLE_STATS held; programs that did not run are left out."""
+    from nptrace.tc import enable_bpf_stats
+    npt = b.nptrace(t, "connrate", "connrate_stats",
+                    ["--iface", f"{node}/n0", "--iface", f"{node}/n1"])
+    try:
+        with enable_bpf_stats():
+            before = bpfprog.process_prog_stats(npt.pid)
+            r = load.run(secs)
+            d = bpfprog.delta(before, bpfprog.process_prog_stats(npt.pid))
+        names = bpfprog.prog_names(d)
+    finally:
+        npt.stop()
+    done = r["done"] or 1
+    progs = {}
+    for pid_, v in d.items():
+        if not v["runs"]:
+            continue
+        progs[names.get(pid_, str(pid_))] = {"runs_per_conn": v["runs"] / done,
+                                             "ns_per_run": v["ns_per_run"],
+                                             "ns_per_conn": v["ns"] / done}
+    return {"connections": r["done"], "programs": progs}

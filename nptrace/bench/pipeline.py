@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -44,9 +45,10 @@ def _templates() -> dict[str, bytes]:
         "syn_drop": ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=NO_SOCKET,
                               daddr=SERVER, dport=PORT, tcpflags=ev.TCP_SYN, ifindex=2,
                               **common),
+        # aux: the flags of the packet the reset answers (bpf/tracepoints.bpf.c), a SYN here
         "rst_sent": ev.encode(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1,
                               saddr=SERVER, sport=PORT, tcpflags=ev.TCP_RST | ev.TCP_ACK,
-                              **common),
+                              aux=ev.TCP_SYN, **common),
         "wire_rst": ev.encode(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_EGRESS,
                               dir=ev.Dir.EGRESS, saddr=SERVER, sport=PORT, ifindex=2,
                               tcpflags=ev.TCP_RST | ev.TCP_ACK, **common),
@@ -140,9 +142,13 @@ def _as_list(x) -> list:
     return [x]
 
 
-def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256) -> dict:
-    """Feed records through decode -> classify -> JSON (to /dev/null) for at most budget_s."""
+def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
+                 collapse: bool = False) -> dict:
+    """Feed records through decode -> classify -> JSON (to /dev/null) for at most budget_s.
+    With collapse, the JSON sink collapses storms (sinks/collapse.py): every reset is still
+    labeled and counted (the sum of `repeat` over the lines), fewer lines are written."""
     from nptrace.classify import Classifier, Context
+    from nptrace.sinks.collapse import StormCollapse
     from nptrace.sinks.jsonl import JsonLines
 
     recs = records(n_resets, mix)
@@ -151,9 +157,11 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256) ->
                   rst_name=lambda v: "NO_SOCKET" if v == 1 else f"REASON_{v}")
     clf = Classifier(ctx)
     devnull = open(os.devnull, "w")
-    sink = JsonLines(0, devnull)
+    sink = JsonLines(0, devnull, StormCollapse() if collapse else None)
     tick = getattr(clf, "tick", None)
     verdicts = fed = 0
+    gc.collect()
+    gc.freeze()           # as Tracer.run does
     t0 = time.perf_counter()
     deadline = t0 + budget_s
     complete = True
@@ -169,6 +177,7 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256) ->
             for v in _as_list(tick(e.ts_ns)):
                 sink.write(v)
                 verdicts += 1
+            sink.tick(e.ts_ns)
         if time.perf_counter() > deadline:
             complete = fed >= len(recs)
             break
@@ -178,12 +187,14 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256) ->
             sink.write(v)
             verdicts += 1
     dt = time.perf_counter() - t0
+    gc.unfreeze()
     sink.close()
     devnull.close()
     resets = fed // per
     return {"resets": resets, "records": fed, "records_per_reset": per, "verdicts": verdicts,
             "secs": dt, "resets_per_s": resets / dt, "records_per_s": fed / dt,
-            "complete": complete, "budget_s": budget_s}
+            "complete": complete, "budget_s": budget_s, "collapse": collapse,
+            "lines": sink.collapse.lines if collapse else verdicts}
 
 
 def profile_pipeline(n_resets: int, budget_s: float, top: int = 15) -> list[dict]:
@@ -244,8 +255,9 @@ def main(argv=None) -> int:
     p.add_argument("--resets", type=int, default=200_000)
     p.add_argument("--mix", action="store_true", help="4 records per reset (the storm's mix)")
     p.add_argument("--budget", type=float, default=30.0, help="seconds at most")
+    p.add_argument("--collapse", action="store_true", help="JSON sink collapses storms")
     a = p.parse_args(argv)
-    r = run_pipeline(a.resets, a.mix, a.budget)
+    r = run_pipeline(a.resets, a.mix, a.budget, collapse=a.collapse)
     print(r)
     return 0
 

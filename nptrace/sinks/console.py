@@ -1,4 +1,6 @@
-"""Readable lines for a person at a terminal (stdout), and the summary at exit."""
+"""Readable lines for a person at a terminal (stdout), and the summary at exit. With a
+StormCollapse (sinks/collapse.py), a storm's alike incidents past the burst are printed as one
+`... and N more like this since HH:MM:SS` line per window; the summary counts every one."""
 from __future__ import annotations
 
 import sys
@@ -7,19 +9,43 @@ from collections import Counter
 from typing import TextIO
 
 from nptrace.classify import Verdict
+from nptrace.sinks.collapse import StormCollapse
 
 
 class Console:
-    def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None):
+    def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None,
+                 collapse: StormCollapse | None = None):
         self.stream = stream or sys.stdout
         self.offset = epoch_offset_ns
         self.by_cause: Counter = Counter()
         self.by_service: Counter = Counter()
+        self.collapse = collapse
 
     def write(self, v: Verdict) -> None:
-        e = v.event
         self.by_cause[v.cause] += 1
         self.by_service[v.service or "-"] += 1
+        if self.collapse is None:
+            self._print(v)
+            return
+        self._items(self.collapse.add(v))
+
+    def _items(self, items) -> None:
+        for v, repeat, since, _events in items:
+            if repeat == 1:
+                self._print(v)
+            else:
+                ts = time.strftime("%H:%M:%S", time.localtime((since + self.offset) / 1e9))
+                self.stream.write(f"         ... and {repeat} more {v.cause} like this since "
+                                  f"{ts} (last: {v.event.saddr}:{v.event.sport} -> "
+                                  f"{v.event.daddr}:{v.event.dport})\n")
+                self.stream.flush()
+
+    def tick(self, now_ns: int) -> None:
+        if self.collapse is not None:
+            self._items(self.collapse.due(now_ns))
+
+    def _print(self, v: Verdict) -> None:
+        e = v.event
         ts = time.strftime("%H:%M:%S", time.localtime((e.ts_ns + self.offset) / 1e9))
         flow = f"{e.saddr}:{e.sport} -> {e.daddr}:{e.dport}"
         nat = v.nat
@@ -44,4 +70,6 @@ class Console:
         return "\n".join(lines)
 
     def close(self) -> None:
+        if self.collapse is not None:
+            self._items(self.collapse.drain())
         self.stream.flush()

@@ -42,6 +42,7 @@ def load_probes(**cfg_kw):
     from nptrace.loader import Probes
     b = btf.default()
     drops, _ = reasons.load_tables(b)
+    cfg_kw.setdefault("ringbuf_pages", 4096)   # these tests size their storms for 16 MiB
     return Probes(Config(**cfg_kw), offsets.cflags(b), drops, TRACEPOINTS)
 
 

@@ -154,3 +154,44 @@ def test_netfilter_drop_without_rules_is_netfilter_reject():
     [v] = classify([E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=12, tcpflags=ev.TCP_SYN,
                       saddr="192.0.2.1", sport=5, daddr="10.0.0.2", dport=30080)], CTX)
     assert v.cause == "netfilter_reject" and v.confidence < 0.6
+
+
+def test_evidence_dicts_equal_the_evidence_objects():
+    from nptrace.classify import evidence_dicts
+    pod = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN, ts_ns=1,
+            saddr="10.244.1.10", sport=8080, daddr="10.244.0.0", dport=40000, ifindex=7)
+    wire = E(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_EGRESS, dir=ev.Dir.EGRESS, ts_ns=2,
+             saddr="192.168.10.11", sport=30080, daddr="192.168.10.100", dport=40000,
+             flags=ev.F_HAS_CT, ct_osrc="192.168.10.100", ct_osport=40000,
+             ct_odst="192.168.10.11", ct_odport=30080, ct_rsrc="10.244.1.10", ct_rsport=8080,
+             ct_rdst="10.244.0.0", ct_rdport=40000, ct_status=ev.IPS_DST_NAT)
+    [v] = classify([wire, pod], CTX)
+    assert evidence_dicts(v) == [x.to_dict() for x in v.evidence]
+    assert "dnat 192.168.10.11:30080" in evidence_dicts(v)[1]["detail"]
+
+
+def test_rules_are_asked_only_for_the_event_types_they_declare():
+    from nptrace import classify as cl
+    asked = []
+
+    @cl.applies_to(ev.EvType.RST_RECV)
+    def spy(e, rname, history, ctx):
+        asked.append(e.type)
+
+    cl.RULES.insert(0, spy)
+    try:
+        list(classify([E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16),
+                       E(type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST, ts_ns=5)], CTX))
+    finally:
+        cl.RULES.remove(spy)
+    assert asked == [ev.EvType.RST_RECV]
+
+
+def test_a_reported_root_cause_is_kept_without_its_raw_record():
+    c = Classifier(Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, hold_ns=10))
+    c.feed(E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN,
+             saddr="10.0.0.2", sport=80, daddr="10.0.0.1", dport=4000, ts_ns=1))
+    [v] = c.tick(100)
+    assert v.event.raw                                 # the incident itself keeps it
+    [flow] = c.flows.values()
+    assert flow.root.cause == "no_listener" and flow.root.ev.raw == b""

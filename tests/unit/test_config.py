@@ -6,7 +6,7 @@ from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, build_cfla
 def test_cflags_defaults_have_no_filters_and_no_tc():
     f = build_cflags(Config())
     assert "-DNPT_FILTER_PORTS=0" in f and "-DNPT_FILTER_HOSTS=0" in f
-    assert "-DNPT_WITH_TC=0" in f and "-DNPT_RINGBUF_PAGES=4096" in f
+    assert "-DNPT_WITH_TC=0" in f and "-DNPT_RINGBUF_PAGES=1024" in f
     assert "-DNPT_TP_KFREE_SKB=1" in f
 
 

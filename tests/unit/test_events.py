@@ -50,3 +50,25 @@ def test_wrong_abi_is_an_error():
 def test_unknown_type_is_an_error():
     with pytest.raises(ev.DecodeError):
         ev.decode(ev.encode(type=200, hook=1))
+
+
+def test_event_is_immutable_and_compares_by_value():
+    raw = ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, saddr="192.0.2.1")
+    a, b = ev.decode(raw), ev.decode(bytearray(raw))
+    assert a == b and a.saddr == "192.0.2.1" and a.dir is ev.Dir.UNKNOWN
+    with pytest.raises(AttributeError):
+        a.saddr = "x"
+
+
+def test_address_cache_stays_bounded():
+    for i in range(ev._ADDRS_MAX + 10):
+        e = ev.decode(ev.encode(type=1, hook=1, saddr=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"))
+    assert e.saddr == f"10.0.{(i >> 8) & 255}.{i & 255}"
+    assert len(ev._ADDRS) <= ev._ADDRS_MAX
+
+
+def test_unknown_hook_or_direction_is_an_error():
+    with pytest.raises(ev.DecodeError, match="Hook"):
+        ev.decode(ev.encode(type=1, hook=99))
+    with pytest.raises(ev.DecodeError, match="Dir"):
+        ev.decode(ev.encode(type=1, hook=1, dir=9))

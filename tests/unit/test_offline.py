@@ -263,3 +263,24 @@ def test_merge_window_keeps_reused_tuples_apart(tmp_path):
     assert got[0].story != got[1].story
     got = list(offline.merge([tmp_path / "a"], window_s=1000))
     assert got[0].story == got[1].story
+
+
+def test_replay_collapse_sums_to_every_incident(tmp_path):
+    raws = [rp_drop(1_000_000 + i * 1000, sport=7000 + i) for i in range(50)]
+    want = live(tmp_path / "a", raws)
+    r = invoke(offline.replay_command, [tmp_path / "a", "--json", "--collapse", "5"])
+    assert r.exit_code == 0, r.output
+    got = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(got) < len(want) and sum(d["repeat"] for d in got) == len(want)
+    assert sum(d["events"] for d in got) == sum(d["events"] for d in want)
+    assert any(d["repeat"] > 1 and "repeat_since" in d for d in got)
+    plain = invoke(offline.replay_command, [tmp_path / "a", "--json"])
+    assert len(plain.stdout.splitlines()) == len(want)           # --json: off by default
+    text = invoke(offline.replay_command, [tmp_path / "a"])        # console: on by default
+    assert "more rp_filter like this" in text.stdout
+
+
+def test_storm_collapse_defaults():
+    from nptrace.cli import storm_collapse
+    assert storm_collapse(None, True) is None and storm_collapse(0, False) is None
+    assert storm_collapse(None, False).burst == 20 and storm_collapse(5, True).burst == 5

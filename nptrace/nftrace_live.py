@@ -1,0 +1,304 @@
+"""nf_tables tracing for the flows of interest, and the rule it names behind a netfilter drop.
+
+Evaluating a dumped ruleset (services.py) can name the rule that probably dropped a packet;
+an nf_tables trace names the rule that did. Tracing every packet would cost one netlink
+message per rule each packet meets, so nptrace traces only flows of interest: on a
+namespace's first netfilter drop it adds its own table there,
+
+    table inet nptrace_trace   (prerouting and output, priority raw - 10)
+        ip daddr . tcp dport @want4  limit rate 50/second  meta nftrace set 1
+
+and puts the dropped flow's destination (before and after DNAT) in the set for a minute.
+The client's retransmitted SYN or next attempt is then traced, and the rule that drops it
+is read from the trace (table, chain, handle, with the rule's text from `nft -a list chain`).
+The first drop of a destination is named from the ruleset and says it was not traced.
+iptables-legacy rules are invisible to nf_tables tracing: the answer says so.
+
+The classifier sees this only as Context.nf_rule answers (plain dicts), recorded for replay.
+"""
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nptrace import nftrace
+from nptrace.rules_source import RulesSourceError, _in_netns, _is_xt, _run
+
+TABLE = "nptrace_trace"
+ARM_FOR_S = 60          # a destination stays traced this long after its last drop
+TRACE_RATE = "50/second"  # packets traced per second and namespace, whatever the set holds
+SET_SIZE = 1024
+ARMS_PER_S = 10         # `nft add element` forks; a flood of drops must not fork per event
+SOCK_RCVBUF = 1 << 20
+
+
+def table_script() -> str:
+    """One nft transaction: (re)create the table, leaving no older copy of it behind."""
+    sets, rules = [], []
+    for fam, addr, typ in (("4", "ip", "ipv4_addr"), ("6", "ip6", "ipv6_addr")):
+        sets.append(f"set want{fam} {{ type {typ} . inet_service; flags timeout; size {SET_SIZE}; }}")
+        rules.append(f"{addr} daddr . tcp dport @want{fam} limit rate {TRACE_RATE} meta nftrace set 1")
+    chains = [f"chain {name} {{ type filter hook {hook} priority raw - 10; policy accept; "
+              + "; ".join(rules) + "; }"
+              for name, hook in (("pre", "prerouting"), ("out", "output"))]
+    body = "; ".join(sets + chains)
+    return (f"table inet {TABLE} {{}}; delete table inet {TABLE}; "
+            f"table inet {TABLE} {{ {body}; }}")
+
+
+def _trace_socket() -> socket.socket:
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
+                      | socket.SOCK_CLOEXEC, 12)  # NETLINK_NETFILTER
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_RCVBUF)
+        s.bind((0, 1 << (nftrace.NFNLGRP_NFTRACE - 1)))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+@dataclass
+class NsTrace:
+    """Tracing in one network namespace (None: the host's): its table, set and socket."""
+
+    netns: str | None
+    sock: socket.socket
+    book: nftrace.TraceBook = field(default_factory=lambda: nftrace.TraceBook(TABLE))
+    armed: dict = field(default_factory=dict)      # (addr, port) -> time armed
+    _chains: dict = field(default_factory=dict)    # (family, table, chain) -> (time, lines)
+
+    @classmethod
+    def open(cls, netns: str | None) -> "NsTrace":
+        _run(netns, ["nft", table_script()])
+        return cls(netns, _in_netns(netns, _trace_socket))
+
+    def arm(self, addr: str, port: int, now: float) -> bool:
+        """Trace addr:port's packets from now on; False when it was armed already."""
+        last = self.armed.get((addr, port))
+        if last is not None and now - last < ARM_FOR_S / 2:
+            return False
+        fam = "6" if ":" in addr else "4"
+        _run(self.netns, ["nft", f"add element inet {TABLE} want{fam} "
+                                 f"{{ {addr} . {int(port)} timeout {ARM_FOR_S}s }}"])
+        self.armed[(addr, port)] = now
+        if len(self.armed) > SET_SIZE:
+            self.armed.pop(next(iter(self.armed)))
+        return True
+
+    def drain(self, now: float) -> int:
+        n = 0
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return n
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:    # the kernel dropped messages; the next ones count
+                    continue
+                return n
+            self.book.feed(nftrace.decode(data), now)
+            n += 1
+
+    def rule_line(self, d: nftrace.TracedDrop, now: float) -> tuple[str | None, int]:
+        """(nft's text of the traced rule, its 1-based position in the chain), read with
+        `nft -a list chain` and kept a few seconds (rules change, handles do not repeat)."""
+        key = (d.family, d.table, d.chain)
+        hit = self._chains.get(key)
+        if hit is None or now - hit[0] > 5.0:
+            lines = []
+            try:
+                out = _run(self.netns, ["nft", "-a", "list", "chain", *key]).stdout
+                lines = [ln.strip() for ln in out.splitlines()
+                         if "# handle " in ln and not ln.strip().startswith(("chain ", "table "))]
+            except RulesSourceError:
+                pass
+            hit = self._chains[key] = (now, lines)
+            if len(self._chains) > 256:
+                self._chains.pop(next(iter(self._chains)))
+        for pos, ln in enumerate(hit[1], 1):
+            text, _, h = ln.rpartition("# handle ")
+            if h.strip() == str(d.handle):
+                return text.strip(), pos
+        return None, 0
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            _run(self.netns, ["nft", f"delete table inet {TABLE}"], check=False)
+        except RulesSourceError:
+            pass
+
+
+class TracedRules:
+    """Context.nf_rule that asks nf_tables tracing first, then the ruleset (NodeKnowledge)."""
+
+    def __init__(self, knowledge, *, enabled: bool = True, clock=time.monotonic, log=None):
+        self.kn = knowledge
+        self.enabled = enabled
+        self.clock = clock
+        self.log = log or (lambda msg: None)
+        self._ns: dict[int, NsTrace | str] = {}   # netns inode -> session, or why there is none
+        self._lock = threading.Lock()
+        self._arm_window = 0.0
+        self._arm_budget = ARMS_PER_S
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- sessions ------------------------------------------------------------------------
+    def _session(self, inode: int, smap) -> NsTrace | str:
+        got = self._ns.get(inode)
+        if got is not None:
+            return got
+        why = self._no_trace_reason(inode, smap)
+        if why is None:
+            ns = self.kn._netns_arg(inode)
+            try:
+                got = NsTrace.open(ns)
+                self.log(f"nft trace: table inet {TABLE} added in "
+                         f"{'the host namespace' if ns is None else 'netns ' + ns}; flows of "
+                         f"interest are traced (at most {TRACE_RATE})")
+            except (RulesSourceError, OSError) as e:
+                why = f"nft trace unavailable here ({str(e).splitlines()[0] if str(e) else e})"
+        self._ns[inode] = got if why is None else why
+        if why is None:
+            self._start_reader()
+        return self._ns[inode]
+
+    def _no_trace_reason(self, inode: int, smap) -> str | None:
+        if not self.enabled:
+            return "nft trace off (--no-nft-trace)"
+        if self.kn._netns_arg(inode) is False:
+            return "nft trace needs a named network namespace (ip netns) and this one has none"
+        backends = tuple(getattr(smap, "backends", ()) or ())
+        if backends and all(b == "iptables-legacy" for b in backends):
+            return "iptables-legacy rules are invisible to nft trace"
+        return None
+
+    # -- the lookup ----------------------------------------------------------------------
+    def nf_rule(self, inode: int, saddr: str, daddr: str, dport: int, odst: str, oport: int,
+                syn: bool, has_ct: bool) -> dict | None:
+        got = self.kn.nf_rule(inode, saddr, daddr, dport, odst, oport, syn, has_ct)
+        smap = self.kn.rules(inode)
+        now = self.clock()
+        with self._lock:
+            sess = self._session(inode, smap)
+            if isinstance(sess, str):
+                return _annotate(got, "ruleset", sess)
+            sess.drain(now)
+            dests = [(daddr, int(dport))] + ([(odst, int(oport))] if (odst, oport) != (daddr, dport) else [])
+            d = sess.book.lookup(saddr, dests, now, ARM_FOR_S)
+            if d is not None:
+                return self._traced(sess, d, got, smap, daddr, dport, odst, oport, now)
+            note = self._arm(sess, dests, now)
+        return _annotate(got, "ruleset", note)
+
+    def _arm(self, sess: NsTrace, dests, now: float) -> str:
+        if now - self._arm_window >= 1.0:
+            self._arm_window, self._arm_budget = now, ARMS_PER_S
+        try:
+            for a, p in dests:
+                if (a, p) in sess.armed and now - sess.armed[(a, p)] < ARM_FOR_S / 2:
+                    continue
+                if self._arm_budget <= 0:
+                    return f"not traced (nptrace arms at most {ARMS_PER_S} destinations a second)"
+                self._arm_budget -= 1
+                sess.arm(a, p, now)
+        except RulesSourceError as e:
+            return f"not traced ({str(e).splitlines()[0]})"
+        return "nft trace is armed for the next packets to this destination"
+
+    def _traced(self, sess, d, got, smap, daddr, dport, odst, oport, now) -> dict:
+        text, pos = sess.rule_line(d, now)
+        rule = _rule_for(smap, d, pos)
+        where = d.where() + (f" (rule {pos})" if pos else "")
+        tag = None
+        if isinstance(got, dict) and got.get("tag") not in (None, "other") \
+                and _same_table(got.get("where", ""), d):
+            # the ruleset named a kube-proxy rule of the table the trace ended in: kube-proxy's
+            # nft maps send packets to a shared reject chain, so the traced rule is that chain's
+            # and the tag (which Service, why) is the ruleset's
+            tag = got["tag"]
+            service = got.get("service")
+        elif rule is not None:
+            tag, service = rule.reason, rule.service
+        else:
+            tag, service = "other", None
+        if rule is not None and rule.text:
+            text = rule.text
+        to_pod = bool(got.get("to_pod")) if isinstance(got, dict) else False
+        if not to_pod and smap is not None:
+            ep = smap.lookup(daddr, dport)
+            to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
+        return {"tag": tag, "where": where, "text": text or "(rule text not readable)",
+                "service": service, "to_pod": to_pod, "source": "nft trace",
+                "note": f"seen by nft trace: {d.saddr}:{d.sport} -> {d.daddr}:{d.dport} dropped "
+                        f"at {d.where()}"}
+
+    # -- background drain -----------------------------------------------------------------
+    def _start_reader(self) -> None:
+        """Trace messages queue in each socket between drops; a thread keeps them read, so
+        the socket buffer holds only fresh ones and the lookup above finds them in time."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._reader, name="npt-nftrace", daemon=True)
+        self._thread.start()
+
+    def _reader(self) -> None:
+        while not self._stop.is_set():
+            socks = [s.sock for s in list(self._ns.values()) if not isinstance(s, str)]
+            try:
+                ready, _, _ = select.select(socks, [], [], 0.5)
+            except (OSError, ValueError):
+                ready = []
+            if ready:
+                with self._lock:
+                    now = self.clock()
+                    for s in list(self._ns.values()):
+                        if not isinstance(s, str) and s.sock in ready:
+                            s.drain(now)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        with self._lock:
+            for s in self._ns.values():
+                if not isinstance(s, str):
+                    s.close()
+            self._ns.clear()
+
+
+def _annotate(got: dict | None, source: str, note: str) -> dict | None:
+    if got is None:
+        return None
+    return {**got, "source": source, "note": note}
+
+
+def _same_table(where: str, d: nftrace.TracedDrop) -> bool:
+    """Does a ServiceMap rule location (``filter/CHAIN rule 3``, ``ip kube-proxy/chain``) name
+    the traced packet's table? iptables-nft tables are named without their family."""
+    table = where.split("/", 1)[0]
+    return table in (f"{d.family} {d.table}",) or (" " not in table and table == d.table
+                                                  and _is_xt(d.family, d.table))
+
+
+def _rule_for(smap, d: nftrace.TracedDrop, pos: int):
+    """The ServiceMap rule the trace names: by handle in nft tables, by position in
+    iptables-nft ones (iptables-nft-save prints no handles)."""
+    if smap is None:
+        return None
+    xt = _is_xt(d.family, d.table)
+    table = d.table if xt else f"{d.family} {d.table}"
+    for r in smap.rules:
+        if r.table != table or r.chain != d.chain:
+            continue
+        if d.handle is None and r.comment == "chain policy":
+            return r            # a chain policy
+        if d.handle is not None and ((not xt and r.handle == d.handle) or (xt and pos and r.position == pos)):
+            return r
+    return None
