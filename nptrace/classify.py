@@ -143,7 +143,8 @@ class Context:
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
     window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept
-    max_flows: int = 32768                  # bound on the correlation state (~1 KiB a flow)
+    max_flows: int = 16384                  # bound on the correlation state (~1.3 KiB a flow):
+    # 5 s (max_hold) of 3000 new failing flows a second; the kernel's --max-rate sends fewer
 
 
 def reason_name(ev: Event, ctx: Context) -> str:
