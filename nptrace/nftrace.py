@@ -15,7 +15,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# include/uapi/linux/netfilter/nf_tables.h
+# include/uapi/linux/netlink.h, netfilter/nfnetlink.h, netfilter/nf_tables.h
+NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_TRACE = 17
 NFNLGRP_NFTRACE = 9
@@ -29,7 +30,6 @@ NFTA_TRACE_NETWORK_HEADER = 8
 NFTA_TRACE_TRANSPORT_HEADER = 9
 NFTA_TRACE_IIF = 10
 NFTA_TRACE_OIF = 12
-NFTA_TRACE_NFPROTO = 15
 NFTA_TRACE_POLICY = 16
 NFTA_VERDICT_CODE = 1
 NFTA_VERDICT_CHAIN = 2
@@ -86,7 +86,7 @@ class TraceMsg:
         return False
 
 
-def _headers(net: bytes, l4: bytes | None, nfproto: int | None) -> tuple | None:
+def _headers(net: bytes, l4: bytes | None) -> tuple | None:
     if not net:
         return None
     ver = net[0] >> 4
@@ -142,7 +142,6 @@ def _decode_one(data: bytes, start: int, end: int) -> TraceMsg | None:
 
     def u32(k: int) -> int | None:
         return struct.unpack(">I", a[k][:4])[0] if k in a and len(a[k]) >= 4 else None
-    nfproto = u32(NFTA_TRACE_NFPROTO)
     return TraceMsg(
         trace_id=u32(NFTA_TRACE_ID),
         family=NFPROTO_NAMES.get(family, str(family)),
@@ -153,8 +152,7 @@ def _decode_one(data: bytes, start: int, end: int) -> TraceMsg | None:
         if len(a.get(NFTA_TRACE_RULE_HANDLE, b"")) >= 8 else None,
         verdict=verdict, jump_chain=jump, policy=u32(NFTA_TRACE_POLICY),
         iif=u32(NFTA_TRACE_IIF), oif=u32(NFTA_TRACE_OIF),
-        pkt=_headers(a.get(NFTA_TRACE_NETWORK_HEADER, b""), a.get(NFTA_TRACE_TRANSPORT_HEADER),
-                     nfproto))
+        pkt=_headers(a.get(NFTA_TRACE_NETWORK_HEADER, b""), a.get(NFTA_TRACE_TRANSPORT_HEADER)))
 
 
 @dataclass(frozen=True)

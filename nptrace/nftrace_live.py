@@ -52,7 +52,7 @@ def table_script() -> str:
 
 def _trace_socket() -> socket.socket:
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
-                      | socket.SOCK_CLOEXEC, 12)  # NETLINK_NETFILTER
+                      | socket.SOCK_CLOEXEC, nftrace.NETLINK_NETFILTER)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_RCVBUF)
         s.bind((0, 1 << (nftrace.NFNLGRP_NFTRACE - 1)))

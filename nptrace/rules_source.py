@@ -196,14 +196,10 @@ def _genid_here() -> int:
         raise OSError(err, os.strerror(err))
     if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
         raise OSError(0, f"unexpected netlink reply type {mtype}")
-    off = 20  # nlmsghdr + nfgenmsg
-    while off + 4 <= min(length, len(data)):
-        alen, atype = struct.unpack_from("=HH", data, off)
-        if alen < 4:
-            break
-        if atype & 0x3FFF == _NFTA_GEN_ID:
-            return struct.unpack_from(">I", data, off + 4)[0]
-        off += (alen + 3) & ~3
+    from nptrace.nftrace import attrs
+    for atype, payload in attrs(data, 20, length):   # after nlmsghdr + nfgenmsg
+        if atype == _NFTA_GEN_ID and len(payload) >= 4:
+            return struct.unpack_from(">I", payload)[0]
     raise OSError(0, "no NFTA_GEN_ID in the netlink reply")
 
 

@@ -146,6 +146,16 @@ def _scrape(port: int) -> list:
         return []
 
 
+def measure_storm(storm: Storm, pid: int, count: int, drain_s: float):
+    """Fire the storm while observer pid watches: (storm result, drained, busy until, the
+    observer's CPU seconds from the first reset until its backlog was drained)."""
+    cpu0 = cpu_seconds(pid)
+    st = storm.fire(count)
+    idle, busy_until = wait_idle(pid, drain_s)
+    storm.settled()
+    return st, idle, busy_until, cpu_seconds(pid) - cpu0
+
+
 def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
                 drain_s: float, name: str = "nptrace", extra: tuple[str, ...] = ()) -> dict:
     out = b.logdir / f"storm-{name}.jsonl"
@@ -202,11 +212,7 @@ def run_tcpdump(b: Bench, t: Topology, storm: Storm, server: str, count: int,
                          "tcp[tcpflags] & tcp-rst != 0"], stderr=t.open_log(errp))
     try:
         wait_for(lambda: "listening on" in errp.read_text(), 15, 0.02, "tcpdump listening", p)
-        cpu0 = cpu_seconds(p.pid)
-        st = storm.fire(count)
-        idle, _ = wait_idle(p.pid, drain_s)
-        storm.settled()
-        cpu = cpu_seconds(p.pid) - cpu0
+        st, idle, _, cpu = measure_storm(storm, p.pid, count, drain_s)
     finally:
         t.stop(p, signal.SIGINT, 10)
     stats = parse_tcpdump(errp.read_text())
@@ -230,11 +236,7 @@ def _bcc_tool(b: Bench, t: Topology, storm: Storm, name: str, argv: list[str], c
                        err.strip().splitlines()[-1] if err.strip() else "exited")
             return {"tool": name, "note": f"does not run here: {why[:160]}"}
         time.sleep(0.3)       # attach happens right after load; let its poll loop start
-        cpu0 = cpu_seconds(p.pid)
-        st = storm.fire(count)
-        idle, _ = wait_idle(p.pid, drain_s)
-        storm.settled()
-        cpu = cpu_seconds(p.pid) - cpu0
+        st, idle, _, cpu = measure_storm(storm, p.pid, count, drain_s)
     finally:
         t.stop(p, signal.SIGINT, 10)
     text_out, text_err = outp.read_text(errors="replace"), errp.read_text(errors="replace")
