@@ -64,13 +64,15 @@ def _run_options(fn):
         click.option("--ring-pages", type=int, default=1024, show_default=True,
                      help="Ring buffer size in 4 KiB pages (power of two)."),
         click.option("--max-rate", type=click.IntRange(0), default=100, show_default=True,
-                     metavar="N", help="Storm protection: per CPU and kind of record (type, "
-                     "hook, reason, interface, namespace), send user space at most N records a "
-                     "second after a burst of --max-burst (0 = send all). Counts stay exact; "
-                     "records beyond it are reported as sampled, not lost."),
+                     metavar="N", help="Storm protection: per kind of record (type, hook, "
+                     "reason, interface, namespace), send user space about N records a second "
+                     "for the node (shared by its CPUs) after a burst of --max-burst (0 = send "
+                     "all). Counts stay exact; records beyond it are reported as sampled, not "
+                     "lost."),
         click.option("--max-burst", type=click.IntRange(1, 1000000), default=200,
                      show_default=True, metavar="N",
-                     help="Records of one kind a CPU sends at once before --max-rate applies."),
+                     help="Records of one kind the node sends at once before --max-rate "
+                     "applies (shared by its CPUs)."),
         click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
                      help="Print at most N alike incidents (same cause, Service, server end, "
                      "hook) per second; the rest become one line with `repeat` = how many. "

@@ -7,6 +7,7 @@ that say "this filter is on" are compile-time, so an unused filter costs nothing
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 
 # Tracepoint name -> the -D switch that compiles its program in.
@@ -66,8 +67,13 @@ class Config:
     hosts: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
     ringbuf_pages: int = 1024          # 4 MiB: ~18k records; its pages count in RSS twice (mmap)
-    max_rate: int = 0                  # records/s per CPU and kind to user space (0: all); counts stay exact
+    max_rate: int = 0                  # records/s per kind for the node to user space (0: all); counts stay exact
     max_burst: int = 200               # ...after a burst of this many (a token bucket)
+    cpus: int = 0                      # CPUs the budgets are shared by (0: os.cpu_count())
+    # a CPU wakes the ring's reader every this many records (a power of two); 1: at every record
+    # the reader has not caught up with (the kernel's own rule), which readers that only read
+    # when woken need (bcc's ring_buffer_poll); `nptrace run` reads by time and asks for 256
+    wake_every: int = 1
     flow_table_size: int = 65536
     max_counts: int = 16384
     nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
@@ -93,18 +99,31 @@ def parse_hosts(values) -> tuple:
     return tuple(out)
 
 
+def per_cpu(budget: int, cpus: int) -> int:
+    """A node-wide record budget as the per-CPU one the kernel's token bucket keeps (per-CPU
+    state needs no atomics). Rounded up: every CPU may send at least one record; 0 stays 0
+    (no limit). A storm spread over the CPUs by RSS gets the whole budget; one that a single
+    CPU handles gets its share."""
+    return -(-int(budget) // max(1, cpus)) if budget > 0 else 0
+
+
 def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
                  offset_flags: list[str] = ()) -> list[str]:
     """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all)."""
     pages = cfg.ringbuf_pages
     if pages <= 0 or pages & (pages - 1):
         raise ConfigError(f"ring buffer pages must be a power of two, got {pages}")
+    cpus = cfg.cpus or os.cpu_count() or 1
+    wake = cfg.wake_every
+    if wake <= 0 or wake & (wake - 1):
+        raise ConfigError(f"wake-up batch must be a power of two, got {wake}")
     flags = [
         f"-DNPT_RINGBUF_PAGES={pages}",
         f"-DNPT_MAX_COUNTS={cfg.max_counts}",
-        f"-DNPT_MAX_RATE={int(cfg.max_rate)}",
-        f"-DNPT_MAX_BURST={max(1, int(cfg.max_burst))}",
+        f"-DNPT_MAX_RATE={per_cpu(cfg.max_rate, cpus)}",
+        f"-DNPT_MAX_BURST={max(1, per_cpu(cfg.max_burst, cpus))}",
         f"-DNPT_FLOW_TABLE_SIZE={cfg.flow_table_size}",
+        f"-DNPT_WAKE_EVERY={wake}",
         f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
         f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",

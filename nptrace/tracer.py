@@ -19,6 +19,7 @@ from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
 TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
 DRAIN_BATCH = 4096
+WAKE_EVERY = 256       # records a CPU emits per wake-up of run() (bpf/npt_common.h)
 LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"))
 
 
@@ -143,7 +144,8 @@ class InstanceLock:
 class Tracer:
     def __init__(self, cfg: Config, sinks: list, ready_file: str | None = None,
                  context: Context | None = None, outputs: Outputs | None = None):
-        self.cfg = cfg
+        # run() reads the ring every 100 ms whether woken or not: the kernel may batch wake-ups
+        self.cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY) if cfg.wake_every == 1 else cfg
         self.sinks = sinks
         self.ready_file = ready_file
         self.ctx = context
@@ -391,7 +393,7 @@ class Tracer:
                     log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
                         f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
                         f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked")
-                timeout = 200
+                timeout = 100   # the kernel wakes us early only when the ring is filling
                 if end is not None:
                     left = end - time.monotonic()
                     if left <= 0:

@@ -208,6 +208,7 @@ class MetricsSink:
                                   "Labeled resets, drops and anomalies by kube-proxy Service",
                                   ["service", "kind", "cause"], registry=registry)
         self.collector: KernelCollector | None = None
+        self._children: dict[tuple, tuple] = {}
 
     def watch_kernel(self, counters: CountersFn, **kw) -> KernelCollector:
         """Register the scrape-time collector of exact kernel counters (KernelCollector's
@@ -217,14 +218,22 @@ class MetricsSink:
         return self.collector
 
     def write(self, v: Verdict) -> None:
+        # labels() validates and locks on every call (a few us each, twice per verdict): the
+        # children are kept here by their label values, bounded like the labels themselves
         iface = self.ifaces(v.iface)
-        if v.kind == "rst":
-            self.resets.labels(v.cause, iface, v.direction or "none").inc()
-        elif v.kind == "anomaly":
-            self.anomalies.labels(v.cause, iface).inc()
-        else:
-            self.drops.labels(v.cause, iface).inc()
-        self.by_service.labels(self.services(v.service), v.kind, v.cause).inc()
+        kind = v.kind
+        key = (kind, v.cause, iface, v.direction, self.services(v.service))
+        pair = self._children.get(key)
+        if pair is None:
+            if kind == "rst":
+                first = self.resets.labels(v.cause, iface, v.direction or "none")
+            elif kind == "anomaly":
+                first = self.anomalies.labels(v.cause, iface)
+            else:
+                first = self.drops.labels(v.cause, iface)
+            pair = self._children[key] = (first, self.by_service.labels(key[4], kind, v.cause))
+        pair[0].inc()
+        pair[1].inc()
 
     def close(self) -> None:
         pass

@@ -1,7 +1,7 @@
-"""The kernel's storm protection (--max-rate / --max-burst, a token bucket per CPU and kind of
-record): 3000 resets in a namespace of the test's own with a burst of 20 and 50 records a
-second: every reset is still counted exactly, each record is emitted or sampled, and what
-reached the ring is no more than the bucket lets through."""
+"""The kernel's storm protection (--max-rate / --max-burst, a token bucket per kind of
+record for the node, kept per CPU): 3000 resets in a namespace of the test's own with a burst
+of 20 and 50 records a second: every reset is still counted exactly, each record is emitted or
+sampled, and what reached the ring is no more than the bucket lets through."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ def netns():
 
 def test_token_bucket_sends_a_sample_and_counts_all(netns):
     from nptrace import btf, counters, offsets, reasons
-    from nptrace.config import Config
+    from nptrace.config import Config, per_cpu
     from nptrace.loader import Probes
 
     ns, inode = netns
@@ -45,11 +45,12 @@ def test_token_bucket_sends_a_sample_and_counts_all(netns):
         assert d.total(type="RST_SENT", netns=inode) == n        # counted: every one
         assert d.sampled > 0 and d.lost == 0
         assert d.emitted + d.sampled == d.counted
-        # per kind and CPU: the burst, then the rate; the test's kinds are RST_SENT and
-        # RST_RECV in its namespace (plus whatever the host does meanwhile)
+        # per kind, the node's burst then its rate, kept per CPU as each CPU's share (rounded
+        # up); the test's kinds are RST_SENT and RST_RECV in its namespace (plus whatever the
+        # host does meanwhile)
         cpus = os.cpu_count() or 1
         ours = d.total(type="RST_SENT", netns=inode) + d.total(type="RST_RECV", netns=inode)
-        bound = 2 * cpus * (burst + rate * (secs + 1))
+        bound = 2 * cpus * (per_cpu(burst, cpus) + per_cpu(rate, cpus) * (secs + 1))
         assert d.emitted <= bound + (d.counted - ours), (d.emitted, bound, secs)
         print(f"\n{n} resets in {secs:.2f}s: counted {d.counted}, emitted {d.emitted}, "
               f"sampled {d.sampled} (bound {bound:.0f})")

@@ -48,3 +48,13 @@ def test_port_set():
 def test_bad_host():
     with pytest.raises(ConfigError, match="--host"):
         parse_hosts(["10.0.0.0/33"])
+
+
+def test_rate_budgets_are_for_the_node_and_split_among_cpus():
+    # --max-rate / --max-burst are node-wide; the kernel's buckets are per CPU
+    f = build_cflags(Config(max_rate=100, max_burst=200, cpus=2))
+    assert "-DNPT_MAX_RATE=50" in f and "-DNPT_MAX_BURST=100" in f
+    f = build_cflags(Config(max_rate=100, max_burst=200, cpus=64))
+    assert "-DNPT_MAX_RATE=2" in f and "-DNPT_MAX_BURST=4" in f      # rounded up
+    f = build_cflags(Config(max_rate=0, cpus=8))
+    assert "-DNPT_MAX_RATE=0" in f                                    # 0: no limit at all
