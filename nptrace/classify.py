@@ -12,6 +12,10 @@ RULES (ordered, first match wins). A flow's events are held until the flow has b
 before its tcp_send_reset tracepoint fires) and then reported as ONE incident: the event whose
 own label ranks highest in PRIORITY is the primary, its cause labels the incident, every other
 event is evidence. Add a cause by adding a rule function to RULES and its name to PRIORITY.
+
+`feed_many(events)` is the live loop's batch entry (the same verdicts as `feed` on each event,
+concatenated): a reset storm is ~all new one-record flows, and per event it skips the `tick`
+that cannot report anything (see Classifier).
 """
 from __future__ import annotations
 
@@ -162,6 +166,14 @@ def _pair(a, b):
     return (a, b) if a <= b else (b, a)
 
 
+def _key(saddr, sport, daddr, dport) -> tuple:
+    """The classifier's own flow key: _pair's order, one flat tuple (no nested tuples to
+    build and hash per event)."""
+    if saddr < daddr or (saddr == daddr and sport <= dport):
+        return (saddr, sport, daddr, dport)
+    return (daddr, dport, saddr, sport)
+
+
 def flow_keys(ev: Event) -> list:
     """Direction-free tuples of the event, so a request, its reply and both sides of a NAT
     share a flow."""
@@ -210,29 +222,42 @@ class Classifier:
 
     Per event the work is O(1) amortized: flows sit in three queues ordered by time (all flows
     by last event, open strong incidents by last event, open weak ones by first event), and
-    `tick` only looks at the heads."""
+    `tick` only looks at the heads. The queues are keyed by the Flow itself (identity hash).
+
+    `feed_many` is the hot path (a storm is ~all new one-record flows): it skips `tick` for an
+    event before which nothing can be due. After every tick it notes the heads of the three
+    queues and the earliest time one of them can be due (`_due_ns`); only a change of a head
+    (a head touched, a first flow into an empty queue, a NAT merge) makes it tick again
+    earlier. Incidents are still cut exactly where `tick` before every event would cut them."""
 
     def __init__(self, ctx: Context | None = None):
         self.ctx = ctx or Context()
         self.keys: dict = {}                                   # flow key -> Flow
-        self.flows: OrderedDict[int, Flow] = OrderedDict()     # by last event, oldest first
-        self.strong: OrderedDict[int, Flow] = OrderedDict()    # open strong incidents, by last event
-        self.weak: OrderedDict[int, Flow] = OrderedDict()      # open weak incidents, by first event
+        self.flows: OrderedDict[Flow, Flow] = OrderedDict()    # by last event, oldest first
+        self.strong: OrderedDict[Flow, Flow] = OrderedDict()   # open strong incidents, by last event
+        self.weak: OrderedDict[Flow, Flow] = OrderedDict()     # open weak incidents, by first event
         self.now_ns = 0
         self._rules: dict[int, list] = {}      # event type -> the RULES that can match it
+        self._due_ns = _NEVER_VALID            # tick before any event at or after this time
+        self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
 
     # -- correlation state -------------------------------------------------------------
     def _flow(self, ev: Event) -> Flow:
-        a, b = (ev.saddr, ev.sport), (ev.daddr, ev.dport)
-        k0 = (a, b) if a <= b else (b, a)
-        kmap = self.keys
-        known = kmap.get(k0)
+        """The flow of `ev` (found, merged or new), last in `flows` (the general path)."""
+        k0 = _key(ev.saddr, ev.sport, ev.daddr, ev.dport)
+        known = self.keys.get(k0)
+        keys = self._nat_keys(ev, k0, known)
+        if keys is None:
+            keys = [k0]
+        flow, _ = self._flow_of(keys)
+        return flow
+
+    def _nat_keys(self, ev: Event, k0: tuple, known: Flow | None) -> list | None:
+        """The event's flow keys when it names more than its own tuple, else None."""
         c = ev.ct
         if c is not None and c.orig_dport:
-            keys = [k0, _pair((c.orig_src, c.orig_sport), (c.orig_dst, c.orig_dport)),
-                    _pair((c.reply_src, c.reply_sport), (c.reply_dst, c.reply_dport))]
-        else:
-            keys = [k0]
+            return [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
+                    _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
         if c is None and ev.type not in EVIDENCE_ONLY and (known is None or len(known.keys) < 2):
             # No conntrack on this event (a pod's own stack, the client's): ask the kernel's
             # NAT map for the connection's other tuple, in either packet direction.
@@ -240,17 +265,24 @@ class Classifier:
             peer = nat(ev.saddr, ev.sport, ev.daddr, ev.dport) or \
                 nat(ev.daddr, ev.dport, ev.saddr, ev.sport)
             if peer:
-                keys.append(_pair((peer[0], peer[1]), (peer[2], peer[3])))
+                return [k0, _key(peer[0], peer[1], peer[2], peer[3])]
+        return None
+
+    def _flow_of(self, keys: list) -> tuple[Flow, bool]:
+        """The flow of several keys, merging the flows they name; (flow, existed before)."""
+        kmap = self.keys
         flows = self.flows
-        if len(keys) == 1:                      # the common case: one tuple
+        if len(keys) == 1:
+            k0 = keys[0]
+            known = kmap.get(k0)
             if known is None:
                 flow = Flow()
                 flow.keys.append(k0)
                 kmap[k0] = flow
-                flows[id(flow)] = flow          # new: already last
-                return flow
-            flows.move_to_end(id(known))
-            return known
+                flows[flow] = flow
+                return flow, False
+            flows.move_to_end(known)
+            return known, True
         found: list[Flow] = []
         for k in keys:
             f = kmap.get(k)
@@ -267,12 +299,12 @@ class Classifier:
             if k not in fkeys:
                 fkeys.append(k)
                 kmap[k] = flow
-        fid = id(flow)
-        flows[fid] = flow
-        flows.move_to_end(fid)
-        return flow
+        flows[flow] = flow
+        flows.move_to_end(flow)
+        return flow, bool(found)
 
     def _merge(self, into: Flow, other: Flow) -> None:
+        self._due_ns = _NEVER_VALID              # queue heads may change
         if other.pending:
             into.first_ns = min(into.first_ns, other.first_ns) if into.pending else other.first_ns
             into.pending = sorted(into.pending + other.pending, key=lambda x: x.ev.ts_ns)
@@ -287,81 +319,197 @@ class Classifier:
             if k not in into.keys:
                 into.keys.append(k)
         for q in (self.flows, self.strong, self.weak):
-            q.pop(id(other), None)
+            q.pop(other, None)
         if into.pending:
             self._queue(into)
 
     def _queue(self, flow: Flow) -> None:
         """Put a flow with an open incident in the queue its labels call for."""
-        fid = id(flow)
         if flow.strong or flow.root is not None:
-            self.weak.pop(fid, None)
-            self.strong[fid] = flow
-            self.strong.move_to_end(fid)
-        elif fid not in self.weak:
-            self.weak[fid] = flow
+            self.weak.pop(flow, None)
+            self.strong[flow] = flow
+            self.strong.move_to_end(flow)
+        elif flow not in self.weak:
+            self.weak[flow] = flow
 
     def _drop_flow(self, flow: Flow) -> None:
         kmap = self.keys
         for k in flow.keys:
             if kmap.get(k) is flow:
                 del kmap[k]
-        fid = id(flow)
-        self.flows.pop(fid, None)
-        self.strong.pop(fid, None)
-        self.weak.pop(fid, None)
+        self.flows.pop(flow, None)
+        self.strong.pop(flow, None)
+        self.weak.pop(flow, None)
 
     # -- input -------------------------------------------------------------------------
     def feed(self, ev: Event) -> list[Verdict]:
         """Take one event; return the incidents that are due (possibly none)."""
-        # Report what went quiet BEFORE this event joins its flow: incident boundaries then
-        # depend on event times only, so a replay cuts incidents exactly as the live run did.
-        ts = ev.ts_ns
-        due = self.tick(ts)
-        flow = self._flow(ev)
-        t = ev.type
+        return self.feed_many((ev,))
+
+    def feed_many(self, events: Iterable[Event]) -> list[Verdict]:
+        """Take events in order; return the incidents due along the way, exactly what
+        `feed` on each of them would return, concatenated."""
+        out: list[Verdict] = []
         ctx = self.ctx
-        if t == T_DROP:                          # reason_name, inlined
-            rname = ctx.drop_name(ev.reason)
-        elif t == T_RST_SENT:
-            rname = ctx.rst_name(ev.reason)
-        else:
-            rname = reason_name(ev, ctx)
-        pending = flow.pending
-        lab = self._label(ev, rname, pending)
-        if not pending:
-            flow.first_ns = ts
-            flow.strong = False
-            flow.extra = 0
-        cause = lab.cause
-        if len(pending) < MAX_KEPT:
-            pending.append(lab)
-        elif cause is not None and all(
-                l.cause is None or RANK[cause] < RANK[l.cause] for l in pending):
-            pending[-1] = lab      # a better label than any kept: keep it, count the other
-            flow.extra += 1
-        else:
-            flow.extra += 1
-        if ts > flow.last_ns:
-            flow.last_ns = ts
-        if cause is not None and cause not in WEAK_CAUSES:
-            flow.strong = True
-        # _queue, inlined
-        fid = id(flow)
-        if flow.strong or flow.root is not None:
-            self.weak.pop(fid, None)
-            strong = self.strong
-            strong[fid] = flow
-            strong.move_to_end(fid)
-        elif fid not in self.weak:
-            self.weak[fid] = flow
-        return due
+        kmap, flows, strong, weak = self.keys, self.flows, self.strong, self.weak
+        cap = ctx.max_flows
+        nat = ctx.nat_peer
+        drop_name, rst_name = ctx.drop_name, ctx.rst_name
+        rules_of = self._rules
+        for ev in events:
+            # Report what went quiet BEFORE this event joins its flow: incident boundaries
+            # then depend on event times only, so a replay cuts incidents as the live run did.
+            ts = ev[0]
+            if ts > self.now_ns:
+                self.now_ns = ts
+            if self.now_ns >= self._due_ns:
+                due = self.tick(ts)
+                if due:
+                    out += due
+            elif len(flows) > cap:               # a flood of new flows; nothing else is due
+                self._evict(out)
+            t = ev[1]
+            saddr, sport, daddr, dport = ev[8], ev[9], ev[10], ev[11]
+            k0 = (saddr, sport, daddr, dport) if saddr < daddr or (
+                saddr == daddr and sport <= dport) else (daddr, dport, saddr, sport)
+            known = kmap.get(k0)
+            c = ev[23]
+            keys = None
+            if c is None:
+                if (known is None or len(known.keys) < 2) and t not in EVIDENCE_ONLY:
+                    # No conntrack on this event (a pod's own stack, the client's): ask the
+                    # kernel's NAT map for the connection's other tuple, either direction.
+                    peer = nat(saddr, sport, daddr, dport) or nat(daddr, dport, saddr, sport)
+                    if peer:
+                        keys = [k0, _key(peer[0], peer[1], peer[2], peer[3])]
+            elif c.orig_dport:
+                keys = [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
+                        _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
+            if keys is not None:
+                flow, existed = self._flow_of(keys)
+                known = flow if existed else None
+            elif known is None:                  # the storm's case: a new one-tuple flow
+                flow = Flow()
+                flow.keys.append(k0)
+                kmap[k0] = flow
+                flows[flow] = flow
+            else:
+                flow = known
+                flows.move_to_end(known)
+            if t == T_DROP:                      # reason_name, inlined
+                rname = drop_name(ev[7])
+            elif t == T_RST_SENT:
+                rname = rst_name(ev[7])
+            else:
+                rname = reason_name(ev, ctx)
+            pending = flow.pending
+            # _label, inlined
+            if t in EVIDENCE_ONLY:
+                lab = _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
+            else:
+                rules = rules_of.get(t)
+                if rules is None:
+                    rules = rules_of[t] = _rules_for(t)
+                for rule in rules:
+                    got = rule(ev, rname, pending, ctx)
+                    if got:
+                        lab = _tuple_new(Labeled, (ev, rname, *got)) \
+                            if type(got) is tuple and len(got) == 3 else Labeled(ev, rname, *got)
+                        break
+                else:
+                    lab = _tuple_new(Labeled, (ev, rname, None, 0.0, "")) \
+                        if t == T_DROP and rname in WEAK_DROPS else \
+                        _tuple_new(Labeled, (ev, rname, "unknown", 0.0, UNKNOWN_HINT))
+            if not pending:
+                flow.first_ns = ts
+                flow.strong = False
+                flow.extra = 0
+            cause = lab[2]
+            if len(pending) < MAX_KEPT:
+                pending.append(lab)
+            elif cause is not None and all(
+                    l.cause is None or RANK[cause] < RANK[l.cause] for l in pending):
+                pending[-1] = lab      # a better label than any kept: keep it, count the other
+                flow.extra += 1
+            else:
+                flow.extra += 1
+            if ts > flow.last_ns:
+                flow.last_ns = ts
+            if cause is not None and cause not in WEAK_CAUSES:
+                flow.strong = True
+            # _queue, inlined; a queue's head changing means tick may be due sooner
+            if flow.strong or flow.root is not None:
+                if known is None:
+                    strong[flow] = flow
+                    if self._hs is None:
+                        self._due_ns = _NEVER_VALID
+                else:
+                    if weak:
+                        weak.pop(flow, None)
+                    strong[flow] = flow
+                    strong.move_to_end(flow)
+                    if self._hs is None or flow is self._hs or flow is self._hw \
+                            or flow is self._hf:
+                        self._due_ns = _NEVER_VALID
+            elif flow not in weak:
+                weak[flow] = flow
+                if self._hw is None or flow is self._hf or flow is self._hs:
+                    self._due_ns = _NEVER_VALID
+            elif flow is self._hf or flow is self._hs or flow is self._hw:
+                self._due_ns = _NEVER_VALID
+            if known is None and self._hf is None:
+                self._due_ns = _NEVER_VALID
+        return out
+
+    def _horizon(self) -> None:
+        """Note the queues' heads and the earliest event time at which tick can act on them:
+        a strong head quiet for hold_ns, a weak head open for max_hold_ns, a reported flows
+        head past window_ns (a lower bound: tick itself compares exactly)."""
+        ctx = self.ctx
+        due = _NEVER
+        hs = hw = hf = None
+        if self.strong:
+            hs = next(iter(self.strong))
+            due = hs.last_ns + ctx.hold_ns
+        if self.weak:
+            hw = next(iter(self.weak))
+            d = hw.first_ns + ctx.max_hold_ns
+            if d < due:
+                due = d
+        if self.flows:
+            hf = next(iter(self.flows))
+            if not hf.pending:
+                d = hf.last_ns + ctx.window_ns
+                if d < due:
+                    due = d
+        self._hs, self._hw, self._hf, self._due_ns = hs, hw, hf, due
+
+    def _evict(self, out: list) -> None:
+        """Past max_flows, oldest first: what tick does when nothing else is due."""
+        flows, cap = self.flows, self.ctx.max_flows
+        kmap, strong, weak = self.keys, self.strong, self.weak
+        while len(flows) > cap:
+            flow = next(iter(flows))
+            if flow.pending:
+                v = self._report(flow, False)
+                if v is not None:
+                    out.append(v)
+            # _drop_flow, inlined
+            for k in flow.keys:
+                if kmap.get(k) is flow:
+                    del kmap[k]
+            del flows[flow]
+            if strong:
+                strong.pop(flow, None)
+            if weak:
+                weak.pop(flow, None)
+        self._horizon()
 
     def _emit_due(self, queue: OrderedDict, before_ns: int, stamp: str, out: list) -> None:
         """Report the flows at the head of a time-ordered queue whose `stamp` is older than
         before_ns (strictly: the same comparison as `now - stamp < hold` keeping a flow)."""
         while queue:
-            flow = queue[next(iter(queue))]
+            flow = next(iter(queue))
             if getattr(flow, stamp) > before_ns:
                 break
             self._emit(flow, out)
@@ -381,16 +529,19 @@ class Classifier:
         if flows:                                # reported and past the window: forget
             window = ctx.window_ns
             while flows:
-                flow = flows[next(iter(flows))]
+                flow = next(iter(flows))
                 if flow.pending or now - flow.last_ns <= window:
                     break
                 self._drop_flow(flow)
             cap = ctx.max_flows
             while len(flows) > cap:              # a flood of distinct flows: oldest first
-                flow = flows[next(iter(flows))]
+                flow = next(iter(flows))
                 if flow.pending:
-                    self._emit(flow, out)
+                    v = self._report(flow, False)
+                    if v is not None:
+                        out.append(v)
                 self._drop_flow(flow)
+        self._horizon()
         return out
 
     def _emit(self, flow: Flow, out: list) -> None:
@@ -403,6 +554,7 @@ class Classifier:
         out: list[Verdict] = []
         for flow in list(self.strong.values()) + list(self.weak.values()):
             self._emit(flow, out)
+        self._due_ns = _NEVER_VALID
         return out
 
     # -- labeling ----------------------------------------------------------------------
@@ -423,13 +575,15 @@ class Classifier:
             return _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
         return _tuple_new(Labeled, (ev, rname, "unknown", 0.0, UNKNOWN_HINT))
 
-    def _report(self, flow: Flow) -> Verdict | None:
+    def _report(self, flow: Flow, keep_root: bool = True) -> Verdict | None:
+        """The flow's open incident as a Verdict (None if it has no cause). keep_root=False
+        when the flow is forgotten right after (evicted): its root cause is then never read."""
         pending, flow.pending = flow.pending, []
         extra, flow.extra = flow.extra, 0
         flow.strong = False
-        fid = id(flow)
-        self.strong.pop(fid, None)
-        self.weak.pop(fid, None)
+        self.strong.pop(flow, None)
+        if self.weak:
+            self.weak.pop(flow, None)
         if len(pending) == 1:                    # a flow of one record: most of a storm
             primary = pending[0]
             if primary.cause is None:
@@ -447,7 +601,7 @@ class Classifier:
             cause, conf, hint = root.cause, root.confidence, root.hint
         else:
             cause, conf, hint = primary.cause, primary.confidence, primary.hint
-            if cause not in WEAK_CAUSES:
+            if keep_root and cause not in WEAK_CAUSES:
                 # kept for window_ns: without its raw record (an incident never prints it)
                 pev = primary.ev
                 flow.root = primary if not pev.raw else \
@@ -455,25 +609,29 @@ class Classifier:
         ev = primary.ev
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
-        service = _service(ev, ctx)
-        if not service and len(pending) > 1:
-            for l in pending:
-                if l.ev is not ev:
-                    service = _service(l.ev, ctx)
-                    if service:
-                        break
-        if len(pending) == 1:
-            ordered = pending.copy()
+        if ev.ct is None:                        # _service, inlined
+            so = ctx.service_of
+            service = so(ev.daddr, ev.dport) or so(ev.saddr, ev.sport) or None
         else:
+            service = _service(ev, ctx)
+        if len(pending) == 1:
+            ordered = (primary,) if root is None or root == primary else (root, primary)
+        else:
+            if not service:
+                for l in pending:
+                    if l.ev is not ev:
+                        service = _service(l.ev, ctx)
+                        if service:
+                            break
             ordered = sorted(pending, key=_ts_key)
-        if root is not None and root not in pending:
-            ordered.insert(0, root)
+            if root is not None and root not in pending:
+                ordered.insert(0, root)
+            ordered = tuple(ordered)
         if "{" in hint:
-            hint = _fill(hint, iface=iface or f"ifindex {ev.ifindex}", port=str(ev.dport),
-                         sport=str(ev.sport), daddr=ev.daddr, saddr=ev.saddr,
-                         service=service or "the Service")
-        return _make_verdict(ev, KIND.get(ev.type, "drop"), _direction(ev), HOOKS[ev.hook],
-                             primary.rname, cause, conf, hint, iface, service, tuple(ordered),
+            hint = _fill_hint(hint, ev, iface, service)
+        t = ev.type
+        return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
+                             primary.rname, cause, conf, hint, iface, service, ordered,
                              len(pending) + extra, ctx)
 
 
@@ -485,26 +643,45 @@ def _ts_key(l: Labeled) -> int:
     return l.ev.ts_ns
 
 
-_VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
-                   "hint", "iface", "service", "labeled", "events", "ctx")
+_NEVER = float("inf")
+_NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
+_DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
+_object_setattr = object.__setattr__
 
 
-def _make_verdict(*values) -> "Verdict":
-    """Verdict(*values) without the frozen dataclass's per-field object.__setattr__ (1.3 us
-    of a storm's per-incident budget): the same instance, built through its __dict__."""
+def _make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
+                  labeled, events, ctx) -> "Verdict":
+    """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
+    storm's per-incident budget): the same instance, its __dict__ set in one step."""
     v = _object_new(Verdict)
-    v.__dict__.update(zip(_VERDICT_FIELDS, values))
+    _object_setattr(v, "__dict__", {
+        "event": event, "kind": kind, "direction": direction, "hook": hook, "reason": reason,
+        "cause": cause, "confidence": confidence, "hint": hint, "iface": iface,
+        "service": service, "labeled": labeled, "events": events, "ctx": ctx})
     return v
 
 
-def _fill(text: str, **vals: str) -> str:
-    """Fill {name} placeholders; rule texts quoted in hints keep their own braces (nft sets)."""
-    for k, v in vals.items():
-        tok = "{" + k + "}"
-        if tok in text:
-            text = text.replace(tok, v)
-    return text
+_VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
+                   "hint", "iface", "service", "labeled", "events", "ctx")
+
+
+def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
+    """Fill the {name} placeholders of a rule's hint, in this order, computing only the values
+    the text asks for; rule texts quoted in hints keep their own braces (nft sets)."""
+    if "{iface}" in hint:
+        hint = hint.replace("{iface}", iface or f"ifindex {ev.ifindex}")
+    if "{port}" in hint:
+        hint = hint.replace("{port}", str(ev.dport))
+    if "{sport}" in hint:
+        hint = hint.replace("{sport}", str(ev.sport))
+    if "{daddr}" in hint:
+        hint = hint.replace("{daddr}", ev.daddr)
+    if "{saddr}" in hint:
+        hint = hint.replace("{saddr}", ev.saddr)
+    if "{service}" in hint:
+        hint = hint.replace("{service}", service or "the Service")
+    return hint
 
 
 def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Verdict]:
@@ -513,16 +690,6 @@ def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Ve
     for ev in events:
         yield from c.feed(ev)
     yield from c.flush()
-
-
-def _direction(ev: Event) -> str | None:
-    if ev.type == T_RST_SENT:
-        return "sent"
-    if ev.type == T_RST_RECV:
-        return "received"
-    if ev.type == T_WIRE_RST:
-        return "forwarded"
-    return None
 
 
 def _service(ev: Event, ctx: Context) -> str | None:

@@ -69,7 +69,7 @@ def _run_options(fn):
                      "for the node (shared by its CPUs) after a burst of --max-burst (0 = send "
                      "all). Counts stay exact; records beyond it are reported as sampled, not "
                      "lost."),
-        click.option("--max-burst", type=click.IntRange(1, 1000000), default=200,
+        click.option("--max-burst", type=click.IntRange(1, 1000000), default=400,
                      show_default=True, metavar="N",
                      help="Records of one kind the node sends at once before --max-rate "
                      "applies (shared by its CPUs)."),

@@ -68,7 +68,7 @@ class Config:
     vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
     ringbuf_pages: int = 1024          # 4 MiB: ~18k records; its pages count in RSS twice (mmap)
     max_rate: int = 0                  # records/s per kind for the node to user space (0: all); counts stay exact
-    max_burst: int = 200               # ...after a burst of this many (a token bucket)
+    max_burst: int = 400               # ...after a burst of this many (a token bucket)
     cpus: int = 0                      # CPUs the budgets are shared by (0: os.cpu_count())
     # a CPU wakes the ring's reader every this many records (a power of two); 1: at every record
     # the reader has not caught up with (the kernel's own rule), which readers that only read

@@ -9,6 +9,7 @@ Nothing here imports bcc.
 28-field frozen dataclass cost 2.3 us in CPython 3.11 against 0.2 us for a tuple (fields are
 read at the same speed). Enum members come from dicts, not EvType(n) calls (0.25 us each), and
 IPv4 address strings from a bounded cache (a storm repeats its server address in every record).
+`decode_many` decodes a drained batch in one loop (the live path), the same Events as `decode`.
 """
 from __future__ import annotations
 
@@ -308,6 +309,70 @@ def from_tuple(t: tuple, raw: bytes = b"") -> Event:
                               _addr(fam, saddr), sport, _addr(fam, daddr), dport, fam, l4proto,
                               tcpflags, state, flags, mark, aux, aux2, seq, ack_seq, location,
                               ctt, osrc, odst, vni, raw))
+
+
+def decode_many(bufs) -> tuple[list[Event], int]:
+    """Decode a batch of records: (the events, how many records were bad). The same Events
+    `decode` gives one by one, without its per-call overhead: the common record (no conntrack,
+    no outer header, a known family) is built inline; any other goes through from_tuple."""
+    out: list[Event] = []
+    append = out.append
+    bad = 0
+    unpack, size = _unpack, SIZE
+    types, hooks, dirs = _TYPES, _HOOKS, _DIRS
+    v4, v6 = _ADDRS4, _ADDRS6
+    rare = F_HAS_CT | F_ENCAP | F_ICMP_QUOTE
+    new = _new_event
+    for buf in bufs:
+        if type(buf) is not bytes or len(buf) != size:
+            if len(buf) < size:
+                bad += 1
+                continue
+            buf = bytes(buf[:size])
+        t = unpack(buf)
+        typ = t[3]
+        if t[4] != ABI_VERSION or t[20] & rare or typ == 8:
+            try:
+                append(from_tuple(t, buf))
+            except DecodeError:
+                bad += 1
+            continue
+        typ_e, hook_e, dir_e = types.get(typ), hooks.get(t[17]), dirs.get(t[18])
+        if typ_e is None or hook_e is None or dir_e is None:
+            bad += 1
+            continue
+        family = t[14]
+        if family == _AF_INET6:
+            cache = v6
+        else:
+            cache = v4
+            family = family or _AF_INET
+        s = t[10]
+        saddr = cache.get(s)
+        if saddr is None:
+            saddr = _addr_miss(cache, family, s)
+        d = t[11]
+        daddr = cache.get(d)
+        if daddr is None:
+            daddr = _addr_miss(cache, family, d)
+        append(new(Event, (t[0], typ_e, hook_e, dir_e, t[1], t[2], t[6], t[7], saddr, t[12], daddr,
+                           t[13], family, t[15], t[16], t[19], t[20], t[9], t[21], t[35], t[33],
+                           t[34], t[5], None, None, None, t[32], buf)))
+    return out, bad
+
+
+# decode_many's address caches: the whole 16-byte field is the key (no slicing), one dict per
+# family (the same bytes are another address in the other family). Bounded like _ADDRS.
+_ADDRS4: dict[bytes, str] = {}
+_ADDRS6: dict[bytes, str] = {}
+
+
+def _addr_miss(cache: dict, family: int, raw: bytes) -> str:
+    s = _addr(family, raw)
+    if len(cache) >= _ADDRS_MAX:
+        cache.clear()
+    cache[raw] = s
+    return s
 
 
 def encode(**fields) -> bytes:

@@ -12,8 +12,10 @@ second ring buffer would mean a second consumer.)
 from __future__ import annotations
 
 import ctypes as ct
+import mmap
 import os
 import socket
+import struct
 import tempfile
 import time
 from contextlib import contextmanager
@@ -35,6 +37,25 @@ FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "k
 def _addr16(addr: str) -> bytes:
     fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
     return socket.inet_pton(fam, addr).ljust(16, b"\0")
+
+
+# struct npt_nat_key (bpf/nf_hook.bpf.c): src[16], dst[16], sport, dport (host order)
+NAT_KEY = struct.Struct("=16s16sHH")
+NAT_SLOT = 80      # struct npt_nat_slot: key, peer, u64 ns (8-aligned)
+_NAT_WORDS = struct.Struct("=9I")
+
+
+def nat_key(saddr: str, sport: int, daddr: str, dport: int) -> bytes:
+    return NAT_KEY.pack(_addr16(saddr), _addr16(daddr), sport, dport)
+
+
+def nat_set(key: bytes, slots: int, ways: int = 2) -> int:
+    """First slot of a key's set in nat_peers: npt_nat_set() in bpf/nf_hook.bpf.c, exactly."""
+    h = 0
+    for w in _NAT_WORDS.unpack(key):
+        h = ((h ^ w) * 0x9E3779B1) & 0xFFFFFFFF
+    h ^= h >> 16
+    return (h % (slots // ways)) * ways
 
 
 def source_text(families=FAMILIES) -> str:
@@ -110,7 +131,8 @@ class Probes:
         self._fill_drop_reasons(drops)
         self._fill_filters()
         self._ring = None
-        self._nat = None     # (bpf_lookup_elem, fd, key, value) once nat_peer is first asked
+        self._nat = None     # (slots in memory, slot count, used flag) once nat_peer is asked
+        self._nat_mem = None
 
     # --- configuration maps -------------------------------------------------------------
     def _fill_drop_reasons(self, drops: ReasonTable) -> None:
@@ -157,23 +179,39 @@ class Probes:
         (src, sport, dst, dport) in that side's packet direction, or None."""
         nat = self._nat
         if nat is None:
-            try:
-                m = self.bpf["nat_peers"]
-            except KeyError:
-                return None
-            from bcc.libbcc import lib
-            # One key and value reused, looked up by a direct bpf() call: in a reset storm every
-            # unlinked flow asks once, and bcc's m[k] (a Key() built per call, then a KeyError
-            # per miss) cost a third of the process's CPU there.
-            nat = self._nat = (lib.bpf_lookup_elem, m.map_fd, m.Key(), m.Leaf())
-        lookup, fd, k, v = nat
-        ct.memmove(ct.addressof(k.src), _addr16(saddr), 16)
-        ct.memmove(ct.addressof(k.dst), _addr16(daddr), 16)
-        k.sport, k.dport = sport, dport
-        if lookup(fd, ct.byref(k), ct.byref(v)) < 0:
-            return None
-        fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
-        return (ev.ntop(fam, bytes(v.src)), int(v.sport), ev.ntop(fam, bytes(v.dst)), int(v.dport))
+            nat = self._nat = self._map_nat_peers()
+        mem, size, used = nat
+        if not used[0]:
+            return None             # nothing NATed yet: no slot can match
+        key = nat_key(saddr, sport, daddr, dport)
+        off = nat_set(key, size) * NAT_SLOT
+        for o in (off, off + NAT_SLOT):     # the set's two ways
+            if mem[o:o + NAT_KEY.size] == key:
+                src, dst, sp, dp = NAT_KEY.unpack_from(mem, o + NAT_KEY.size)
+                fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
+                return (ev.ntop(fam, src), sp, ev.ntop(fam, dst), dp)
+        return None
+
+    def _map_nat_peers(self):
+        """(read-only mapping of nat_peers' slots, slot count, nat_used as u64s); no slots
+        and a zero flag without the maps (no netfilter-hook program). Both arrays are
+        BPF_F_MMAPABLE: a lookup is a flag read and two slice compares, no syscall."""
+        try:
+            m, u = self.bpf["nat_peers"], self.bpf["nat_used"]
+        except KeyError:
+            return (b"", 0, (0,))
+        size = len(m)
+        if ct.sizeof(m.Leaf) != NAT_SLOT:
+            raise LoadError(f"nat_peers slot is {ct.sizeof(m.Leaf)} bytes, loader expects "
+                            f"{NAT_SLOT}")
+        length = -(-size * NAT_SLOT // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            mem = mmap.mmap(m.map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+            flag = mmap.mmap(u.map_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as e:
+            raise LoadError(f"cannot map nat_peers: {e.strerror}") from None
+        self._nat_mem = (mem, flag)
+        return (memoryview(mem).toreadonly(), size, memoryview(flag).cast("Q"))
 
     def map(self, name: str):
         """A bcc table by name, for modules that fill config maps (no bcc import needed there)."""
@@ -213,6 +251,14 @@ class Probes:
         return out
 
     def close(self) -> None:
+        if self._nat_mem is not None:
+            self._nat = None
+            for mem in self._nat_mem:
+                try:
+                    mem.close()
+                except BufferError:
+                    pass    # a memoryview of it is still referenced: unmapped when freed
+            self._nat_mem = None
         try:
             self.bpf.cleanup()
         except Exception:

@@ -7,9 +7,11 @@ most once per `refresh_s`, so a flood of events from an unknown netns costs one 
 """
 from __future__ import annotations
 
-import json
+import ctypes
 import os
-import subprocess
+import socket
+import struct
+import threading
 import time
 from pathlib import Path
 
@@ -37,11 +39,104 @@ def named_namespaces() -> dict[int, str]:
     return out
 
 
-def _links(cmd: list[str]) -> dict[int, str]:
+_CLONE_NEWNET = 0x40000000
+_RTM_NEWLINK, _RTM_GETLINK = 16, 18
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_IFLA_IFNAME = 3
+_NLMSG = struct.Struct("=IHHII")        # struct nlmsghdr
+_IFINFO_LEN = 16                        # struct ifinfomsg
+
+
+def setns_fd(fd: int) -> None:
+    """Move the calling thread into the network namespace open at fd."""
+    if hasattr(os, "setns"):  # Python 3.12+
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def run_in(path: str | None, fn, name: str = "npt-netns"):
+    """fn() run in the namespace at `path` (an nsfs file) by a short-lived thread: setns moves
+    only the calling thread (and needs CAP_SYS_ADMIN). None: here. OSError when the namespace
+    cannot be entered."""
+    if path is None:
+        return fn()
+    result: list = []
+
+    def worker() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                setns_fd(fd)
+            finally:
+                os.close(fd)
+            result.append((True, fn()))
+        except OSError as e:
+            result.append((False, e))
+
+    t = threading.Thread(target=worker, name=name, daemon=True)
+    t.start()
+    t.join(5.0)
+    if not result:
+        raise OSError(0, f"timed out entering the network namespace at {path}")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+def parse_links(data: bytes) -> tuple[dict[int, str], bool]:
+    """({ifindex: name} of the RTM_NEWLINK messages in one recv, dump finished)."""
+    from nptrace.nftrace import attrs
+    out: dict[int, str] = {}
+    off = 0
+    while off + _NLMSG.size <= len(data):
+        length, mtype, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
+        if length < _NLMSG.size:
+            return out, True
+        if mtype == _NLMSG_DONE:
+            return out, True
+        if mtype == _NLMSG_ERROR:
+            err = -struct.unpack_from("=i", data, off + _NLMSG.size)[0]
+            raise OSError(err, os.strerror(err))
+        if mtype == _RTM_NEWLINK:
+            index = struct.unpack_from("=i", data, off + _NLMSG.size + 4)[0]
+            for atype, payload in attrs(data, off + _NLMSG.size + _IFINFO_LEN, off + length):
+                if atype == _IFLA_IFNAME:
+                    out[index] = payload.split(b"\0", 1)[0].decode(errors="replace")
+                    break
+        off += (length + 3) & ~3
+    return out, False
+
+
+def link_names(path: str | None) -> dict[int, str]:
+    """{ifindex: name} of the namespace at `path` (None: ours), by an RTM_GETLINK dump over a
+    netlink socket opened in it. In-process: a storm's first events from a namespace used to
+    fork `ip -j link show` (a fork of a 100 MB process, then ip itself)."""
+    sock = run_in(path, lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
+                                              socket.NETLINK_ROUTE), "npt-links")
+    with sock:
+        sock.settimeout(5)
+        req = _NLMSG.pack(_NLMSG.size + _IFINFO_LEN, _RTM_GETLINK, _NLM_F_REQUEST | _NLM_F_DUMP,
+                          1, 0) + bytes(_IFINFO_LEN)
+        sock.send(req)
+        out: dict[int, str] = {}
+        done = False
+        while not done:
+            got, done = parse_links(sock.recv(1 << 16))
+            out.update(got)
+        return out
+
+
+def link_names_or_none(path: str | None) -> dict[int, str]:
+    """link_names(), or {} when the namespace cannot be read (gone, no permission)."""
     try:
-        r = subprocess.run(cmd + ["-j", "link", "show"], capture_output=True, text=True, timeout=5)
-        return {int(l["ifindex"]): l["ifname"] for l in json.loads(r.stdout or "[]")}
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return link_names(path)
+    except OSError:
         return {}
 
 
@@ -81,11 +176,11 @@ class Names:
     def _load_links(self, inode: int) -> dict[int, str]:
         name = self._ns.get(inode)
         if name == "":
-            return _links(["ip"])
+            return link_names_or_none(None)    # the host: where nptrace runs
         if name:
-            return _links(["ip", "-n", name])
+            return link_names_or_none(str(RUN_NETNS / name))
         pid = self._pid_in(inode)
-        return _links(["nsenter", "-t", str(pid), "-n", "ip"]) if pid else {}
+        return link_names_or_none(f"/proc/{pid}/ns/net") if pid else {}
 
     def iface(self, netns: int, ifindex: int) -> str | None:
         links = self._links.get(netns)

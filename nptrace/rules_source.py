@@ -20,7 +20,6 @@ iptables-nft ruleset 11.8 s. Hence:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import re
@@ -32,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from nptrace.netns import run_in
 from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
 
 __all__ = [
@@ -178,7 +178,6 @@ _NFT_MSG_GETGEN = 16
 _NFTA_GEN_ID = 1
 _NLMSG_ERROR = 2
 _NLM_F_REQUEST = 1
-_CLONE_NEWNET = 0x40000000
 
 
 def _genid_here() -> int:
@@ -203,43 +202,10 @@ def _genid_here() -> int:
     raise OSError(0, "no NFTA_GEN_ID in the netlink reply")
 
 
-def _setns(fd: int) -> None:
-    if hasattr(os, "setns"):  # Python 3.12+
-        os.setns(fd, _CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 def _in_netns(netns: str | None, fn):
-    """fn() run in the named namespace by a short-lived thread (setns moves only the calling
-    thread, and needs CAP_SYS_ADMIN); OSError when the namespace cannot be entered."""
-    if netns is None:
-        return fn()
-    result: list = []
-
-    def worker() -> None:
-        try:
-            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _setns(fd)
-            finally:
-                os.close(fd)
-            result.append((True, fn()))
-        except OSError as e:
-            result.append((False, e))
-
-    t = threading.Thread(target=worker, name=f"npt-netns-{netns}", daemon=True)
-    t.start()
-    t.join(5.0)
-    if not result:
-        raise OSError(0, f"timed out entering netns {netns}")
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    """fn() run in the named namespace by a short-lived thread (netns.run_in); OSError when the
+    namespace cannot be entered."""
+    return run_in(None if netns is None else f"/run/netns/{netns}", fn, f"npt-netns-{netns}")
 
 
 def nft_generation(netns: str | None = None) -> int | None:

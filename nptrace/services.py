@@ -647,6 +647,10 @@ class ServiceMap:
             for host, port in inf.endpoints:
                 ep.setdefault((host, port, p), []).append(name)
         self._vip, self._nodeport, self._hc, self._ep = vip, nodeport, hc, ep
+        # every port a Service answers on: most lookups are a client's ephemeral port, and a
+        # set miss answers those before the address is parsed (a storm asks once a record)
+        self._ports = frozenset([k[1] for k in vip] + [k[0] for k in nodeport] + list(hc) +
+                                [k[1] for k in ep])
         self._cluster_addrs = frozenset(cluster_addrs)
         self._kp_dst: dict[tuple[str, int, str], list[Rule]] = {}
         self._kp_port: dict[tuple[int, str], list[tuple[_Scope, Rule]]] = {}
@@ -764,6 +768,8 @@ class ServiceMap:
 
     def lookup_all(self, addr: str, port: int, proto="tcp", *, first: bool = False) -> tuple[Service, ...]:
         """Every Service ``addr:port`` could mean, in :meth:`lookup` order."""
+        if port not in self._ports and int(port) not in self._ports:
+            return ()
         a = _canon(addr) if addr else None
         if a is None:
             return ()

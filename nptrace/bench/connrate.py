@@ -12,6 +12,8 @@ and the netfilter-hook view it attaches in the node. Same alternation as through
 After the pairs, one more run with nptrace holds BPF_ENABLE_STATS and divides each of its
 programs' run_time_ns by the connections made: where the kernel-side cost per connection
 goes (info rows). Stats are on only in that run, so the ratio runs are not charged for them.
+nptrace's own process competes for the same 2 CPUs: its CPU time during the "with" runs,
+per connection, is an info row too.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def run(b: Bench) -> Section:
     sec = Section("connrate")
     # an even number of pairs: as many start without nptrace as with it (ABBA)
     pairs, secs = b.scale(6, 2), b.scale(2, 1)
-    failures = []
+    failures, npt_cpu = [], []
     with Topology("cr") as t:
         c, n, s = setup(t)
         load = ConnLoad(t, s, TARGET_PORT, c, "10.251.4.2", NODEPORT)
@@ -63,7 +65,10 @@ def run(b: Bench) -> Section:
             npt = b.nptrace(t, "connrate", f"connrate{i}",
                             ["--iface", f"{n}/n0", "--iface", f"{n}/n1"])
             try:
-                return measure(load.run(secs))
+                c0 = npt.cpu()
+                r = load.run(secs)
+                npt_cpu.append((npt.cpu() - c0, r["done"]))
+                return measure(r)
             finally:
                 npt.stop()
 
@@ -72,9 +77,13 @@ def run(b: Bench) -> Section:
     row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} pairs x "
                           f"{secs}s, median)", lambda x: si(x, "/s"), w, wo, TARGET)
     sec.rows.append(row)
+    user_ns = 1e9 * sum(c for c, _ in npt_cpu) / max(1, sum(n for _, n in npt_cpu))
     sec.data = dict(data, pairs=pairs, secs=secs, failed_connects=sum(failures),
                     clients=load.clients, in_flight=load.conc * load.clients,
-                    kernel_per_conn=costs)
+                    kernel_per_conn=costs, nptrace_cpu_ns_per_conn=user_ns)
+    sec.rows.append(Row("connrate", f"NodePort: nptrace process CPU per connection (during the "
+                        f"{pairs} runs with it; clock ticks)", f"{user_ns:.0f} ns", "", "info",
+                        None, user_ns))
     total = sum(c["ns_per_conn"] for c in costs["programs"].values())
     sec.rows.append(Row("connrate", f"NodePort: nptrace kernel ns per connection, all programs "
                         f"({costs['connections']} connections, stats on)", f"{total:.0f} ns",

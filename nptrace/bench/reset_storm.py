@@ -22,8 +22,9 @@ The same storm size runs once per observer, one at a time:
             sk_rst_reason` field bcc 0.26 cannot compile, so a one-line header declares it
   tcpdrop   bcc's tcpdrop-bpfcc, as shipped (reported as not running where it fails)
 
-CPU is utime+stime (+ reaped children) of the observer's process from /proc/<pid>/stat,
-from just before the storm until the observer went idle after it (its backlog drained).
+CPU is the run time of the observer's threads (/proc/<pid>/task/*/schedstat, nanoseconds; the
+clock ticks of /proc/<pid>/stat are 10 ms, coarser than what a sampled storm costs), from just
+before the storm until the observer went idle after it (its backlog drained).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from nptrace.bench.context import Bench
 from nptrace.bench.report import (Row, Section, count_bcc_events, count_port_lines,
                                   parse_bcc_lost, parse_tcpdump, pcap_count, per_100k,
                                   prom_samples, prom_sum, si)
-from nptrace.bench.topology import (BenchError, Topology, cpu_seconds, node_busy_seconds, snmp,
+from nptrace.bench.topology import (BenchError, Topology, cpu_seconds, cpu_seconds_exact,
+                                    node_busy_seconds, snmp,
                                     wait_for)
 from nptrace.bench.workloads import TRAFFIC
 
@@ -149,11 +151,11 @@ def _scrape(port: int) -> list:
 def measure_storm(storm: Storm, pid: int, count: int, drain_s: float):
     """Fire the storm while observer pid watches: (storm result, drained, busy until, the
     observer's CPU seconds from the first reset until its backlog was drained)."""
-    cpu0 = cpu_seconds(pid)
+    cpu0 = cpu_seconds_exact(pid)
     st = storm.fire(count)
     idle, busy_until = wait_idle(pid, drain_s)
     storm.settled()
-    return st, idle, busy_until, cpu_seconds(pid) - cpu0
+    return st, idle, busy_until, cpu_seconds_exact(pid) - cpu0
 
 
 def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
@@ -167,13 +169,13 @@ def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
     try:
         with enable_bpf_stats():
             p0 = bpfprog.process_prog_stats(n.pid)
-            cpu0, t0 = n.cpu(), time.monotonic()
+            cpu0, t0 = n.cpu_exact(), time.monotonic()
             st = storm.fire(count)
             p1 = bpfprog.process_prog_stats(n.pid)
         names = bpfprog.prog_names(p1)      # while nptrace still holds its programs
         idle, busy_until = wait_idle(n.pid, drain_s)
         storm.settled()
-        cpu = n.cpu() - cpu0
+        cpu = n.cpu_exact() - cpu0
         rss = n.rss()
         metrics = _scrape(port)
     finally:

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from nptrace.bench.report import parse_attached, parse_sampled, parse_stopped
-from nptrace.bench.topology import PY, BenchError, Topology, cpu_seconds, rss_bytes, wait_for
+from nptrace.bench.topology import (PY, BenchError, Topology, cpu_seconds, cpu_seconds_exact,
+                                    rss_bytes, wait_for)
 
 START_TIMEOUT_S = 90
 
@@ -66,6 +67,9 @@ class Nptrace:
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
+
+    def cpu_exact(self) -> float:
+        return cpu_seconds_exact(self.proc.pid)
 
     def rss(self) -> int | None:
         return rss_bytes(self.proc.pid)

@@ -5,14 +5,18 @@ when a StormCollapse is given (sinks/collapse.py), then with `repeat_since` too.
 from __future__ import annotations
 
 import json
+import json.encoder
 import sys
 from typing import TextIO
 
-from nptrace.classify import Verdict, evidence_dicts
+from nptrace.classify import HOOKS, MAX_EVIDENCE, Context, Verdict, evidence_dicts
+from nptrace.events import IPS_DST_NAT
 from nptrace.sinks.collapse import StormCollapse
 
 # One encoder for every line: json.dumps(..., separators=...) builds a new one per call.
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+# What that encoder writes for a str (json.encoder: the C string escaper of ensure_ascii).
+_esc = json.encoder.encode_basestring_ascii
 
 
 def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
@@ -61,6 +65,87 @@ def dumps(d: dict) -> str:
     return _encode(d)
 
 
+# Encoded fragments of the values a storm repeats in every line, built once by _encode itself
+# (so they are exactly what it writes). Bounded: reason names, hints and interface names are
+# few, but a Service name or a label could come from anywhere.
+_HEADS: dict[tuple, str] = {}
+_EVID: dict[tuple, tuple[str, str]] = {}
+_VALS: dict = {}
+_FRAGS_MAX = 4096
+
+
+def _val(x) -> str:
+    """_encode(x) for a str or None, cached."""
+    got = _VALS.get(x)
+    if got is None:
+        if len(_VALS) >= _FRAGS_MAX:
+            _VALS.clear()
+        got = _VALS[x] = _encode(x)
+    return got
+
+
+def _head(v: Verdict) -> str:
+    key = (v.kind, v.direction, v.hook, v.reason, v.cause, v.confidence, v.service)
+    got = _HEADS.get(key)
+    if got is None:
+        if len(_HEADS) >= _FRAGS_MAX:
+            _HEADS.clear()
+        got = _HEADS[key] = (
+            f',"kind":{_encode(v.kind)},"direction":{_encode(v.direction)},"hook":'
+            f'{_encode(v.hook)},"reason":{_encode(v.reason)},"cause":{_encode(v.cause)},'
+            f'"confidence":{_encode(v.confidence)},"service":{_encode(v.service)},"saddr":')
+    return got
+
+
+def _evid(hook: int, what: str, iface, label: str) -> tuple[str, str]:
+    key = (hook, what, iface, label)
+    got = _EVID.get(key)
+    if got is None:
+        if len(_EVID) >= _FRAGS_MAX:
+            _EVID.clear()
+        got = _EVID[key] = (
+            f',"hook":{_encode(HOOKS[hook])},"what":{_encode(what)},"iface":{_encode(iface)},'
+            '"detail":', f',"label":{_encode(label)}}}')
+    return got
+
+
+def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
+                 since_ns: int | None = None, events: int | None = None) -> str:
+    """_encode(verdict_dict(...)) for the common incident (no conntrack entry, no NAT mapping,
+    no outer header), built from cached fragments; the other ones through verdict_dict. The
+    same text, and the same Context lookups in the same order. (An f-string writes an int and
+    a float as the encoder does: int.__repr__, float.__repr__; events hold no bools.)"""
+    e = v.event
+    labeled = v.labeled
+    if events is None:
+        events = v.events
+    if e.ct is not None or e.outer_saddr is not None or type(v.confidence) is not float \
+            or type(repeat) is not int or type(events) is not int:
+        return _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
+    for l in labeled:
+        if l.ev.ct is not None:
+            return _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
+    iface_name = (v.ctx or _NO_CTX).iface_name
+    parts = []
+    for l in labeled[:MAX_EVIDENCE]:
+        x = l.ev
+        pre, post = _evid(x.hook, l.rname, iface_name(x.netns, x.ifindex) if x.ifindex else None,
+                          l.cause or "")
+        parts.append(f'{{"ts_ns":{x.ts_ns}{pre}{_esc(f"{x.saddr}:{x.sport} > {x.daddr}:{x.dport}")}'
+                     f'{post}')
+    if repeat > 1 and since_ns is not None:
+        tail = f'],"repeat":{repeat},"repeat_since":{(since_ns + epoch_offset_ns) / 1e9}}}'
+    else:
+        tail = f'],"repeat":{repeat}}}'
+    return (f'{{"ts":{(e.ts_ns + epoch_offset_ns) / 1e9}{_head(v)}{_esc(e.saddr)},'
+            f'"sport":{e.sport},"daddr":{_esc(e.daddr)},"dport":{e.dport},"netns":{e.netns},'
+            f'"iface":{_val(v.iface)},"ifindex":{e.ifindex},"hint":{_esc(v.hint)},'
+            f'"events":{events},"evidence":[{",".join(parts)}{tail}')
+
+
+_NO_CTX = Context()
+
+
 class JsonLines:
     def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None,
                  collapse: StormCollapse | None = None):
@@ -70,14 +155,26 @@ class JsonLines:
 
     def _line(self, v: Verdict, repeat: int = 1, since: int | None = None,
               events: int | None = None) -> None:
-        self.stream.write(_encode(verdict_dict(v, self.offset, repeat, since, events)) + "\n")
+        self.stream.write(verdict_line(v, self.offset, repeat, since, events) + "\n")
 
     def write(self, v: Verdict) -> None:
         if self.collapse is None:
-            self.stream.write(_encode(verdict_dict(v, self.offset)) + "\n")
+            self.stream.write(verdict_line(v, self.offset) + "\n")
             return
         for item in self.collapse.add(v):
             self._line(*item)
+
+    def write_many(self, verdicts) -> None:
+        """write() of each, in order, as one stream write (the same text)."""
+        off = self.offset
+        if self.collapse is None:
+            lines = [verdict_line(v, off) for v in verdicts]
+        else:
+            add = self.collapse.add
+            lines = [verdict_line(item[0], off, *item[1:]) for v in verdicts for item in add(v)]
+        if lines:
+            lines.append("")
+            self.stream.write("\n".join(lines))
 
     def tick(self, now_ns: int) -> None:
         """From the live loop: write the summaries of storm windows that ended."""

@@ -12,8 +12,6 @@ tables stay as small as the node's interfaces and Services.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 from typing import Callable
 
@@ -104,14 +102,6 @@ class Recorder:
         self.writer.close()
 
 
-def _links(cmd: list[str]) -> dict[int, str]:
-    try:
-        r = subprocess.run(cmd + ["-j", "link", "show"], capture_output=True, text=True, timeout=5)
-        return {int(x["ifindex"]): x["ifname"] for x in json.loads(r.stdout or "[]")}
-    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
-        return {}
-
-
 def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
     """{netns inode: {ifindex: name}} of the host and up to `limit` named namespaces, named
     the way nptrace.netns.Names.iface names them ("ns/ifname" in a named namespace). For the
@@ -120,7 +110,7 @@ def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
     from nptrace import netns
     out: dict[int, dict[int, str]] = {}
     try:
-        out[netns.host_inode()] = _links(["ip"])
+        out[netns.host_inode()] = netns.link_names_or_none(None)
     except OSError:
         pass
     for i, (inode, name) in enumerate(sorted(netns.named_namespaces().items(), key=lambda x: x[1])):
@@ -128,5 +118,5 @@ def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
             break
         if inode in out:
             continue
-        out[inode] = {idx: f"{name}/{ifn}" for idx, ifn in _links(["ip", "-n", name]).items()}
+        out[inode] = {idx: f"{name}/{ifn}" for idx, ifn in netns.link_names_or_none(str(netns.RUN_NETNS / name)).items()}
     return out

@@ -516,7 +516,9 @@ RATE = 300
 
 def test_rss_under_churn_of_distinct_flows(churn_ns, tmp_path, daemon_env):
     ns, inode = churn_ns
-    run = Run(["--json", "--duration", DURATION_S], tmp_path, daemon_env)
+    # --max-rate 0: every flow reaches the classifier, which is what memory must survive
+    # (the default sends a node-wide 100 records a second per kind)
+    run = Run(["--json", "--duration", DURATION_S, "--max-rate", "0"], tmp_path, daemon_env)
     churn = None
     series = []
     try:
