@@ -74,39 +74,39 @@ _VALS: dict = {}
 _FRAGS_MAX = 4096
 
 
+def _remember(cache: dict, key, value):
+    """cache[key] = value, the cache emptied first when full; returns value."""
+    if len(cache) >= _FRAGS_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _val(x) -> str:
     """_encode(x) for a str or None, cached."""
     got = _VALS.get(x)
-    if got is None:
-        if len(_VALS) >= _FRAGS_MAX:
-            _VALS.clear()
-        got = _VALS[x] = _encode(x)
-    return got
+    return got if got is not None else _remember(_VALS, x, _encode(x))
 
 
 def _head(v: Verdict) -> str:
     key = (v.kind, v.direction, v.hook, v.reason, v.cause, v.confidence, v.service)
     got = _HEADS.get(key)
-    if got is None:
-        if len(_HEADS) >= _FRAGS_MAX:
-            _HEADS.clear()
-        got = _HEADS[key] = (
-            f',"kind":{_encode(v.kind)},"direction":{_encode(v.direction)},"hook":'
-            f'{_encode(v.hook)},"reason":{_encode(v.reason)},"cause":{_encode(v.cause)},'
-            f'"confidence":{_encode(v.confidence)},"service":{_encode(v.service)},"saddr":')
-    return got
+    if got is not None:
+        return got
+    return _remember(_HEADS, key, (
+        f',"kind":{_encode(v.kind)},"direction":{_encode(v.direction)},"hook":'
+        f'{_encode(v.hook)},"reason":{_encode(v.reason)},"cause":{_encode(v.cause)},'
+        f'"confidence":{_encode(v.confidence)},"service":{_encode(v.service)},"saddr":'))
 
 
 def _evid(hook: int, what: str, iface, label: str) -> tuple[str, str]:
     key = (hook, what, iface, label)
     got = _EVID.get(key)
-    if got is None:
-        if len(_EVID) >= _FRAGS_MAX:
-            _EVID.clear()
-        got = _EVID[key] = (
-            f',"hook":{_encode(HOOKS[hook])},"what":{_encode(what)},"iface":{_encode(iface)},'
-            '"detail":', f',"label":{_encode(label)}}}')
-    return got
+    if got is not None:
+        return got
+    return _remember(_EVID, key, (
+        f',"hook":{_encode(HOOKS[hook])},"what":{_encode(what)},"iface":{_encode(iface)},'
+        '"detail":', f',"label":{_encode(label)}}}'))
 
 
 def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
