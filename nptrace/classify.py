@@ -242,32 +242,6 @@ class Classifier:
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
 
     # -- correlation state -------------------------------------------------------------
-    def _flow(self, ev: Event) -> Flow:
-        """The flow of `ev` (found, merged or new), last in `flows` (the general path)."""
-        k0 = _key(ev.saddr, ev.sport, ev.daddr, ev.dport)
-        known = self.keys.get(k0)
-        keys = self._nat_keys(ev, k0, known)
-        if keys is None:
-            keys = [k0]
-        flow, _ = self._flow_of(keys)
-        return flow
-
-    def _nat_keys(self, ev: Event, k0: tuple, known: Flow | None) -> list | None:
-        """The event's flow keys when it names more than its own tuple, else None."""
-        c = ev.ct
-        if c is not None and c.orig_dport:
-            return [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
-                    _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
-        if c is None and ev.type not in EVIDENCE_ONLY and (known is None or len(known.keys) < 2):
-            # No conntrack on this event (a pod's own stack, the client's): ask the kernel's
-            # NAT map for the connection's other tuple, in either packet direction.
-            nat = self.ctx.nat_peer
-            peer = nat(ev.saddr, ev.sport, ev.daddr, ev.dport) or \
-                nat(ev.daddr, ev.dport, ev.saddr, ev.sport)
-            if peer:
-                return [k0, _key(peer[0], peer[1], peer[2], peer[3])]
-        return None
-
     def _flow_of(self, keys: list) -> tuple[Flow, bool]:
         """The flow of several keys, merging the flows they name; (flow, existed before)."""
         kmap = self.keys

@@ -413,7 +413,7 @@ class Tracer:
                     log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
                         f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
                         f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked")
-                timeout = 100   # the kernel wakes us early only when the ring is filling
+                timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
                 if end is not None:
                     left = end - time.monotonic()
                     if left <= 0:
