@@ -94,8 +94,14 @@ def _capture_stderr():
 
 
 def _tail(text: str, lines: int = 12) -> str:
+    """What to show of a compiler/verifier log: its `error:` lines first (clang prints the
+    notes of a macro expansion after them, and those alone would fill the tail), then the
+    last lines, warnings left out."""
     keep = [ln for ln in text.splitlines() if ln.strip() and "warning:" not in ln]
-    return "\n".join(keep[-lines:])
+    errors = [ln for ln in keep if " error: " in ln or ln.startswith("error: ")]
+    rest = [ln for ln in keep if ln not in errors]
+    room = lines - len(errors)
+    return "\n".join(errors[:lines] + (rest[-room:] if room > 0 else []))
 
 
 @dataclass

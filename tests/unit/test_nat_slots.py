@@ -21,3 +21,4 @@ def test_sets_spread():
     sets = {loader.nat_set(loader.nat_key("10.0.0.1", p, "10.0.0.2", 30080), 1024)
             for p in range(1024, 3072)}
     assert len(sets) > 400      # 512 sets; a broken hash lands in a handful
+
