@@ -342,6 +342,7 @@ class Classifier:
                     out += due
             elif len(flows) > cap:               # a flood of new flows; nothing else is due
                 self._evict(out)
+                self._horizon()
             t = ev[1]
             saddr, sport, daddr, dport = ev[8], ev[9], ev[10], ev[11]
             k0 = (saddr, sport, daddr, dport) if saddr < daddr or (
@@ -459,7 +460,8 @@ class Classifier:
         self._hs, self._hw, self._hf, self._due_ns = hs, hw, hf, due
 
     def _evict(self, out: list) -> None:
-        """Past max_flows, oldest first: what tick does when nothing else is due."""
+        """Past max_flows, oldest first: a flood of distinct flows (tick, and feed_many when
+        nothing else is due). The caller recomputes the horizon."""
         flows, cap = self.flows, self.ctx.max_flows
         kmap, strong, weak = self.keys, self.strong, self.weak
         while len(flows) > cap:
@@ -477,7 +479,6 @@ class Classifier:
                 strong.pop(flow, None)
             if weak:
                 weak.pop(flow, None)
-        self._horizon()
 
     def _emit_due(self, queue: OrderedDict, before_ns: int, stamp: str, out: list) -> None:
         """Report the flows at the head of a time-ordered queue whose `stamp` is older than
@@ -507,14 +508,8 @@ class Classifier:
                 if flow.pending or now - flow.last_ns <= window:
                     break
                 self._drop_flow(flow)
-            cap = ctx.max_flows
-            while len(flows) > cap:              # a flood of distinct flows: oldest first
-                flow = next(iter(flows))
-                if flow.pending:
-                    v = self._report(flow, False)
-                    if v is not None:
-                        out.append(v)
-                self._drop_flow(flow)
+            if len(flows) > ctx.max_flows:
+                self._evict(out)
         self._horizon()
         return out
 
@@ -531,24 +526,7 @@ class Classifier:
         self._due_ns = _NEVER_VALID
         return out
 
-    # -- labeling ----------------------------------------------------------------------
-    def _label(self, ev: Event, rname: str, history: list) -> Labeled:
-        """`history`: the open incident's earlier events, for rules that need them."""
-        t = ev.type
-        if t in EVIDENCE_ONLY:
-            return _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
-        rules = self._rules.get(t)
-        if rules is None:
-            rules = self._rules[t] = _rules_for(t)
-        ctx = self.ctx
-        for rule in rules:
-            got = rule(ev, rname, history, ctx)
-            if got:
-                return Labeled(ev, rname, *got)
-        if t == T_DROP and rname in WEAK_DROPS:
-            return _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
-        return _tuple_new(Labeled, (ev, rname, "unknown", 0.0, UNKNOWN_HINT))
-
+    # -- reporting ---------------------------------------------------------------------
     def _report(self, flow: Flow, keep_root: bool = True) -> Verdict | None:
         """The flow's open incident as a Verdict (None if it has no cause). keep_root=False
         when the flow is forgotten right after (evicted): its root cause is then never read."""

@@ -256,6 +256,7 @@ _HOOKS = {int(m): m for m in Hook}
 _DIRS = {int(m): m for m in Dir}
 _new_event = tuple.__new__
 _AF_INET, _AF_INET6 = socket.AF_INET, socket.AF_INET6
+_ASYM_SRC = int(EvType.ASYM_SRC)   # carries outer addresses, as an ICMP quote does
 _ntop = socket.inet_ntop
 # 16-byte address field -> text. Bounded: a flood of spoofed sources must not grow it.
 _ADDRS: dict[bytes, str] = {}
@@ -302,8 +303,8 @@ def from_tuple(t: tuple, raw: bytes = b"") -> Event:
     osrc = odst = None
     if flags & F_ENCAP:          # VXLAN over an IPv4 underlay
         osrc, odst = _addr(_AF_INET, outer_saddr), _addr(_AF_INET, outer_daddr)
-    elif flags & F_ICMP_QUOTE or typ == 8:     # EvType.ASYM_SRC
-        ofam = _AF_INET6 if (l4proto == 58 or (typ == 8 and fam == _AF_INET6)) else _AF_INET
+    elif flags & F_ICMP_QUOTE or typ == _ASYM_SRC:
+        ofam = _AF_INET6 if (l4proto == 58 or (typ == _ASYM_SRC and fam == _AF_INET6)) else _AF_INET
         osrc, odst = _addr(ofam, outer_saddr), _addr(ofam, outer_daddr)
     return _new_event(Event, (ts_ns, typ_e, hook_e, dir_e, skb, ifindex, netns, reason,
                               _addr(fam, saddr), sport, _addr(fam, daddr), dport, fam, l4proto,
@@ -331,7 +332,7 @@ def decode_many(bufs) -> tuple[list[Event], int]:
             buf = bytes(buf[:size])
         t = unpack(buf)
         typ = t[3]
-        if t[4] != ABI_VERSION or t[20] & rare or typ == 8:
+        if t[4] != ABI_VERSION or t[20] & rare or typ == _ASYM_SRC:
             try:
                 append(from_tuple(t, buf))
             except DecodeError:

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from nptrace.nftrace import attrs
+
 RUN_NETNS = Path("/run/netns")
 
 
@@ -91,7 +93,6 @@ def run_in(path: str | None, fn, name: str = "npt-netns"):
 
 def parse_links(data: bytes) -> tuple[dict[int, str], bool]:
     """({ifindex: name} of the RTM_NEWLINK messages in one recv, dump finished)."""
-    from nptrace.nftrace import attrs
     out: dict[int, str] = {}
     off = 0
     while off + _NLMSG.size <= len(data):

@@ -10,7 +10,6 @@ import sys
 from typing import TextIO
 
 from nptrace.classify import HOOKS, MAX_EVIDENCE, Context, Verdict, evidence_dicts
-from nptrace.events import IPS_DST_NAT
 from nptrace.sinks.collapse import StormCollapse
 
 # One encoder for every line: json.dumps(..., separators=...) builds a new one per call.
