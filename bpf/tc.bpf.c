@@ -1,9 +1,10 @@
 /* Wire view: what TCP packets actually cross the watched interfaces.
  *
- * Hook: tc clsact, direct-action, one program per direction (npt_tc_ingress, npt_tc_egress),
- * attached by nptrace/tc.py to each --iface. Kernel: clsact 4.5, direct-action 4.4,
- * bpf_ktime/ring buffer as the rest (5.8). Fallback: none (tc is optional: without --iface
- * nothing here is compiled, -DNPT_WITH_TC=0).
+ * Hook: tc, one program per direction (npt_tc_ingress, npt_tc_egress), attached by
+ * nptrace/tc.py to each --iface as tcx links (Linux 6.6+, nptrace/tcx.py) or, on older
+ * kernels, as clsact direct-action filters (clsact 4.5, direct-action 4.4); bpf_ktime/ring
+ * buffer as the rest (5.8). Fallback: none (tc is optional: without --iface nothing here is
+ * compiled, -DNPT_WITH_TC=0).
  *
  * Events (everything else costs a parse and at most one map operation, no event):
  *   WIRE_RST    any TCP RST, either direction; seq/ack_seq of the RST
@@ -24,16 +25,17 @@
  * filter chain (cls_bpf_classify: only UNSPEC continues), so an observer returning OK would
  * skip other tc programs on the same hook (a CNI's, for instance); UNSPEC lets them run and,
  * with no filter left, passes the packet as OK does (sch_handle_ingress/egress default case).
+ * Under tcx the same -1 is TCX_NEXT: the next tcx program, then legacy tc, still run.
  *
  * Packets are read with direct packet access (skb->data/data_end, uapi): only the linear head
  * is parsed. SYNs, RSTs and ICMP errors are small and linear in practice; a VXLAN packet whose
  * inner headers were left in page fragments (GRO on a real NIC) is skipped, not pulled
  * (bpf_skb_pull_data would modify the skb).
  *
- * netns and conntrack: the tc context pointer is the kernel sk_buff itself (cls_bpf runs the
- * program on the skb; __sk_buff is the verifier's view of it), so with -DNPT_TC_KSKB=1 the
- * device's netns inode and the skb's conntrack entry are read with bpf_probe_read_kernel at
- * BTF offsets, as the tracepoints do. That needs probe_read_kernel in tc programs
+ * netns and conntrack: the tc context pointer is the kernel sk_buff itself (cls_bpf and
+ * tcx_run both run the program on the skb; __sk_buff is the verifier's view of it), so with
+ * -DNPT_TC_KSKB=1 the device's netns inode and the skb's conntrack entry are read with
+ * bpf_probe_read_kernel at BTF offsets, as the tracepoints do. That needs probe_read_kernel in tc programs
  * (bpf_base_func_proto, CAP_PERFMON; checked on 6.18). Conntrack is attached only on egress:
  * on ingress tc runs before PREROUTING, and a veth crossing resets it (skb_scrub_packet).
  * With -DNPT_TC_KSKB=0 the netns comes from tc_ifaces {ifindex -> netns inode}, filled at

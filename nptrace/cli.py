@@ -82,6 +82,11 @@ def _run_options(fn):
                      help="Name the rule behind a netfilter drop with nf_tables tracing: on a "
                      "namespace's first drop, add table inet nptrace_trace there and trace the "
                      "dropped destinations' next packets (at most 50/s; removed at exit)."),
+        click.option("--tc-mode", type=click.Choice(["auto", "tcx", "clsact"]), default="auto",
+                     show_default=True,
+                     help="How the --iface programs attach: tcx links (Linux 6.6+; unlinked by "
+                     "the kernel if nptrace dies), clsact + bpf filters, or auto: tcx where the "
+                     "kernel has it."),
         click.option("--ready-file", hidden=True,
                      help="Write this file once every probe is attached."),
         click.option("--record", "record_dir", metavar="DIR",
@@ -125,7 +130,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @_run_options
 @one_line_errors
 def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
-        nft_trace, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
+        nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -140,7 +145,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
     cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
-                              max_burst=max_burst, nft_trace=nft_trace)
+                              max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode)
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,

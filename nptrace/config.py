@@ -77,6 +77,7 @@ class Config:
     flow_table_size: int = 65536
     max_counts: int = 16384
     nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
+    tc_mode: str = "auto"              # --iface programs: tcx links, clsact filters, or auto
     nft_trace: bool = True             # nf_tables tracing of dropped flows (nftrace_live.py)
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] = tuple(TRACEPOINTS)

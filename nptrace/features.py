@@ -149,6 +149,9 @@ PROBES: dict[str, Probe] = {p.name: p for p in (
        by_version=True),
     _P("tc clsact", "hooks", "4.5", False,
        "no wire view: resets sent by iptables REJECT --reject-with tcp-reset are not seen"),
+    _P("tcx", "hooks", "6.6", False,
+       "--iface programs are clsact filters: dearer dispatch, and a kill -9 leaves them on the "
+       "device until the next start removes them"),
     _P("netfilter bpf", "hooks", "6.4", False,
        "no view of packets at a netfilter hook (after DNAT): NAT is read from conntrack only"),
     _P("netfilter backend", "netfilter", None, False,
@@ -572,6 +575,16 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
         else:
             b.add("tc clsact", ok, "trial attach ok" if ok else
                   (err or "sch_ingress not built (CONFIG_NET_SCH_INGRESS)"))
+
+    # tcx links (BPF_TCX_INGRESS/EGRESS): 6.6 (commit e420bed02507), under CONFIG_NET_XGRESS.
+    # No trial here: `nptrace run` tries the link itself and falls back to clsact (tc.py).
+    on = _config_on(cfg, "CONFIG_NET_XGRESS")
+    if b.at_least("6.6") is False:
+        b.add("tcx", False, "")
+    elif on is not None:
+        b.add("tcx", on, "CONFIG_NET_XGRESS=y" if on else "CONFIG_NET_XGRESS is not set")
+    else:
+        b.add("tcx", b.at_least("6.6"), ver)
 
     # BPF_PROG_TYPE_NETFILTER and its link: 6.4 (commit fd9c663b9ad6), CONFIG_NETFILTER_BPF_LINK.
     if b.at_least("6.4") is False:

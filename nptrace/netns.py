@@ -20,6 +20,14 @@ from nptrace.nftrace import attrs
 RUN_NETNS = Path("/run/netns")
 
 
+def path_of(netns: str | None) -> str | None:
+    """The nsfs file of a --iface namespace: a name under /run/netns, or a path as given
+    (/proc/PID/ns/net, a CNI's /var/run/netns/cni-...); None (this namespace) stays None."""
+    if netns is None or "/" in netns:
+        return netns
+    return str(RUN_NETNS / netns)
+
+
 def inode_of(path: str | os.PathLike) -> int:
     return os.stat(path).st_ino
 

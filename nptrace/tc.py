@@ -1,10 +1,13 @@
 """Attach the tc programs (bpf/tc.bpf.c) to each --iface, and take them off again.
 
 `TcAttachments` is a context manager: on entry it resolves every interface first (bad input
-changes nothing), removes what dead nptrace runs left behind, adds a clsact qdisc where none
-exists, and adds two direct-action bpf filters named `npt_<pid>_ing` / `npt_<pid>_egr`. On
-exit (normal or exception) it removes only those filters, and the qdisc only if it created it
-and nothing else is filtering there, in reverse order.
+changes nothing) and removes what dead nptrace runs left behind. Then, per interface:
+- mode "tcx" (and "auto" on Linux 6.6+): two tcx links, ours first on the device
+  (nptrace/tcx.py: cheaper dispatch, and the kernel unlinks them when the process dies);
+- mode "clsact" (and "auto" where the kernel has no tcx): a clsact qdisc where none exists
+  and two direct-action bpf filters named `npt_<pid>_ing` / `npt_<pid>_egr`.
+On exit (normal or exception) it closes the links, removes only its filters, and the qdisc
+only if it created it and nothing else is filtering there, in reverse order.
 
 A state file /run/nptrace/tc-<pid>.json records each step as it succeeds, so that after a
 `kill -9` the next start removes what the dead run left (`recover`). Filters are also found
@@ -27,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from nptrace import tcx
 from nptrace.config import Config, IfaceSpec
 from nptrace.errors import InterfaceError
+from nptrace.netns import path_of
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ _STATE_RE = re.compile(r"^tc-(\d+)\.json$")
 # ARPHRD_ETHER (NICs, veth, bridge, vxlan, bond, vlan) and ARPHRD_LOOPBACK (eth_header too).
 # L3 devices (ARPHRD_NONE: wireguard, tun; ipip, gre) start at the IP header: not parsed.
 ETHERNET_LINK_TYPES = {1: "ether", 772: "loopback"}
+TC_MODES = ("auto", "tcx", "clsact")
 
 
 def filter_name(pid: int, parent: int) -> str:
@@ -240,8 +246,14 @@ class TcAttachments:
     def __init__(self, ifaces: Iterable[IfaceSpec], ingress_fd: int, egress_fd: int, *,
                  state_dir: Path = STATE_DIR, open_netns=_default_open,
                  on_attach: Callable[[Attached], None] | None = None,
-                 proc: Path = Path("/proc"), pid: int | None = None):
+                 proc: Path = Path("/proc"), pid: int | None = None, mode: str = "clsact",
+                 link_tcx=tcx.link_create):
+        if mode not in TC_MODES:
+            raise ValueError(f"tc mode {mode!r}: want one of {', '.join(TC_MODES)}")
         self.specs = _dedupe(ifaces)
+        self.mode = mode              # "auto" becomes "tcx" or "clsact" at the first interface
+        self.link_tcx = link_tcx
+        self.links: list[tuple[Attached, list[int]]] = []   # tcx: nothing to record on disk
         self.fds = {PARENT_INGRESS: ingress_fd, PARENT_EGRESS: egress_fd}
         self.state_dir = Path(state_dir)
         self.open_netns = open_netns
@@ -297,6 +309,11 @@ class TcAttachments:
         with self.open_netns(spec.netns) as r:
             self.recovered += _sweep_dead_filters(r, ifindex, spec.name, self.proc, self.pid)
             entry = Attached(spec.netns, spec.name, ifindex, inode)
+            if self.mode != "clsact" and self._attach_tcx(spec, entry):
+                if self.on_attach is not None:
+                    self.on_attach(entry)
+                log.info("tc programs linked (tcx) to %s (ifindex %d)", spec, ifindex)
+                return
             self.attached.append(entry)
             if not r.has_clsact(ifindex):
                 r.add_clsact(ifindex)
@@ -311,10 +328,37 @@ class TcAttachments:
             self.on_attach(entry)
         log.info("tc programs attached to %s (ifindex %d)", spec, ifindex)
 
+    def _attach_tcx(self, spec: IfaceSpec, entry: Attached) -> bool:
+        """Both programs as tcx links; False when the kernel has no tcx and the mode lets
+        clsact stand in (then every later interface goes straight to clsact)."""
+        fds: list[int] = []
+        try:
+            for parent in (PARENT_INGRESS, PARENT_EGRESS):
+                fds.append(self.link_tcx(self.fds[parent], entry.ifindex,
+                                         parent == PARENT_INGRESS, path_of(spec.netns)))
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            if self.mode == "auto" and e.errno in tcx.NOT_SUPPORTED:
+                log.info("no tcx here (%s): clsact filters instead", e)
+                self.mode = "clsact"
+                return False
+            raise InterfaceError(f"--iface {spec}: {e.strerror or e}"
+                                 + ("" if self.mode == "tcx" else " (try --tc-mode clsact)")
+                                 ) from None
+        self.mode = "tcx"
+        self.links.append((entry, fds))
+        return True
+
     def detach(self) -> list[str]:
         """Undo, in reverse order. An interface that fails stays in the state file for the
         next start; the others are still cleaned."""
         removed: list[str] = []
+        while self.links:          # closing a link's last fd unlinks it
+            e, fds = self.links.pop()
+            for fd in fds:
+                os.close(fd)
+            removed.append(f"{e.ifname}: tcx links")
         failed: list[Attached] = []
         while self.attached:
             e = self.attached.pop()
@@ -349,7 +393,7 @@ def attach(probes, cfg: Config, *, state_dir: Path = STATE_DIR, **kw) -> TcAttac
     configure(probes, cfg)
     ing, egr = probes.tc_program_fds()
     att = TcAttachments(cfg.ifaces, ing, egr, state_dir=state_dir,
-                        on_attach=iface_map_filler(probes), **kw)
+                        on_attach=iface_map_filler(probes), mode=cfg.tc_mode, **kw)
     return att.__enter__()
 
 

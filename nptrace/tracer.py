@@ -232,6 +232,8 @@ class Tracer:
         self.reader = RingReader(self.probes.ring_map_fd())
         elapsed = time.monotonic() - t0
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
+        if self.tc is not None:
+            what += f" (tc via {self.tc.mode})"
         log(f"attached {what} in {elapsed:.2f}s "
             f"(kprobes: {'yes' if Path('/sys/bus/event_source/devices/kprobe').exists() else 'absent'})")
         if self.ready_file:

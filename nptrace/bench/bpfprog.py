@@ -69,6 +69,22 @@ def attach_filter(ns: str, dev: str, fd: int, name: str, ingress: bool) -> None:
             time.sleep(0.2)
 
 
+def attach_empty(ns: str, dev: str, fd: int, ingress: bool) -> tuple[str, int | None]:
+    """The empty program on dev the way nptrace attaches its own (tc.py, --tc-mode auto): a
+    tcx link where the kernel has tcx, else a clsact filter. ("tcx", link fd) or
+    ("clsact", None); close the link fd to unlink (the filter goes with the namespace)."""
+    from nptrace import tcx
+    from nptrace.netns import path_of
+    idx = int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"))
+    try:
+        return "tcx", tcx.link_create(fd, idx, ingress, path_of(ns))
+    except OSError as e:
+        if e.errno not in tcx.NOT_SUPPORTED:
+            raise BenchError(f"empty tcx program on {ns}/{dev}: {e}") from None
+    attach_filter(ns, dev, fd, f"npt_bn_empty_{'ing' if ingress else 'egr'}", ingress)
+    return "clsact", None
+
+
 def own_stats(fd: int) -> tuple[int, int]:
     """(run_cnt, run_time_ns) of one of our own program fds."""
     d = bpf_prog_fdinfo(Path(f"/proc/self/fdinfo/{fd}").read_text())
@@ -101,11 +117,21 @@ def prog_names(ids) -> dict[int, str]:
 
 
 def tc_prog_ids(ns: str, dev: str) -> dict[str, dict[str, int]]:
-    """{'ingress'|'egress': {filter name: prog id}} on dev."""
+    """{'ingress'|'egress': {name: prog id}} of the programs on dev: tc bpf filters by filter
+    name, tcx-linked programs by program name (bpftool's, 15 characters at most)."""
+    from nptrace import tcx
+    from nptrace.netns import path_of
+    idx = int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"))
     out = {}
     for hook in ("ingress", "egress"):
         out[hook] = tc_filter_progs(json.loads(
             sh("tc", "-n", ns, "-j", "filter", "show", "dev", dev, hook) or "[]"))
+        try:
+            ids = tcx.prog_ids(idx, hook == "ingress", path_of(ns))
+        except OSError:
+            ids = []            # no tcx in this kernel
+        for i, name in prog_names(ids).items():
+            out[hook][name] = i
     return out
 
 

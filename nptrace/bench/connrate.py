@@ -7,7 +7,12 @@ server's FIN arrives (accept + close there), then the client closes: the client 
 TIME_WAIT and its ports recycle. The node's conntrack TIME_WAIT timeout is 1 s (a per-netns
 sysctl) so the table holds seconds of connections, not two minutes of them.
 With nptrace: `--iface node/n0 --iface node/n1` (the node's two "NICs"), every tracepoint,
-and the netfilter-hook view it attaches in the node. Same alternation as throughput.py.
+and the netfilter-hook view it attaches in the node.
+
+Rounds rotate three runs: without anything, with nptrace, and with the FLOOR: two empty
+programs (r0 = -1; exit) on each of n0 and n1, attached the way nptrace attaches its own (tcx
+links, or clsact filters without tcx). The floor is what any tc observer on those devices
+costs before doing anything (an info row); the with/without ratios are paired within a round.
 
 After the pairs, one more run with nptrace holds BPF_ENABLE_STATS and divides each of its
 programs' run_time_ns by the connections made: where the kernel-side cost per connection
@@ -17,11 +22,14 @@ per connection, is an info row too.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from nptrace.bench import bpfprog
 from nptrace.bench.context import Bench
 from nptrace.bench.report import Row, Section, si
-from nptrace.bench.throughput import alternate, ratio_row
-from nptrace.bench.topology import Topology
+from nptrace.bench.throughput import ratio_row
+from nptrace.bench.topology import Topology, in_ns, sh
 from nptrace.bench.workloads import ConnLoad
 
 TARGET = 0.97
@@ -72,11 +80,36 @@ def run(b: Bench) -> Section:
             finally:
                 npt.stop()
 
-        w, wo = alternate(pairs, without, with_nptrace)
+        def with_floor(i):
+            progs, links = [], []
+            try:
+                for dev in ("n0", "n1"):
+                    for ingress in (True, False):
+                        progs.append(bpfprog.load_empty_sched_cls("npt_bn_floor"))
+                        how, link = bpfprog.attach_empty(n, dev, progs[-1], ingress)
+                        floor_how.add(how)
+                        if link is not None:
+                            links.append(link)
+                return measure(load.run(secs))
+            finally:
+                for fd in links + progs:
+                    os.close(fd)
+                if "clsact" in floor_how:
+                    for dev in ("n0", "n1"):
+                        sh(*in_ns(n, ["tc", "qdisc", "del", "dev", dev, "clsact"]), check=False)
+
+        floor_how: set[str] = set()
+        wo, w, fl = rotate(pairs, (without, with_nptrace, with_floor))
         costs = per_connection_costs(b, t, n, load, secs)
-    row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} pairs x "
+    row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} rounds x "
                           f"{secs}s, median)", lambda x: si(x, "/s"), w, wo, TARGET)
     sec.rows.append(row)
+    frow, fdata = ratio_row("connrate", f"NodePort: floor, 4 empty programs on n0/n1 "
+                            f"({'/'.join(sorted(floor_how))}), same rounds", lambda x: si(x, "/s"),
+                            fl, wo, TARGET)
+    sec.rows.append(dataclasses.replace(frow, ratio_target=frow.ratio_target.split(" / ")[0],
+                                        met=None, target=""))
+    data["floor"] = dict(fdata, how=sorted(floor_how))
     user_ns = 1e9 * sum(c for c, _ in npt_cpu) / max(1, sum(n for _, n in npt_cpu))
     sec.data = dict(data, pairs=pairs, secs=secs, failed_connects=sum(failures),
                     clients=load.clients, in_flight=load.conc * load.clients,
@@ -93,6 +126,18 @@ def run(b: Bench) -> Section:
                             f"({c['runs_per_conn']:.1f} runs x {c['ns_per_run']:.0f} ns)",
                             f"{c['ns_per_conn']:.0f} ns", "", "info", None, c["ns_per_conn"]))
     return sec
+
+
+def rotate(rounds: int, runs) -> list[list]:
+    """Round i runs `runs` (functions of the round number) starting at i % len(runs), so each
+    takes each position equally often and a drift of the VM hits all alike; one list of
+    results per function, by round."""
+    out: list[list] = [[None] * rounds for _ in runs]
+    for i in range(rounds):
+        for k in range(len(runs)):
+            j = (i + k) % len(runs)
+            out[j][i] = runs[j](i) if j else runs[j]()
+    return out
 
 
 def per_connection_costs(b: Bench, t: Topology, node: str, load: ConnLoad, secs: float) -> dict:

@@ -44,16 +44,21 @@ def run(b: Bench) -> Section:
         c, s = _setup(t)
         empty = {"ingress": bpfprog.load_empty_sched_cls("npt_bn_empty_i"),
                  "egress": bpfprog.load_empty_sched_cls("npt_bn_empty_e")}
+        links: list[int] = []
         try:
-            for hook, fd in empty.items():
-                bpfprog.attach_filter(s, "s0", fd, f"npt_bn_empty_{hook[:3]}", hook == "ingress")
+            for hook, fd in empty.items():     # attached the way nptrace's are (tcx or clsact)
+                _how, link = bpfprog.attach_empty(s, "s0", fd, hook == "ingress")
+                if link is not None:
+                    links.append(link)
             bulk = Bulk(t, s, c, "10.251.1.2")
             bulk.run(1)       # warm-up: ARP, slow start, page cache of iperf3
             n = b.nptrace(t, "tc_cost", "tc_cost", ["--iface", f"{s}/s0"])
             try:
                 ids = bpfprog.tc_prog_ids(s, "s0")
+                # a clsact filter named npt_<pid>_ing|egr, or a tcx link of npt_tc_<hook>
                 ours = {hook: next((i for name, i in ids[hook].items()
-                                    if name.startswith(f"npt_{n.pid}_")), None)
+                                    if name.startswith(f"npt_{n.pid}_")
+                                    or name == f"npt_tc_{hook}"), None)
                         for hook in ("ingress", "egress")}
                 if None in ours.values():
                     raise BenchError(f"nptrace's tc filters not found on s0: {ids}")
@@ -73,7 +78,7 @@ def run(b: Bench) -> Section:
                 n.stop()
         finally:
             import os
-            for fd in empty.values():
+            for fd in links + list(empty.values()):
                 os.close(fd)
     sec.data = data
     for path, r in data["paths"].items():

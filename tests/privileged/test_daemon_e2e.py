@@ -152,7 +152,10 @@ def wait_for(cond, timeout: float, what: str):
 
 
 def tc_state(watch: list[str]) -> dict[str, tuple[list[str], list[str]]]:
-    """{"ns/if": (qdisc kinds, names of npt_ filters on ingress and egress)}."""
+    """{"ns/if": (qdisc kinds, names of npt_ filters on ingress and egress, then one
+    "tcx:<hook>:<prog id>" per program linked there with tcx)}."""
+    from nptrace import tcx
+    from nptrace.netns import path_of
     out = {}
     for w in watch:
         ns, dev = w.split("/", 1)
@@ -164,6 +167,14 @@ def tc_state(watch: list[str]) -> dict[str, tuple[list[str], list[str]]]:
             f = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev, parent],
                                capture_output=True, text=True).stdout
             names += [tok for tok in f.split() if tok.startswith("npt_")]
+            idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat",
+                                      f"/sys/class/net/{dev}/ifindex"], capture_output=True,
+                                     text=True, check=True).stdout)
+            try:
+                names += [f"tcx:{parent}:{i}" for i in
+                          tcx.prog_ids(idx, parent == "ingress", path_of(ns))]
+            except OSError:
+                pass                # no tcx in this kernel
         out[w] = (kinds, names)
     return out
 
@@ -278,8 +289,14 @@ def test_sigkill_while_recording_loses_nothing_flushed_and_next_run_cleans_up(la
     assert len(first) == COUNT and {e["cause"] for e in first} == {"no_listener"}, first
     assert len(ours) > COUNT, "no incident of the second burst was printed before the kill"
 
-    # The dead run left its tc filters (kill -9 runs no cleanup): the next start removes them.
-    assert npt_filters(tc_state(lab_env.info.watch)), "tc was not involved in the killed run"
+    # kill -9 runs no cleanup. tcx links die with the process (the kernel unlinks them when
+    # its fds close); clsact filters stay, and the next start removes them (below).
+    assert "tc:" in run.stderr(), "tc was not involved in the killed run"
+    left = npt_filters(tc_state(lab_env.info.watch))
+    if "(tc via tcx)" in run.stderr():
+        assert not left, f"the killed run's tcx links outlived it: {left}"
+    else:
+        assert left, "the killed run's clsact filters are not there"
 
     r = replay(rec)
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,8 @@
 """tc attachment lifecycle on real interfaces in namespaces made for the test (npt-tc<pid>-*):
 only what we created is removed, on normal exit, on exception, and after a kill -9 (by the
-next start, from the state file or from the filter names)."""
+next start, from the state file or from the filter names). Most cases are the clsact mode
+(kernels before 6.6); the tcx ones are at the end: there the kernel unlinks a dead run's
+programs itself."""
 from __future__ import annotations
 
 import os
@@ -28,7 +30,8 @@ from nptrace import tc
 from nptrace.config import IfaceSpec
 b = BPF(text=sys.argv[3], cflags=["-Wno-ignored-attributes"])
 fd = b.load_func("npt_noop", BPF.SCHED_CLS).fd
-att = tc.TcAttachments([IfaceSpec.parse(sys.argv[1])], fd, fd, state_dir=sys.argv[2])
+att = tc.TcAttachments([IfaceSpec.parse(sys.argv[1])], fd, fd, state_dir=sys.argv[2],
+                       mode=sys.argv[4] if len(sys.argv) > 4 else "clsact")
 att.__enter__()
 print("attached", flush=True)
 sys.stdin.read()
@@ -125,10 +128,11 @@ def test_unknown_interface_or_namespace_changes_nothing(ns, fd, tmp_path):
     assert not Path("/run/netns/npt-no-such-ns").exists()   # pyroute2 must not create it
 
 
-def _dead_run(ns: str, state_dir: Path) -> int:
+def _dead_run(ns: str, state_dir: Path, mode: str = "clsact") -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen([sys.executable, "-W", "ignore", "-c", DEAD_RUN, f"{ns}/v0",
-                          str(state_dir), PROG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          str(state_dir), PROG, mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE,
                          text=True, env=env)
     try:
         line = p.stdout.readline().strip()
@@ -157,3 +161,69 @@ def test_next_start_removes_what_a_killed_run_left(ns, fd, tmp_path, lose_state_
     # the dead run's qdisc: removed by the recovery (state file); left in place when only
     # the names were left, since then nobody knows who made it
     assert tc_state(ns, "v0") == (lose_state_file, [])
+
+
+# --- tcx (Linux 6.6+) ----------------------------------------------------------------------
+def _need_tcx(ns: str, fd: int) -> None:
+    from nptrace import tcx
+    from nptrace.netns import path_of
+    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/v1/ifindex"],
+                             capture_output=True, text=True, check=True).stdout)
+    try:
+        os.close(tcx.link_create(fd, idx, True, path_of(ns)))
+    except OSError as e:
+        if e.errno in tcx.NOT_SUPPORTED:
+            pytest.skip(f"kernel without tcx links (Linux < 6.6): {e}")
+        raise
+
+
+def tcx_progs(ns: str, dev: str) -> tuple[list[int], list[int]]:
+    """(ingress, egress) program ids linked with tcx on dev, in run order."""
+    from nptrace import tcx
+    from nptrace.netns import path_of
+    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"],
+                             capture_output=True, text=True, check=True).stdout)
+    return (tcx.prog_ids(idx, True, path_of(ns)), tcx.prog_ids(idx, False, path_of(ns)))
+
+
+def _prog_id(fd: int) -> int:
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("prog_id:"):
+            return int(line.split()[1])
+    raise AssertionError("no prog_id in fdinfo")
+
+
+def test_tcx_links_first_and_unlinks_on_exit(ns, fd, tmp_path):
+    from nptrace import tc, tcx
+    from nptrace.netns import path_of
+    _need_tcx(ns, fd)
+    pid_ = _prog_id(fd)
+    # a CNI's program already linked on v0's ingress: ours must run before it
+    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/v0/ifindex"],
+                             capture_output=True, text=True, check=True).stdout)
+    from bcc import BPF
+    cni = BPF(text="int cni(struct __sk_buff *skb) { return -1; }",
+              cflags=["-Wno-ignored-attributes"])
+    cni_fd = cni.load_func("cni", BPF.SCHED_CLS).fd
+    cni_link = tcx.link_create(cni_fd, idx, True, path_of(ns))
+    try:
+        cni_id = _prog_id(cni_fd)
+        with tc.TcAttachments([IfaceSpec(ns, "v0")], fd, fd, state_dir=tmp_path,
+                              mode="auto") as att:
+            assert att.mode == "tcx" and att.attached == []
+            assert tcx_progs(ns, "v0") == ([pid_, cni_id], [pid_])
+            assert tc_state(ns, "v0") == (False, [])     # no qdisc, no filter
+            assert list(tmp_path.iterdir()) == []         # nothing for a next start to undo
+        assert tcx_progs(ns, "v0") == ([cni_id], [])     # the CNI's link stays
+    finally:
+        os.close(cni_link)
+        cni.cleanup()
+
+
+def test_tcx_links_of_a_killed_run_are_gone_with_it(ns, fd, tmp_path):
+    _need_tcx(ns, fd)
+    _dead_run(ns, tmp_path, mode="tcx")
+    # the kernel released the links with the process's fds: nothing left, no state file
+    assert tcx_progs(ns, "v0") == ([], [])
+    assert tc_state(ns, "v0") == (False, [])
+    assert list(tmp_path.iterdir()) == []

@@ -47,6 +47,7 @@ def test_linux_6_18_like_this_vm():
     assert feats.ringbuf            # by version: the fixture's vmlinux is not real BTF
     assert feats.clsact is True and "built in" in feats.result("tc clsact").detail
     assert feats.nf_prog is True
+    assert status(feats, "tcx") == "ok"         # 6.18 >= 6.6 (the fixture has no config)
     assert not feats.ipvs
     assert "nf_tables" in feats.result("netfilter backend").detail
     assert feats.conntrack and feats.result("conntrack").detail == "12/262144 entries"
@@ -74,6 +75,7 @@ def test_linux_5_4_no_reasons_no_icmp_send_debugfs_tracefs():
     assert not feats.ringbuf and not feats.nf_prog and feats.fentry is False
     assert not feats.conntrack
     assert feats.clsact is True                 # sch_ingress in /proc/modules
+    assert status(feats, "tcx") == "missing" and "clsact" in feats.result("tcx").cost
     assert feats.tracing_possible               # optional losses only
 
 

@@ -2,7 +2,9 @@
 netlink (FakeNet) and a fake /proc."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -393,7 +395,7 @@ def test_configure_fills_vxlan_ports():
 
 def test_attach_helper_fills_the_iface_map(net, proc, tmp_path):
     p = FakeProbes()
-    cfg = Config(ifaces=(IfaceSpec("pod", "eth0"),))
+    cfg = Config(ifaces=(IfaceSpec("pod", "eth0"),), tc_mode="clsact")
     att = tc.attach(p, cfg, state_dir=tmp_path / "state", open_netns=net.open, proc=proc,
                     pid=ME)
     assert att.fds == {ING: 7, EGR: 8}
@@ -425,3 +427,96 @@ def test_state_file_with_our_pid_from_an_earlier_life(net, proc, tmp_path):
     state_file(tmp_path).write_text(json.dumps(st))
     assert len(tc.recover(d, net.open, proc=proc)) == 3
     assert net.names("pod", 2) == [] and not state_file(tmp_path).exists()
+
+
+# --- tcx links (Linux 6.6+); the kernel side is tests/privileged/test_tc_cleanup.py ---------
+class FakeTcx:
+    """link_tcx stand-in: hands out real fds (pipe ends) so closing them can be checked, or
+    fails with a given errno."""
+
+    def __init__(self, errno_=None):
+        self.errno, self.calls, self.fds = errno_, [], []
+
+    def __call__(self, prog_fd, ifindex, ingress, netns_path):
+        self.calls.append((prog_fd, ifindex, ingress, netns_path))
+        if self.errno is not None:
+            raise OSError(self.errno, os.strerror(self.errno))
+        r, w = os.pipe()
+        os.close(w)
+        self.fds.append(r)
+        return r
+
+
+def fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_auto_links_with_tcx_and_leaves_nothing_to_recover(net, proc, tmp_path):
+    link = FakeTcx()
+    seen = []
+    att = tc.TcAttachments([IfaceSpec.parse("pod/eth0")], 10, 11, state_dir=tmp_path / "state",
+                           open_netns=net.open, proc=proc, pid=ME, mode="auto",
+                           link_tcx=link, on_attach=seen.append)
+    with att:
+        assert att.mode == "tcx"
+        assert link.calls == [(10, 2, True, "/run/netns/pod"), (11, 2, False, "/run/netns/pod")]
+        assert net.names("pod", 2) == [] and not any(e[0] == "add_clsact" for e in net.log)
+        assert not state_file(tmp_path).exists()      # a dead run's links die with it
+        assert [(a.netns, a.ifindex, a.netns_inode) for a in seen] == [("pod", 2, 2000)]
+        assert all(fd_open(fd) for fd in link.fds)
+    assert not any(fd_open(fd) for fd in link.fds)     # closing the fds unlinks
+    assert att.links == []
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_auto_falls_back_to_clsact_without_tcx(net, proc, tmp_path, err):
+    link = FakeTcx(err)
+    with tc.TcAttachments([IfaceSpec.parse("pod/eth0"), IfaceSpec.parse("eth0")], 10, 11,
+                          state_dir=tmp_path / "state", open_netns=net.open, proc=proc, pid=ME,
+                          mode="auto", link_tcx=link) as att:
+        assert att.mode == "clsact"
+        assert len(link.calls) == 1                   # asked once, not per interface
+        assert net.names("pod", 2) == ["npt_4242_ing", "npt_4242_egr"]
+        assert net.names(None, 2) == ["npt_4242_ing", "npt_4242_egr"]
+    assert net.names("pod", 2) == []
+
+
+def test_tcx_failures_that_clsact_would_not_fix_are_errors(net, proc, tmp_path):
+    with pytest.raises(InterfaceError, match="--iface pod/eth0: Operation not permitted"):
+        with tc.TcAttachments([IfaceSpec.parse("pod/eth0")], 10, 11,
+                              state_dir=tmp_path / "state", open_netns=net.open, proc=proc,
+                              pid=ME, mode="auto", link_tcx=FakeTcx(errno.EPERM)):
+            pass
+    # --tc-mode tcx on a kernel without tcx: said, not silently replaced by clsact
+    with pytest.raises(InterfaceError, match="Invalid argument"):
+        with tc.TcAttachments([IfaceSpec.parse("pod/eth0")], 10, 11,
+                              state_dir=tmp_path / "state", open_netns=net.open, proc=proc,
+                              pid=ME, mode="tcx", link_tcx=FakeTcx(errno.EINVAL)):
+            pass
+    assert net.names("pod", 2) == [] and not any(e[0] == "add_clsact" for e in net.log)
+
+
+def test_second_interface_failing_closes_the_first_ones_links(net, proc, tmp_path):
+    link = FakeTcx()
+    att = tc.TcAttachments([IfaceSpec.parse("eth0"), IfaceSpec.parse("pod/eth0")], 10, 11,
+                           state_dir=tmp_path / "state", open_netns=net.open, proc=proc, pid=ME,
+                           mode="tcx", link_tcx=link)
+    real = link.__call__
+
+    def fail_in_pod(prog_fd, ifindex, ingress, path):
+        if path is not None:
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real(prog_fd, ifindex, ingress, path)
+    att.link_tcx = fail_in_pod
+    with pytest.raises(InterfaceError, match="No such device"):
+        att.__enter__()
+    assert len(link.fds) == 2 and not any(fd_open(fd) for fd in link.fds)
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="tc mode 'tc'"):
+        tc.TcAttachments([], 1, 2, mode="tc")
