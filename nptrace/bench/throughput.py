@@ -46,7 +46,7 @@ def ratio_row(section: str, metric: str, unit_fmt, w: list[float], wo: list[floa
 
 def run(b: Bench) -> Section:
     sec = Section("throughput")
-    pairs, secs = b.scale(6, 2), b.scale(3, 1)
+    pairs, secs = b.scale(10, 2), b.scale(2, 1)
     with Topology("tp") as t:
         c, s = t.ns("c"), t.ns("s")
         t.veth(c, "c0", "10.251.3.1/24", s, "s0", "10.251.3.2/24")
