@@ -4,6 +4,7 @@ fallback in traffic.py when iperf3 is absent) and new connections through a DNAT
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -43,8 +44,12 @@ class Bulk:
         if self.tool == "iperf3":
             # whole seconds: iperf3 3.12 never ends a run given a fractional -t
             secs = max(1, round(secs))
+            # Sender on CPU 0, receiver on CPU 1 (-A: iperf3 pins both ends). Left to the
+            # scheduler, the two sometimes share a CPU and the run halves (10 vs 20 Gbit/s
+            # here), which swung single ratios from 53% to 162%.
+            pin = ["-A", "0,1"] if (os.cpu_count() or 1) >= 2 else []
             out = sh(*in_ns(self.client_ns, [self.iperf3, "-c", self.host, "-p", str(self.port),
-                                             "-t", str(secs), "-J"]), timeout=secs + 30)
+                                             "-t", str(secs), "-J", *pin]), timeout=secs + 30)
             from nptrace.bench.report import iperf3_bps
             return iperf3_bps(json.loads(out))
         out = sh(*in_ns(self.client_ns, TRAFFIC + ["source", "--host", self.host, "--port",
