@@ -18,10 +18,11 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
-import platform
 import struct
 import threading
 from dataclasses import dataclass
+
+from nptrace.bpfsys import bpf
 
 NFPROTO_IPV4 = 2
 NFPROTO_IPV6 = 10
@@ -39,8 +40,6 @@ DEFAULT_POINTS = (AFTER_DNAT, AFTER_DNAT_LOCAL, AFTER_SNAT)
 BPF_LINK_CREATE = 28
 BPF_NETFILTER = 45
 CLONE_NEWNET = 0x40000000
-_SYS_BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280, "riscv64": 280, "s390x": 351,
-            "ppc64le": 361}
 RUN_NETNS = "/run/netns"
 
 
@@ -90,18 +89,6 @@ def _libc():
     return ct.CDLL(None, use_errno=True)
 
 
-def _bpf(cmd: int, attr) -> int:
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
-        raise NfHookError(errno.ENOSYS, f"bpf syscall number unknown for {platform.machine()}")
-    libc = _libc()
-    libc.syscall.restype = ct.c_long
-    r = libc.syscall(ct.c_long(nr), ct.c_int(cmd), attr, ct.c_uint(ct.sizeof(attr)))
-    if r < 0:
-        return -ct.get_errno()
-    return r
-
-
 def _netns_path(netns: str) -> str:
     return netns if "/" in netns else os.path.join(RUN_NETNS, netns)
 
@@ -149,7 +136,7 @@ def link_create(prog_fd: int, point: HookPoint, netns: str | None = None) -> int
     # .netfilter { pf, hooknum, priority (s32), flags }
     struct.pack_into("=IIIIIIiI", attr, 0, prog_fd, 0, BPF_NETFILTER, 0,
                      point.pf, point.hooknum, point.priority, 0)
-    fd = in_netns(netns, lambda: _bpf(BPF_LINK_CREATE, attr))
+    fd = in_netns(netns, lambda: bpf(BPF_LINK_CREATE, attr))
     if fd < 0:
         why = {errno.EINVAL: "bad hook or priority, or kernel < 6.4",
                errno.EBUSY: "another BPF link holds that exact priority",

@@ -32,11 +32,11 @@ import ctypes as ct
 import errno
 import mmap
 import os
-import platform
 import select
 import struct
 
 from nptrace import events as ev
+from nptrace.bpfsys import bpf
 
 BUSY = 1 << 31
 DISCARD = 1 << 30
@@ -44,8 +44,6 @@ LEN_MASK = DISCARD - 1
 HDR = 8
 BPF_MAP_TYPE_RINGBUF = 27
 BPF_OBJ_GET_INFO_BY_FD = 15
-_SYS_BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280, "riscv64": 280, "s390x": 351,
-            "ppc64le": 361}
 
 
 class RingError(OSError):
@@ -153,15 +151,9 @@ def walk(data: memoryview, cons: int, prod: int, mask: int, record: struct.Struc
 
 
 def _bpf_syscall(cmd: int, attr: ct.Array) -> int:
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
-        raise RingError(errno.ENOSYS, f"bpf syscall number unknown for {platform.machine()}")
-    libc = ct.CDLL(None, use_errno=True)
-    libc.syscall.restype = ct.c_long
-    r = libc.syscall(ct.c_long(nr), ct.c_int(cmd), attr, ct.c_uint(ct.sizeof(attr)))
+    r = bpf(cmd, attr)
     if r < 0:
-        e = ct.get_errno()
-        raise RingError(e, f"bpf({cmd}) failed: {os.strerror(e)}")
+        raise RingError(-r, f"bpf({cmd}) failed: {os.strerror(-r)}")
     return r
 
 

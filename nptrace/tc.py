@@ -23,7 +23,6 @@ import ctypes
 import json
 import logging
 import os
-import platform
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from nptrace import tcx
+from nptrace.bpfsys import bpf
 from nptrace.config import Config, IfaceSpec
 from nptrace.errors import InterfaceError
 from nptrace.netns import path_of
@@ -411,7 +411,6 @@ def prog_stats(fd: int, proc_self: Path = Path("/proc/self")) -> tuple[int, int]
     return cnt, ns
 
 
-_BPF_SYSCALL = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351, "riscv64": 280}
 _BPF_ENABLE_STATS = 32      # enum bpf_cmd, Linux 5.8
 _BPF_STATS_RUN_TIME = 0
 
@@ -421,16 +420,11 @@ def enable_bpf_stats():
     """Run-time statistics on for as long as the block runs (BPF_ENABLE_STATS, Linux 5.8):
     the kernel turns them off when the returned fd closes, even if we are killed, unlike a
     sysctl we would have to restore."""
-    nr = _BPF_SYSCALL.get(platform.machine())
-    if nr is None:
-        raise OSError(f"bpf syscall number unknown on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
     attr = (ctypes.c_uint32 * 32)()        # union bpf_attr; enable_stats.type is first
     attr[0] = _BPF_STATS_RUN_TIME
-    fd = libc.syscall(nr, _BPF_ENABLE_STATS, ctypes.byref(attr), ctypes.sizeof(attr))
+    fd = bpf(_BPF_ENABLE_STATS, attr)
     if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"BPF_ENABLE_STATS failed: {os.strerror(err)}")
+        raise OSError(-fd, f"BPF_ENABLE_STATS failed: {os.strerror(-fd)}")
     try:
         yield
     finally:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
-import platform
 import struct
 
+from nptrace.bpfsys import bpf
 from nptrace.netns import run_in
 
 BPF_PROG_QUERY = 16
@@ -31,28 +31,12 @@ BPF_LINK_CREATE = 28
 BPF_TCX_INGRESS = 46
 BPF_TCX_EGRESS = 47
 BPF_F_BEFORE = 1 << 3
-_SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351, "riscv64": 280}
 # errnos that mean "this kernel has no tcx": the attach type is unknown before 6.6
 NOT_SUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, 524)   # 524: the kernel's ENOTSUPP
 
 
 class TcxError(OSError):
     """Linking failed; .errno says why (NOT_SUPPORTED: no tcx in this kernel)."""
-
-
-def _bpf(cmd: int, attr) -> int:
-    """bpf(cmd, attr): the result, or -errno."""
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
-        return -errno.ENOSYS
-    libc = ct.CDLL(None, use_errno=True)
-    libc.syscall.restype = ct.c_long
-    r = libc.syscall(ct.c_long(nr), ct.c_int(cmd), attr, ct.c_uint(ct.sizeof(attr)))
-    return -ct.get_errno() if r < 0 else int(r)
-
-
-def _here(fn, netns_path: str | None):
-    return fn() if netns_path is None else run_in(netns_path, fn, "npt-tcx")
 
 
 def link_create(prog_fd: int, ifindex: int, ingress: bool, netns_path: str | None = None) -> int:
@@ -63,7 +47,7 @@ def link_create(prog_fd: int, ifindex: int, ingress: bool, netns_path: str | Non
     # .tcx { relative_fd | relative_id, expected_revision }: 0 = first, any revision
     struct.pack_into("=IIII", attr, 0, prog_fd, ifindex,
                      BPF_TCX_INGRESS if ingress else BPF_TCX_EGRESS, BPF_F_BEFORE)
-    fd = _here(lambda: _bpf(BPF_LINK_CREATE, attr), netns_path)
+    fd = run_in(netns_path, lambda: bpf(BPF_LINK_CREATE, attr), "npt-tcx")
     if fd < 0:
         why = ("kernel without tcx (Linux < 6.6)" if -fd in NOT_SUPPORTED else
                "needs CAP_NET_ADMIN and CAP_BPF" if -fd == errno.EPERM else
@@ -81,7 +65,7 @@ def prog_ids(ifindex: int, ingress: bool, netns_path: str | None = None) -> list
     # prog_ids (u64 pointer), prog_cnt
     struct.pack_into("=IIIIQI", attr, 0, ifindex, BPF_TCX_INGRESS if ingress else BPF_TCX_EGRESS,
                      0, 0, ct.addressof(ids), len(ids))
-    r = _here(lambda: _bpf(BPF_PROG_QUERY, attr), netns_path)
+    r = run_in(netns_path, lambda: bpf(BPF_PROG_QUERY, attr), "npt-tcx")
     if r < 0:
         raise TcxError(-r, f"tcx query of ifindex {ifindex}: {os.strerror(-r)}")
     n = struct.unpack_from("=I", attr, 24)[0]

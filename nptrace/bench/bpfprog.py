@@ -12,40 +12,33 @@ import ctypes as ct
 import errno
 import json
 import os
-import platform
 import struct
 import time
 from pathlib import Path
 
 from nptrace.bench.report import bpf_prog_fdinfo, tc_filter_progs
 from nptrace.bench.topology import BenchError, sh
+from nptrace.bpfsys import bpf
 
 BPF_PROG_LOAD = 5
 BPF_PROG_TYPE_SCHED_CLS = 3
-_SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "s390x": 351, "ppc64le": 361}
 # struct bpf_insn {u8 code; u8 dst:4, src:4; s16 off; s32 imm}
 EMPTY_INSNS = struct.pack("<BBhi", 0xB7, 0, 0, -1) + struct.pack("<BBhi", 0x95, 0, 0, 0)
 
 
 def load_empty_sched_cls(name: str = "npt_bn_empty") -> int:
     """fd of a loaded SCHED_CLS program that returns TC_ACT_UNSPEC (the next filter runs)."""
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
-        raise BenchError(f"bpf syscall number unknown on {platform.machine()}")
     insns = ct.create_string_buffer(EMPTY_INSNS, len(EMPTY_INSNS))
     lic = ct.create_string_buffer(b"GPL")
     attr = ct.create_string_buffer(128)
     struct.pack_into("<IIQQ", attr, 0, BPF_PROG_TYPE_SCHED_CLS, 2, ct.addressof(insns),
                      ct.addressof(lic))
     struct.pack_into("16s", attr, 48, name.encode()[:15])
-    libc = ct.CDLL(None, use_errno=True)
-    libc.syscall.restype = ct.c_long
-    fd = libc.syscall(ct.c_long(nr), ct.c_int(BPF_PROG_LOAD), attr, ct.c_uint(128))
+    fd = bpf(BPF_PROG_LOAD, attr)
     if fd < 0:
-        e = ct.get_errno()
-        raise BenchError(f"loading the empty tc program failed: {os.strerror(e)}"
-                         + (" (needs root)" if e in (errno.EPERM, errno.EACCES) else ""))
-    return int(fd)
+        raise BenchError(f"loading the empty tc program failed: {os.strerror(-fd)}"
+                         + (" (needs root)" if -fd in (errno.EPERM, errno.EACCES) else ""))
+    return fd
 
 
 def attach_filter(ns: str, dev: str, fd: int, name: str, ingress: bool) -> None:

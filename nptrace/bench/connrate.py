@@ -66,7 +66,7 @@ def run(b: Bench) -> Section:
             failures.append(r["failed"])
             return r["rate"]
 
-        def without():
+        def without(_i):
             return measure(load.run(secs))
 
         def with_nptrace(i):
@@ -136,7 +136,7 @@ def rotate(rounds: int, runs) -> list[list]:
     for i in range(rounds):
         for k in range(len(runs)):
             j = (i + k) % len(runs)
-            out[j][i] = runs[j](i) if j else runs[j]()
+            out[j][i] = runs[j](i)
     return out
 
 
