@@ -19,10 +19,10 @@ import ctypes as ct
 import errno
 import os
 import struct
-import threading
 from dataclasses import dataclass
 
 from nptrace.bpfsys import bpf
+from nptrace.netns import path_of, run_in
 
 NFPROTO_IPV4 = 2
 NFPROTO_IPV6 = 10
@@ -39,8 +39,6 @@ DEFAULT_POINTS = (AFTER_DNAT, AFTER_DNAT_LOCAL, AFTER_SNAT)
 
 BPF_LINK_CREATE = 28
 BPF_NETFILTER = 45
-CLONE_NEWNET = 0x40000000
-RUN_NETNS = "/run/netns"
 
 
 class NfHookError(OSError):
@@ -85,50 +83,6 @@ def cflags(btf=None, points=DEFAULT_POINTS) -> list[str]:
     return flags
 
 
-def _libc():
-    return ct.CDLL(None, use_errno=True)
-
-
-def _netns_path(netns: str) -> str:
-    return netns if "/" in netns else os.path.join(RUN_NETNS, netns)
-
-
-def in_netns(netns: str | None, fn):
-    """fn() run in a thread that has joined `netns` (a name under /run/netns or a path such as
-    /proc/PID/ns/net); None runs it here. The thread exits afterwards, so the caller's
-    namespace never changes."""
-    if netns is None:
-        return fn()
-    box: dict = {}
-
-    def run():
-        try:
-            fd = os.open(_netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            box["err"] = NfHookError(e.errno, f"cannot open network namespace {netns!r}: "
-                                              f"{e.strerror}")
-            return
-        try:
-            if _libc().setns(fd, CLONE_NEWNET) != 0:
-                e = ct.get_errno()
-                box["err"] = NfHookError(e, f"setns into {netns!r} failed: {os.strerror(e)} "
-                                            f"(needs CAP_SYS_ADMIN)")
-                return
-        finally:
-            os.close(fd)
-        try:
-            box["val"] = fn()
-        except BaseException as e:  # handed to the caller's thread
-            box["err"] = e
-
-    t = threading.Thread(target=run, name=f"npt-setns-{netns}")
-    t.start()
-    t.join()
-    if "err" in box:
-        raise box["err"]
-    return box["val"]
-
-
 def link_create(prog_fd: int, point: HookPoint, netns: str | None = None) -> int:
     """BPF_LINK_CREATE for a netfilter program; returns the link fd (close it to unlink)."""
     attr = (ct.c_uint8 * 64)()
@@ -136,7 +90,11 @@ def link_create(prog_fd: int, point: HookPoint, netns: str | None = None) -> int
     # .netfilter { pf, hooknum, priority (s32), flags }
     struct.pack_into("=IIIIIIiI", attr, 0, prog_fd, 0, BPF_NETFILTER, 0,
                      point.pf, point.hooknum, point.priority, 0)
-    fd = in_netns(netns, lambda: bpf(BPF_LINK_CREATE, attr))
+    try:
+        fd = run_in(path_of(netns), lambda: bpf(BPF_LINK_CREATE, attr), "npt-nf-link")
+    except OSError as e:
+        raise NfHookError(e.errno, f"cannot enter network namespace {netns!r}: "
+                                   f"{e.strerror or e} (needs CAP_SYS_ADMIN)") from None
     if fd < 0:
         why = {errno.EINVAL: "bad hook or priority, or kernel < 6.4",
                errno.EBUSY: "another BPF link holds that exact priority",

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nptrace.netns import run_in
+from nptrace.netns import path_of, run_in
 from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
 
 __all__ = [
@@ -205,7 +205,7 @@ def _genid_here() -> int:
 def _in_netns(netns: str | None, fn):
     """fn() run in the named namespace by a short-lived thread (netns.run_in); OSError when the
     namespace cannot be entered."""
-    return run_in(None if netns is None else f"/run/netns/{netns}", fn, f"npt-netns-{netns}")
+    return run_in(path_of(netns), fn, f"npt-netns-{netns}")
 
 
 def nft_generation(netns: str | None = None) -> int | None:

@@ -62,13 +62,17 @@ def attach_filter(ns: str, dev: str, fd: int, name: str, ingress: bool) -> None:
             time.sleep(0.2)
 
 
+def ifindex(ns: str, dev: str) -> int:
+    return int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"))
+
+
 def attach_empty(ns: str, dev: str, fd: int, ingress: bool) -> tuple[str, int | None]:
     """The empty program on dev the way nptrace attaches its own (tc.py, --tc-mode auto): a
     tcx link where the kernel has tcx, else a clsact filter. ("tcx", link fd) or
     ("clsact", None); close the link fd to unlink (the filter goes with the namespace)."""
     from nptrace import tcx
     from nptrace.netns import path_of
-    idx = int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"))
+    idx = ifindex(ns, dev)
     try:
         return "tcx", tcx.link_create(fd, idx, ingress, path_of(ns))
     except OSError as e:
@@ -114,7 +118,7 @@ def tc_prog_ids(ns: str, dev: str) -> dict[str, dict[str, int]]:
     name, tcx-linked programs by program name (bpftool's, 15 characters at most)."""
     from nptrace import tcx
     from nptrace.netns import path_of
-    idx = int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"))
+    idx = ifindex(ns, dev)
     out = {}
     for hook in ("ingress", "egress"):
         out[hook] = tc_filter_progs(json.loads(

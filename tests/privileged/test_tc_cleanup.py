@@ -164,13 +164,16 @@ def test_next_start_removes_what_a_killed_run_left(ns, fd, tmp_path, lose_state_
 
 
 # --- tcx (Linux 6.6+) ----------------------------------------------------------------------
+def _ifindex(ns: str, dev: str) -> int:
+    return int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"],
+                              capture_output=True, text=True, check=True).stdout)
+
+
 def _need_tcx(ns: str, fd: int) -> None:
     from nptrace import tcx
     from nptrace.netns import path_of
-    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/v1/ifindex"],
-                             capture_output=True, text=True, check=True).stdout)
     try:
-        os.close(tcx.link_create(fd, idx, True, path_of(ns)))
+        os.close(tcx.link_create(fd, _ifindex(ns, "v1"), True, path_of(ns)))
     except OSError as e:
         if e.errno in tcx.NOT_SUPPORTED:
             pytest.skip(f"kernel without tcx links (Linux < 6.6): {e}")
@@ -181,8 +184,7 @@ def tcx_progs(ns: str, dev: str) -> tuple[list[int], list[int]]:
     """(ingress, egress) program ids linked with tcx on dev, in run order."""
     from nptrace import tcx
     from nptrace.netns import path_of
-    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/ifindex"],
-                             capture_output=True, text=True, check=True).stdout)
+    idx = _ifindex(ns, dev)
     return (tcx.prog_ids(idx, True, path_of(ns)), tcx.prog_ids(idx, False, path_of(ns)))
 
 
@@ -199,8 +201,7 @@ def test_tcx_links_first_and_unlinks_on_exit(ns, fd, tmp_path):
     _need_tcx(ns, fd)
     pid_ = _prog_id(fd)
     # a CNI's program already linked on v0's ingress: ours must run before it
-    idx = int(subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/v0/ifindex"],
-                             capture_output=True, text=True, check=True).stdout)
+    idx = _ifindex(ns, "v0")
     from bcc import BPF
     cni = BPF(text="int cni(struct __sk_buff *skb) { return -1; }",
               cflags=["-Wno-ignored-attributes"])
