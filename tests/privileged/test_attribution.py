@@ -1,5 +1,6 @@
-"""Issue 5's yardstick: every lab scenario traced by the real `nptrace run --json` (one process
-in the root namespace, tc on the lab nodes' interfaces), 100 connection attempts each. At least
+"""Issue 5's yardstick: every lab scenario traced by the real `nptrace run --json --max-rate 0`
+(one process in the root namespace, tc on the lab nodes' interfaces, every record sent: storm
+sampling is test_rate_limit's), 100 connection attempts each. At least
 99% of the kernel events behind the scenario's own incidents carry the scenario's cause and
 Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
 printed (pytest -s, or the -rA summary) and kept in docs/confusion.md."""
