@@ -29,14 +29,8 @@
 #if NPT_WITH_NF_HOOK
 
 #define NPT_NF_ACCEPT 1
-#ifndef NPT_NF_NAT_ONLY
-#define NPT_NF_NAT_ONLY 1
-#endif
 #ifndef NPT_NF_EVENTS
 #define NPT_NF_EVENTS 0         /* also send each NATed SYN's view to user space */
-#endif
-#ifndef NPT_NAT_PEERS
-#define NPT_NAT_PEERS 131072    /* slots; two per connection */
 #endif
 /* Priority each hook number is linked at (nfhook.py sets the ones it links). */
 #ifndef NPT_NF_PRIO_H0
@@ -93,61 +87,7 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 }
 
 #if NPT_NF_NAT_ONLY
-/* The two tuples of every NATed connection, written at its first packet and looked up by
- * user space only when an incident needs them (classify.Context.nat_peer): linking a client's
- * tuple to its pod's costs nothing per healthy connection in user space. Keyed by each side's
- * tuple in its packet direction; the value is the other side's.
- *
- * A 2-way set-associative array, not an LRU hash: the two LRU inserts per connection
- * (free-list pop, bucket lock, cold element, an eviction once full) were most of this
- * program's cost, about 0.6 us each under bpf_stats on the 6.18 VM (BPF_F_NO_COMMON_LRU
- * measured slower). A slot write touches one or two cold cache lines. Each side's tuple takes
- * the empty or older slot of its set (npt_nat_set; loader.Probes.nat_peer computes the same
- * set and compares the key). A mapping survives t seconds at R new NATed connections/s with
- * probability e^-x (1 + x), x = 4 R t / NPT_NAT_PEERS (99% for 5 s at 1k/s with 131072 slots,
- * 56% at 10k/s; the LRU kept the last 65536 connections). Slots are written without a lock;
- * two CPUs writing one slot at the same instant can mix it, and the key compare in user space
- * catches most of that (a wrong link needs both to hash to one set within nanoseconds). */
-struct npt_nat_key {
-	u8  src[16];
-	u8  dst[16];
-	u16 sport;
-	u16 dport;
-};
-struct npt_nat_slot {
-	struct npt_nat_key key;     /* all zero when empty */
-	struct npt_nat_key peer;
-	u64 ns;                     /* when written: the older slot of a set is replaced */
-};
-#define NPT_NAT_WAYS 2
-#define NPT_NAT_SETS (NPT_NAT_PEERS / NPT_NAT_WAYS)
-/* BPF_F_MMAPABLE: user space reads the slots from memory (loader.Probes.nat_peer); with a
- * bpf() lookup per way and direction, a storm's unlinked records cost four syscalls each */
-BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT_WAYS,
-	    BPF_F_MMAPABLE);
-/* [0] != 0 once any NATed connection was stored: until then user space skips the lookups
- * (a node without NAT, or before kube-proxy's first connection). Written only while 0, so the
- * line stays shared among CPUs instead of bouncing once per connection. */
-BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
-
-/* First slot of k's set. Mirrored by loader.nat_set(); keep the two identical. */
-static __always_inline u32 npt_nat_set(const struct npt_nat_key *k)
-{
-	const u32 *w = (const u32 *)k;
-	u32 h = 0;
-#pragma unroll
-	for (int i = 0; i < 9; i++)
-		h = (h ^ w[i]) * 0x9E3779B1u;
-	h ^= h >> 16;
-	return (h % NPT_NAT_SETS) * NPT_NAT_WAYS;
-}
-
-static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const struct npt_nat_key *b)
-{
-	const u32 *x = (const u32 *)a, *y = (const u32 *)b;
-	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3] && x[4] == y[4] &&
-	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
-}
+/* nat_peers, its slots and hash: npt_common.h (the storm sampler reads them too) */
 
 /* Store k -> peer in k's set: over k's own slot, else the empty or older one. */
 static __always_inline void npt_nat_store(const struct npt_nat_key *k,

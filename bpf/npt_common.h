@@ -59,24 +59,6 @@ BPF_LPM_TRIE(filter_hosts, struct npt_lpm_key, u8, 256);
 #ifndef NPT_MAX_BURST
 #define NPT_MAX_BURST 200       /* ...after a burst of this many */
 #endif
-#if NPT_MAX_RATE
-/* Storm protection, a token bucket per kind (the counter key: type, hook, reason, interface,
- * netns) and CPU: a burst of NPT_MAX_BURST records goes out at once (a hundred clients failing
- * together are all labeled), then NPT_MAX_RATE a second; the rest is only counted (exactly).
- * A person needs a sample of a 100k-resets/s storm, not all of it, and each record costs user
- * space tens of us; the counts map keeps the totals, and a storm of one kind never starves the
- * records of another. User space passes the node-wide --max-rate / --max-burst divided by the
- * CPUs (config.per_cpu): per-CPU buckets need no atomics, and a 64-CPU node must not send 64
- * times what a 2-CPU one does. Credit is kept in nanoseconds: a record costs 1e9 / NPT_MAX_RATE. */
-#define NPT_RATE_COST (1000000000ULL / NPT_MAX_RATE)
-#define NPT_RATE_CAP (NPT_RATE_COST * NPT_MAX_BURST)
-struct npt_rate {
-	u64 last_ns;
-	u64 credit_ns;
-};
-BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
-#endif
-
 #define NPT_READ(dst, base, off) bpf_probe_read_kernel(&(dst), sizeof(dst), (void *)(base) + (off))
 
 static __always_inline void npt_stat_inc(u32 idx)
@@ -104,6 +86,232 @@ static __always_inline void npt_count(struct npt_event *e)
 	if (v)
 		(*v)++;
 }
+
+#ifndef NPT_NF_NAT_ONLY
+#define NPT_NF_NAT_ONLY 1
+#endif
+/* The netfilter-hook program (nf_hook.bpf.c, -DNPT_WITH_NF_HOOK) keeps NAT tuples in nat_peers */
+#define NPT_NAT_VIEW (NPT_WITH_NF_HOOK && NPT_NF_NAT_ONLY)
+#if NPT_NAT_VIEW
+#ifndef NPT_NAT_PEERS
+#define NPT_NAT_PEERS 131072    /* slots; two per connection */
+#endif
+/* The two tuples of every NATed connection, written at its first packet and looked up by
+ * user space only when an incident needs them (classify.Context.nat_peer): linking a client's
+ * tuple to its pod's costs nothing per healthy connection in user space. Keyed by each side's
+ * tuple in its packet direction; the value is the other side's.
+ *
+ * A 2-way set-associative array, not an LRU hash: the two LRU inserts per connection
+ * (free-list pop, bucket lock, cold element, an eviction once full) were most of this
+ * program's cost, about 0.6 us each under bpf_stats on the 6.18 VM (BPF_F_NO_COMMON_LRU
+ * measured slower). A slot write touches one or two cold cache lines. Each side's tuple takes
+ * the empty or older slot of its set (npt_nat_set; loader.Probes.nat_peer computes the same
+ * set and compares the key). A mapping survives t seconds at R new NATed connections/s with
+ * probability e^-x (1 + x), x = 4 R t / NPT_NAT_PEERS (99% for 5 s at 1k/s with 131072 slots,
+ * 56% at 10k/s; the LRU kept the last 65536 connections). Slots are written without a lock;
+ * two CPUs writing one slot at the same instant can mix it, and the key compare in user space
+ * catches most of that (a wrong link needs both to hash to one set within nanoseconds). */
+struct npt_nat_key {
+	u8  src[16];
+	u8  dst[16];
+	u16 sport;
+	u16 dport;
+};
+struct npt_nat_slot {
+	struct npt_nat_key key;     /* all zero when empty */
+	struct npt_nat_key peer;
+	u64 ns;                     /* when written: the older slot of a set is replaced */
+};
+#define NPT_NAT_WAYS 2
+#define NPT_NAT_SETS (NPT_NAT_PEERS / NPT_NAT_WAYS)
+/* BPF_F_MMAPABLE: user space reads the slots from memory (loader.Probes.nat_peer); with a
+ * bpf() lookup per way and direction, a storm's unlinked records cost four syscalls each */
+BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT_WAYS,
+	    BPF_F_MMAPABLE);
+/* [0] != 0 once any NATed connection was stored: until then user space skips the lookups
+ * (a node without NAT, or before kube-proxy's first connection). Written only while 0, so the
+ * line stays shared among CPUs instead of bouncing once per connection. */
+BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
+
+/* First slot of k's set. Mirrored by loader.nat_set(); keep the two identical. */
+static __always_inline u32 npt_nat_set(const struct npt_nat_key *k)
+{
+	const u32 *w = (const u32 *)k;
+	u32 h = 0;
+#pragma unroll
+	for (int i = 0; i < 9; i++)
+		h = (h ^ w[i]) * 0x9E3779B1u;
+	h ^= h >> 16;
+	return (h % NPT_NAT_SETS) * NPT_NAT_WAYS;
+}
+
+static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const struct npt_nat_key *b)
+{
+	const u32 *x = (const u32 *)a, *y = (const u32 *)b;
+	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3] && x[4] == y[4] &&
+	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
+}
+
+/* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
+ * hook wrote: 1 and *peer, or 0. */
+static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
+{
+	u32 i = npt_nat_set(k), j = i + 1;
+	struct npt_nat_slot *a = nat_peers.lookup(&i), *b = nat_peers.lookup(&j);
+	if (a && npt_nat_key_eq(&a->key, k)) {
+		*peer = a->peer;
+		return 1;
+	}
+	if (b && npt_nat_key_eq(&b->key, k)) {
+		*peer = b->peer;
+		return 1;
+	}
+	return 0;
+}
+#endif /* NPT_NAT_VIEW */
+
+#if NPT_MAX_RATE
+/* Storm protection, a token bucket per kind (the counter key: type, hook, reason, interface,
+ * netns) and CPU: a burst of NPT_MAX_BURST records goes out at once (a hundred clients failing
+ * together are all labeled), then NPT_MAX_RATE a second; the rest is only counted (exactly).
+ * A person needs a sample of a 100k-resets/s storm, not all of it, and each record costs user
+ * space tens of us; the counts map keeps the totals, and a storm of one kind never starves the
+ * records of another. User space passes the node-wide --max-rate / --max-burst divided by the
+ * CPUs (config.per_cpu): per-CPU buckets need no atomics, and a 64-CPU node must not send 64
+ * times what a 2-CPU one does. Credit is kept in nanoseconds: a record costs 1e9 / NPT_MAX_RATE.
+ *
+ * The sample is of FLOWS, not of records: buckets per kind alone kept one kind of a flow's
+ * records and dropped another, and user space then saw a connection's consequence without
+ * its cause (a client's reset received, the conntrack-INVALID drop behind it sampled out:
+ * labeled peer_reset, about 5% of a 100-client burst). The first record of a flow decides for
+ * it, in sample_flows, for NPT_SAMPLE_HOLD_NS: a flow sent keeps sending (its records may take
+ * its kind's bucket up to one burst below zero, so the rate stays bounded), a flow not sent
+ * stays unsent even when its other kinds have credit. */
+#define NPT_RATE_COST (1000000000ULL / NPT_MAX_RATE)
+#define NPT_RATE_CAP (NPT_RATE_COST * NPT_MAX_BURST)
+struct npt_rate {
+	u64 last_ns;
+	s64 credit_ns;      /* below zero: records of flows already sent, taken on credit */
+};
+BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
+
+#ifndef NPT_SAMPLE_FLOWS
+#define NPT_SAMPLE_FLOWS 16384   /* slots, a power of two */
+#endif
+/* How long a flow's decision holds: the classifier's max_hold (5 s), the longest it waits for
+ * the records of one incident. */
+#define NPT_SAMPLE_HOLD_NS 5000000000ULL
+/* One slot per flow hash, direct-mapped and shared by the CPUs (a flow's records come from
+ * several: the client's, the node's, the pod's softirqs). Written without a lock: a race of
+ * two flows on one slot costs one of them its coherence, never a count. */
+struct npt_sample_slot {
+	u64 key;            /* npt_flow_hash, 0: empty */
+	u64 ns;             /* when its first record was decided; low bit 1: that one was sent */
+};
+BPF_ARRAY(sample_flows, struct npt_sample_slot, NPT_SAMPLE_FLOWS);
+
+static __always_inline u32 npt_end_hash(const u8 *addr, u16 port)
+{
+	const u32 *w = (const u32 *)addr;
+	u32 h = port * 0x9E3779B1u;
+	h = (h ^ w[0]) * 0x85EBCA77u;
+	h = (h ^ w[1]) * 0xC2B2AE3Du;
+	h = (h ^ w[2]) * 0x9E3779B1u;
+	h = (h ^ w[3]) * 0x85EBCA77u;
+	return h ^ (h >> 15);
+}
+
+static __always_inline u64 npt_tuple_hash(const u8 *s, u16 sp, const u8 *d, u16 dp)
+{
+	u32 a = npt_end_hash(s, sp), b = npt_end_hash(d, dp);
+	return a < b ? (u64)a << 32 | b : (u64)b << 32 | a;
+}
+
+/* A connection's key, the same from either direction, in every namespace and on both sides
+ * of a NAT: the smaller hash of its two conntrack tuples (original and reply). A record with
+ * the conntrack entry has both; one without (the client's, a pod's own stack) has its own
+ * tuple and, when the netfilter hook stored the connection's NAT, the other one from
+ * nat_peers. 0: no ports, no flow (sampled per record). */
+static __always_inline u64 npt_flow_hash(struct npt_event *e)
+{
+	u64 h, p;
+	if (e->flags & NPT_F_HAS_CT) {
+		h = npt_tuple_hash(e->ct_osrc, e->ct_osport, e->ct_odst, e->ct_odport);
+		p = npt_tuple_hash(e->ct_rsrc, e->ct_rsport, e->ct_rdst, e->ct_rdport);
+	} else {
+		if (!e->sport && !e->dport)
+			return 0;
+		h = p = npt_tuple_hash(e->saddr, e->sport, e->daddr, e->dport);
+#if NPT_NAT_VIEW
+		u32 zero = 0;
+		u64 *used = nat_used.lookup(&zero);
+		if (used && *used) {
+			struct npt_nat_key k = {}, peer;
+			__builtin_memcpy(k.src, e->saddr, 16);
+			__builtin_memcpy(k.dst, e->daddr, 16);
+			k.sport = e->sport;
+			k.dport = e->dport;
+			int found = npt_nat_find(&k, &peer);
+			if (!found) {            /* a packet of the other direction */
+				__builtin_memcpy(k.src, e->daddr, 16);
+				__builtin_memcpy(k.dst, e->saddr, 16);
+				k.sport = e->dport;
+				k.dport = e->sport;
+				found = npt_nat_find(&k, &peer);
+			}
+			if (found)
+				p = npt_tuple_hash(peer.src, peer.sport, peer.dst, peer.dport);
+		}
+#endif
+	}
+	u64 k = h < p ? h : p;
+	return k ? k : 1;
+}
+
+/* 1: send the record; 0: only counted (NPT_S_SAMPLED). */
+static __always_inline int npt_rate_ok(struct npt_event *e)
+{
+	u64 now = e->ts_ns, fk = npt_flow_hash(e);
+	struct npt_sample_slot *s = 0;
+	int follow = -1;                 /* the flow's decision: 1 sent, 0 not, -1 none yet */
+	if (fk) {
+		u32 i = (u32)(fk ^ (fk >> 29)) & (NPT_SAMPLE_FLOWS - 1);
+		s = sample_flows.lookup(&i);
+		if (s && s->key == fk && now - (s->ns & ~1ULL) < NPT_SAMPLE_HOLD_NS)
+			follow = s->ns & 1;
+	}
+	if (follow == 0)
+		return 0;
+
+	struct npt_count_key rk = {};
+	struct npt_rate fresh = { .last_ns = now, .credit_ns = NPT_RATE_CAP };
+	npt_count_key_of(&rk, e);
+	struct npt_rate *r = rate.lookup_or_try_init(&rk, &fresh);
+	int send = 1;
+	if (r) {
+		s64 credit = r->credit_ns;
+		if (now > r->last_ns)
+			credit += now - r->last_ns;
+		if (credit > (s64)NPT_RATE_CAP)
+			credit = NPT_RATE_CAP;
+		r->last_ns = now;
+		if (credit >= (s64)NPT_RATE_COST) {
+			credit -= NPT_RATE_COST;
+		} else if (follow == 1 && credit - (s64)NPT_RATE_COST >= -(s64)NPT_RATE_CAP) {
+			credit -= NPT_RATE_COST;
+			npt_stat_inc(NPT_S_FLOW_KEPT);
+		} else {
+			send = 0;
+		}
+		r->credit_ns = credit;
+	}
+	if (s && follow < 0) {
+		s->key = fk;
+		s->ns = (now & ~1ULL) | send;
+	}
+	return send;
+}
+#endif
 
 /* Port/host filter on either end of the tuple. 1 = keep. */
 static __always_inline int npt_wanted(struct npt_event *e)
@@ -137,23 +345,9 @@ static __always_inline void npt_emit(struct npt_event *e)
 	}
 	npt_count(e);
 #if NPT_MAX_RATE
-	struct npt_count_key rk = {};
-	struct npt_rate fresh = { .last_ns = e->ts_ns, .credit_ns = NPT_RATE_CAP };
-	npt_count_key_of(&rk, e);
-	struct npt_rate *r = rate.lookup_or_try_init(&rk, &fresh);
-	if (r) {
-		u64 credit = r->credit_ns;
-		if (e->ts_ns > r->last_ns)
-			credit += e->ts_ns - r->last_ns;
-		if (credit > NPT_RATE_CAP)
-			credit = NPT_RATE_CAP;
-		r->last_ns = e->ts_ns;
-		if (credit < NPT_RATE_COST) {
-			r->credit_ns = credit;
-			npt_stat_inc(NPT_S_SAMPLED);
-			return;
-		}
-		r->credit_ns = credit - NPT_RATE_COST;
+	if (!npt_rate_ok(e)) {
+		npt_stat_inc(NPT_S_SAMPLED);
+		return;
 	}
 #endif
 	/* Wake-ups in batches (NPT_WAKE_EVERY > 1, what `nptrace run` asks for): its reader looks

@@ -68,7 +68,7 @@ def _run_options(fn):
                      "reason, interface, namespace), send user space about N records a second "
                      "for the node (shared by its CPUs) after a burst of --max-burst (0 = send "
                      "all). Counts stay exact; records beyond it are reported as sampled, not "
-                     "lost."),
+                     "lost. A connection's records are sent all or none (its first decides)."),
         click.option("--max-burst", type=click.IntRange(1, 1000000), default=400,
                      show_default=True, metavar="N",
                      help="Records of one kind the node sends at once before --max-rate "

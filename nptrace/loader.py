@@ -243,7 +243,7 @@ class Probes:
     # --- counters -----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         arr = self.bpf["stats"]
-        names = {0: "emitted", 1: "lost", 2: "filtered", 3: "sampled"}
+        names = {0: "emitted", 1: "lost", 2: "filtered", 3: "sampled", 4: "flow_kept"}
         out = {}
         for idx, name in names.items():
             out[name] = int(sum(arr.getvalue(ct.c_int(idx))))

@@ -69,15 +69,15 @@ def scenario_events(attempts, events, netns: set | None = None) -> list[dict]:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0) -> Score:
+    """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
+    storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok)."""
     from nptrace.demo import trace_scenario
     inodes: dict = {}
-    # --max-rate 0: the yardstick is attribution given every record. Under the default storm
-    # sampling a burst beyond --max-burst keeps exact counts but may drop some flows' causal
-    # record (conntrack-invalid's 100-client burst lost up to 5% of its labels that way).
+    extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
                                                  watch=watch, variant=variant, settle=observe,
-                                                 inode_sink=inodes, extra_args=("--max-rate", "0"))
+                                                 inode_sink=inodes, extra_args=extra)
     mine = scenario_events(attempts, events, set(inodes.values()))
     s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
               expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err,

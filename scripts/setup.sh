@@ -51,10 +51,11 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
     rm -rf .venv
     /usr/bin/python3 -m venv --system-site-packages .venv
 fi
+# py-spy is a binary, not a module: checked by its path, so an older venv picks it up
 if ! .venv/bin/python -c 'import nptrace, pytest, pyroute2, msgpack, click, prometheus_client' 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ]; then
+   || [ ! -x .venv/bin/py-spy ] || [ pyproject.toml -nt .venv/.installed ]; then
     log "installing nptrace into .venv"
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch .venv/.installed
 fi
 ln -sfn "$top/.venv/bin/nptrace" /usr/local/bin/nptrace

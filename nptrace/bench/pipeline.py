@@ -11,7 +11,9 @@ pipeline  what `nptrace run --json` does per record: read_batch(raw=True) -> eve
           mix (4 records per reset: kfree_skb of the SYN, tcp_send_reset, the RST on tc egress,
           kfree_skb of the RST at the client).
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
-reached. A cProfile pass of the pipeline lists its hot spots in the JSON.
+reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
+(sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:
+decode, ring, attribution (classify.py), json sink (sinks/jsonl.py, sinks/collapse.py), other.
 
 `python -m nptrace.bench.pipeline [--resets N] [--mix]` runs the pipeline alone (for py-spy).
 """
@@ -26,9 +28,11 @@ import pstats
 import struct
 import sys
 import time
+from pathlib import Path
 
 from nptrace import events as ev
 from nptrace import ringbuf as rb
+from nptrace.bench import pyspy
 from nptrace.bench.report import Row, Section, si
 
 DECODER_TARGET = 1_000_000
@@ -199,6 +203,35 @@ def profile_pipeline(n_resets: int, budget_s: float, top: int = 15) -> list[dict
     return rows[:top]
 
 
+# The py-spy pass samples the whole `python -m nptrace.bench.pipeline` process: start-up,
+# imports, records() building the input, the timed loop and the teardown of its objects. The
+# split counts only the samples under run_pipeline, minus those under records() or full_ring()
+# (the input, built before the clock starts) and under _find_and_load (run_pipeline's
+# first-time imports): what is left is the loop the rate is measured over, plus the final
+# flush. Without that, "other" would be mostly the build, which is not per-reset time.
+PYSPY_WITHIN, PYSPY_SKIP = "run_pipeline", ("records", "full_ring", "_find_and_load")
+
+
+def pyspy_pipeline(n_resets: int, budget_s: float, out_path: Path, rate: int) -> dict:
+    """py-spy over the single-record pipeline in a child: its summary, or {"error": why}."""
+    argv = [sys.executable, "-m", "nptrace.bench.pipeline", "--resets", str(n_resets),
+            "--budget", str(budget_s)]
+    # the budget bounds the loop; start-up, the build and the teardown get a minute more
+    rec = pyspy.record(argv, budget_s + 60, out_path, rate=rate)
+    if "error" in rec:
+        return rec
+    summ = pyspy.summarize(out_path.read_text(), within=PYSPY_WITHIN, skip=PYSPY_SKIP)
+    return {**rec, **summ}
+
+
+def _pyspy_row(r: dict) -> Row:
+    if "error" in r:
+        return Row("pipeline", "pipeline: where a reset's time goes (py-spy)",
+                   f"not run: {r['error']}", "", "info", None, None)
+    return Row("pipeline", f"pipeline: where a reset's time goes (py-spy, {r['samples']} "
+               "samples)", pyspy.stage_text(r["stages"]), "", "info", None, r["samples"])
+
+
 def run(b) -> Section:
     sec = Section("pipeline")
     dec = bench_decoder(b.scale(64 << 20, 16 << 20))
@@ -207,7 +240,11 @@ def run(b) -> Section:
     single = run_pipeline(n, False, budget)
     mix = run_pipeline(n // 4 if b.quick else n // 2, True, budget)
     hot = profile_pipeline(b.scale(30_000, 10_000), b.scale(5, 1.5))
+    # a higher rate in quick mode: its loop lasts well under a second
+    spy = pyspy_pipeline(n, b.scale(8, 2), b.logdir / "pipeline.pyspy.txt",
+                         rate=b.scale(250, 500))
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
+                "pyspy": spy,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
                 "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET}
     sec.rows = [
@@ -221,6 +258,7 @@ def run(b) -> Section:
         _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled resets/s", single,
                   True),
         _pipe_row("pipeline: storm mix, 4 records/reset, labeled resets/s", mix, False),
+        _pyspy_row(spy),
     ]
     return sec
 
