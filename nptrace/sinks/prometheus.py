@@ -9,7 +9,8 @@ Two sources, one registry (always passed in, never prometheus_client's global on
   * KernelCollector reads the in-kernel per-CPU counters at scrape time (client_python
     docs/content/collector/custom.md), so they are exact even under loss:
       nptrace_kernel_events_total{type,hook,reason,iface}, nptrace_events_lost_total,
-      nptrace_events_emitted_total, nptrace_events_filtered_total, nptrace_flows_tracked,
+      nptrace_events_emitted_total, nptrace_events_filtered_total,
+      nptrace_events_sampled_total, nptrace_flows_tracked,
       nptrace_probe_up{probe}, nptrace_kernel_counters_up.
 
 Labels are bounded: never addresses, ports or netns inodes. Interface names can grow without
@@ -48,7 +49,8 @@ METRIC_NAMES = frozenset({
     "nptrace_resets_total", "nptrace_drops_total", "nptrace_anomalies_total",
     "nptrace_service_events_total",
     "nptrace_kernel_events_total", "nptrace_events_lost_total", "nptrace_events_emitted_total",
-    "nptrace_events_filtered_total", "nptrace_flows_tracked", "nptrace_probe_up",
+    "nptrace_events_filtered_total", "nptrace_events_sampled_total", "nptrace_flows_tracked",
+    "nptrace_probe_up",
     "nptrace_kernel_counters_up",
 })
 
@@ -107,7 +109,7 @@ CountersFn = Callable[[], "tuple[Mapping[tuple, int], Mapping[str, int]]"]
 class KernelCollector:
     """Reads exact counters at scrape time. `counters()` returns (Probes.counts(),
     Probes.stats()): ({(type, hook, reason, ifindex, netns): n}, {"emitted", "lost",
-    "filtered"})."""
+    "filtered", "sampled"})."""
 
     def __init__(self, counters: CountersFn, *, iface_name: Callable[[int, int], str | None],
                  drop_name: Callable[[int], str] = lambda v: f"REASON_{v}",
@@ -127,6 +129,7 @@ class KernelCollector:
                 CounterMetricFamily("nptrace_events_lost", ""),
                 CounterMetricFamily("nptrace_events_emitted", ""),
                 CounterMetricFamily("nptrace_events_filtered", ""),
+                CounterMetricFamily("nptrace_events_sampled", ""),
                 GaugeMetricFamily("nptrace_kernel_counters_up", ""),
                 GaugeMetricFamily("nptrace_flows_tracked", ""),
                 GaugeMetricFamily("nptrace_probe_up", "", labels=["probe"])]
@@ -163,7 +166,9 @@ class KernelCollector:
             yield fam
             for key, help_ in (("lost", "Event records the ring buffer had no room for"),
                                ("emitted", "Event records written to the ring buffer"),
-                               ("filtered", "Events the in-kernel port/host filters rejected")):
+                               ("filtered", "Events the in-kernel port/host filters rejected"),
+                               ("sampled", "Events counted but not sent to user space: over "
+                                           "--max-rate (whole connections are left out)")):
                 c = CounterMetricFamily(f"nptrace_events_{key}", help_)
                 c.add_metric([], int(stats.get(key, 0)))
                 yield c

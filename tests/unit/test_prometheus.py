@@ -79,7 +79,7 @@ def kernel_counts():
               (int(ev.EvType.DROP), int(ev.Hook.KFREE_SKB), 16, 3, NS + 1): 2,   # other netns, same name
               (int(ev.EvType.RST_SENT), int(ev.Hook.TCP_SEND_RST), 1, 0, NS): 4,
               (int(ev.EvType.ICMP_UNREACH), int(ev.Hook.ICMP_SEND), (3 << 8) | 3, 9, NS): 1}
-    return counts, {"emitted": 12, "lost": 2, "filtered": 30}
+    return counts, {"emitted": 12, "lost": 2, "filtered": 30, "sampled": 5}
 
 
 def watched(reg=None, counters=kernel_counts, **kw):
@@ -112,6 +112,7 @@ def test_kernel_collector_reads_exact_counts_at_scrape_time():
     assert reg.get_sample_value("nptrace_events_lost_total") == 2
     assert reg.get_sample_value("nptrace_events_emitted_total") == 12
     assert reg.get_sample_value("nptrace_events_filtered_total") == 30
+    assert reg.get_sample_value("nptrace_events_sampled_total") == 5
     assert reg.get_sample_value("nptrace_flows_tracked") == 17
     assert reg.get_sample_value("nptrace_probe_up", {"probe": "skb:kfree_skb"}) == 1
     assert reg.get_sample_value("nptrace_probe_up", {"probe": "tc:eth1"}) == 0
