@@ -1,6 +1,6 @@
 """nf_tables tracing for the flows of interest, and the rule it names behind a netfilter drop.
 
-Evaluating a dumped ruleset (services.py) can name the rule that probably dropped a packet;
+Evaluating a dumped ruleset (nptrace/services) can name the rule that probably dropped a packet;
 an nf_tables trace names the rule that did. Tracing every packet would cost one netlink
 message per rule each packet meets, so nptrace traces only flows of interest: on a
 namespace's first netfilter drop it adds its own table there,
