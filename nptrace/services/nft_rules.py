@@ -8,6 +8,7 @@ nft_kube_proxy.py (kube-proxy's own table) both use them, so they sit below both
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from .build import _Builder
 from .facts import _Chain, _Entry
@@ -90,38 +91,39 @@ def _starts_expr(toks: list[str], k: int) -> bool:
     return tk in _NFT_L4 and nx in ("dport", "sport", "flags")
 
 
-def _skip_unknown(toks: list[str], i: int, m: _Match) -> int:
-    """Consume one expression that is not evaluated, and note it in m.unknown."""
-    start, i, depth = i, i + 1, 0
+def _scan(toks: list[str], i: int, stop: Callable[[int], bool]) -> int:
+    """The index of the first token from i, outside braces, where stop(index) holds (or the
+    end): a braced set or map is one expression's value, never a boundary."""
+    depth = 0
     while i < len(toks):
         tk = toks[i]
         if tk == "{":
             depth += 1
         elif tk == "}":
             depth -= 1
-        elif depth == 0 and _starts_expr(toks, i):
+        elif depth == 0 and stop(i):
             break
         i += 1
+    return i
+
+
+def _skip_unknown(toks: list[str], i: int, m: _Match) -> int:
+    """Consume one expression that is not evaluated, and note it in m.unknown."""
+    start = i
+    i = _scan(toks, i + 1, lambda k: _starts_expr(toks, k))
     words = " ".join(toks[start:i]).replace(" ,", ",")
     if words:
         m.unknown.append(words)
     return i
 
 
+_STMT_END = frozenset({"accept", "drop", "reject", "return", "jump", "goto", "comment",
+                       "counter", "log"})
+
+
 def _skip_stmt(toks: list[str], i: int) -> int:
     """Consume a statement that does not decide matching (counter, log, nat, mark set ...)."""
-    i, depth = i + 1, 0
-    while i < len(toks):
-        tk = toks[i]
-        if tk == "{":
-            depth += 1
-        elif tk == "}":
-            depth -= 1
-        elif depth == 0 and tk in ("accept", "drop", "reject", "return", "jump", "goto", "comment",
-                                   "counter", "log"):
-            break
-        i += 1
-    return i
+    return _scan(toks, i + 1, lambda k: toks[k] in _STMT_END)
 
 
 def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str, str | None, str | None]:
