@@ -277,8 +277,13 @@ static __always_inline int npt_rate_ok(struct npt_event *e)
 	if (fk) {
 		u32 i = (u32)(fk ^ (fk >> 29)) & (NPT_SAMPLE_FLOWS - 1);
 		s = sample_flows.lookup(&i);
-		if (s && s->key == fk && now - (s->ns & ~1ULL) < NPT_SAMPLE_HOLD_NS)
-			follow = s->ns & 1;
+		if (s && s->key == fk) {
+			/* signed: CPUs' records arrive a few us out of time order, and a flow's
+			 * record stamped just before the one that decided still follows it */
+			s64 age = (s64)(now - (s->ns & ~1ULL));
+			if (age < (s64)NPT_SAMPLE_HOLD_NS && age > -(s64)NPT_SAMPLE_HOLD_NS)
+				follow = s->ns & 1;
+		}
 	}
 	if (follow == 0)
 		return 0;
