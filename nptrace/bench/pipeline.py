@@ -3,7 +3,8 @@
 decoder   RingReader over a synthetic ring (the kernel's layout: consumer page, producer page,
           data mapped twice) filled to the brim with records, read with read_batch() into
           RECORD tuples (ringbuf.walk's fast path): events/s. Target >= 1,000,000/s.
-pipeline  what `nptrace run --json` does per record: read_batch(raw=True) -> events.decode_many ->
+pipeline  what `nptrace run --json` does per record after the ring walk (the decoder row times
+          that): events.decode_many of raw records, as read_batch(raw=True) hands them over ->
           Classifier.feed_many (+ tick per batch, flush at the end) -> JsonLines.write_many to
           /dev/null, batches of 256 records (the batch APIs the live loop uses).
           One tcp_send_reset NO_SOCKET record per reset, every reset a flow of its own (a
@@ -13,7 +14,8 @@ pipeline  what `nptrace run --json` does per record: read_batch(raw=True) -> eve
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
 reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
 (sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:
-decode, ring, attribution (classify.py), json sink (sinks/jsonl.py, sinks/collapse.py), other.
+decode, attribution (classify.py), json sink (sinks/jsonl.py, sinks/collapse.py), other (the
+ring stage of pyspy.py stays 0 here: no ring is walked).
 
 `python -m nptrace.bench.pipeline [--resets N] [--mix]` runs the pipeline alone (for py-spy).
 """
