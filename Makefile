@@ -10,7 +10,7 @@ setup:
 
 ## The README's first command: set up, then trace a lab scenario and print its labeled events.
 demo: setup
-	$(PY) -m nptrace.demo $(DEMO)
+	$(PY) -m nptrace.lab.demo $(DEMO)
 
 ## The README's second command (and .ci/run): set up, then every test (unit + privileged).
 test: setup

@@ -5,7 +5,7 @@
  *
  * Hook: BPF_PROG_TYPE_NETFILTER (32), expected attach type BPF_NETFILTER (45), Linux 6.4+
  * (commit fd9c663b9ad6, CONFIG_NETFILTER_BPF_LINK). Attached per network namespace with
- * BPF_LINK_CREATE (pf, hooknum, priority) by nptrace/nfhook.py; the link is made in the
+ * BPF_LINK_CREATE (pf, hooknum, priority) by nptrace/kernel/nfhook.py; the link is made in the
  * namespace of the calling thread. Fallback where missing: conntrack tuples read at the
  * tracepoints (npt_read_ct), which show the NAT decision but not the hook it was made at.
  * Gate: -DNPT_WITH_NF_HOOK.

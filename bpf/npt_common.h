@@ -3,7 +3,7 @@
  *
  * Kernel structs are NEVER read through header layouts: bcc compiles against borrowed Debian
  * headers whose layouts differ from the running kernel. Every offset comes from BTF at load
- * time as a -DNPT_OFF_<struct>__<member> macro (nptrace/offsets.py), and every read is a
+ * time as a -DNPT_OFF_<struct>__<member> macro (nptrace/kernel/offsets.py), and every read is a
  * bpf_probe_read_kernel() at base + offset.
  */
 #ifndef NPT_COMMON_H

@@ -1,7 +1,7 @@
 /* Wire view: what TCP packets actually cross the watched interfaces.
  *
  * Hook: tc, one program per direction (npt_tc_ingress, npt_tc_egress), attached by
- * nptrace/tc.py to each --iface as tcx links (Linux 6.6+, nptrace/tcx.py) or, on older
+ * nptrace/kernel/tc.py to each --iface as tcx links (Linux 6.6+, nptrace/kernel/tcx.py) or, on older
  * kernels, as clsact direct-action filters (clsact 4.5, direct-action 4.4); bpf_ktime/ring
  * buffer as the rest (5.8). Fallback: none (tc is optional: without --iface nothing here is
  * compiled, -DNPT_WITH_TC=0).

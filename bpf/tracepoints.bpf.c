@@ -2,7 +2,7 @@
  * the local TCP stack sent or received, which ICMP errors it sent about TCP, and which SYN-ACKs
  * it had to retransmit.
  *
- * Hooks (stable tracepoints; every one is optional and probed by nptrace/features.py):
+ * Hooks (stable tracepoints; every one is optional and probed by nptrace/kernel/features.py):
  *   skb:kfree_skb            reason field since Linux 5.17 (rx_sk since 6.12, unused)
  *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10
  *   tcp:tcp_receive_reset    since 4.15

@@ -172,7 +172,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
 def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
              **_outputs):
     """Print the BPF source and cflags `run` would compile (no root needed)."""
-    from nptrace import btf, loader, offsets
+    from nptrace.kernel import btf, loader, offsets
     from nptrace.tracer import available_tracepoints
     cfg = build_config(ifaces, ports, hosts, ring_pages)
     flags = loader.all_cflags(cfg, available_tracepoints() or None, offsets.cflags(btf.default()))
@@ -192,7 +192,7 @@ def _register_optional():
         main_group.add_command(lab, "lab")
     except ImportError:
         pass
-    from nptrace.offline import merge_command, replay_command, report_command
+    from nptrace.sessions.offline import merge_command, replay_command, report_command
     main_group.add_command(replay_command, "replay")
     main_group.add_command(report_command, "report")
     main_group.add_command(merge_command, "merge")

@@ -1,9 +1,9 @@
 """`nptrace doctor`: what this kernel, this process and this node allow, and what is lost.
 
-One row per probe (nptrace/features.py) and per node check (nptrace/node.py): area, check,
+One row per probe (nptrace/kernel/features.py) and per node check (nptrace/node/checks.py): area, check,
 status (ok, warn, missing, fail, unknown), detail, and for anything not ok what nptrace cannot
 see because of it. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
-with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.loader and bcc,
+with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.kernel.loader and bcc,
 imported only inside the command and only on the real root.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from nptrace import features as feat
-from nptrace import node as nodemod
+from nptrace.kernel import features as feat
+from nptrace.node import checks as nodemod
 
 __all__ = ["Report", "Row", "build_report", "doctor_command", "exit_code", "render"]
 
@@ -114,9 +114,9 @@ class _NodeFailure(click.ClickException):
 
 
 def _trial_function():
-    """nptrace.loader.trial_load (bcc), or None when the loader cannot be imported."""
+    """nptrace.kernel.loader.trial_load (bcc), or None when the loader cannot be imported."""
     try:
-        from nptrace.loader import trial_load
+        from nptrace.kernel.loader import trial_load
     except Exception:
         return None
     return trial_load

@@ -46,7 +46,7 @@ def available_tracepoints() -> set[str]:
 def check_privileges() -> None:
     """Before the slow compile: CAP_SYS_ADMIN, or CAP_BPF + CAP_PERFMON + CAP_NET_ADMIN."""
     try:
-        from nptrace.features import has_bpf_caps
+        from nptrace.kernel.features import has_bpf_caps
         ok = has_bpf_caps()
     except ImportError:  # features.py absent: fall back to the uid
         ok = os.geteuid() == 0
@@ -83,7 +83,7 @@ def release_startup_memory() -> None:
     long-running node agent's RSS is what it uses."""
     import ctypes
     import gc
-    from nptrace import btf
+    from nptrace.kernel import btf
     btf._DEFAULT = None
     gc.collect()
     try:
@@ -170,8 +170,9 @@ class Tracer:
         check_privileges()
         check_ifaces(self.cfg)
         self.lock.acquire()
-        from nptrace import btf, loader, offsets, reasons
-        from nptrace.netns import Names
+        from nptrace import reasons
+        from nptrace.kernel import btf, loader, offsets
+        from nptrace.node.netns import Names
         kbtf = btf.default()
         offset_flags = offsets.cflags(kbtf)
         drops, rsts = reasons.load_tables(kbtf)
@@ -202,11 +203,11 @@ class Tracer:
         self._attach_enrichment(loader)
         names = Names()
         if self.ctx is None:
-            from nptrace.knowledge import NodeKnowledge
+            from nptrace.node.knowledge import NodeKnowledge
             self.knowledge = kn = NodeKnowledge(names)
             watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
             kn.preload(watched)
-            from nptrace.nftrace_live import TracedRules
+            from nptrace.node.nftrace_live import TracedRules
             self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
@@ -226,7 +227,7 @@ class Tracer:
                                       probes=lambda: {p: 1 for p in probes.attached})
         self.classifier = Classifier(self.ctx)
         release_startup_memory()
-        from nptrace.ringbuf import RingReader
+        from nptrace.kernel.ringbuf import RingReader
         # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
         # near 350-600k records/s in Python, the mmap walk above 1M/s (PLATFORM.md).
         self.reader = RingReader(self.probes.ring_map_fd())
@@ -259,7 +260,7 @@ class Tracer:
             self.sinks.append(self.metrics)
             log(f"metrics on http://{o.metrics_addr}/metrics")
         if o.record_dir:
-            from nptrace import session
+            from nptrace.sessions import format as session
             from nptrace.sinks.recorder import Recorder, snapshot_ifnames
             hdr = session.make_header(
                 epoch_offset_ns=self.epoch_offset_ns, drops=drops, resets=rsts,
@@ -281,7 +282,7 @@ class Tracer:
     def _nf_cflags(self, kbtf) -> list[str]:
         if not self.cfg.nf_hook:
             return []
-        from nptrace import nfhook
+        from nptrace.kernel import nfhook
         try:
             return nfhook.cflags(kbtf, points=(nfhook.AFTER_SNAT,))
         except Exception as e:
@@ -296,7 +297,7 @@ class Tracer:
     def _attach_enrichment(self, loader) -> None:
         self.nf_links = None
         if any(f.startswith("-DNPT_WITH_NF_HOOK=1") for f in self.probes.cflags):
-            from nptrace import nfhook
+            from nptrace.kernel import nfhook
             try:
                 fd = loader.load_netfilter_prog(self.probes.bpf)
                 self.nf_links = nfhook.NfHookLinks(fd)
@@ -323,13 +324,13 @@ class Tracer:
         if not self.cfg.ifaces:
             return []
         try:
-            from nptrace.tc import tc_cflags
+            from nptrace.kernel.tc import tc_cflags
         except ImportError:
             return []
         return tc_cflags(self.cfg)
 
     def _attach_tc(self) -> None:
-        from nptrace import tc
+        from nptrace.kernel import tc
         self.tc = tc.attach(self.probes, self.cfg)
 
     # -- run -----------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 #   - Kernel headers: bcc compiles against /lib/modules/$(uname -r)/build. Where that is
 #     missing (custom kernels, these VMs) we install the newest Debian linux-headers we can
 #     get and link them there. Their struct layouts are NOT used: every kernel-struct offset
-#     the probes read comes from BTF at load time (nptrace/btf.py).
+#     the probes read comes from BTF at load time (nptrace/kernel/btf.py).
 #   - A venv made from Debian's /usr/bin/python3 with --system-site-packages, because bcc
 #     imports only there; `nptrace` is linked into /usr/local/bin.
 set -euo pipefail

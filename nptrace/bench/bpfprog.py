@@ -3,7 +3,7 @@
 The empty program is two instructions (r0 = -1 [TC_ACT_UNSPEC]; exit) loaded with the raw
 bpf(BPF_PROG_LOAD) syscall: no bcc, no compiler, nothing that could make the floor differ
 from run to run. Statistics are the kernel's own `run_cnt` / `run_time_ns`, counted while
-BPF_ENABLE_STATS is held (nptrace.tc.enable_bpf_stats) and read from /proc/<pid>/fdinfo/<fd>
+BPF_ENABLE_STATS is held (nptrace.kernel.tc.enable_bpf_stats) and read from /proc/<pid>/fdinfo/<fd>
 of whichever process holds the program: nptrace's, read from outside (a black box).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nptrace.bench.report import bpf_prog_fdinfo, tc_filter_progs
 from nptrace.bench.topology import BenchError, sh
-from nptrace.bpfsys import bpf
+from nptrace.kernel.bpfsys import bpf
 
 BPF_PROG_LOAD = 5
 BPF_PROG_TYPE_SCHED_CLS = 3
@@ -42,8 +42,8 @@ def load_empty_sched_cls(name: str = "npt_bn_empty") -> int:
 
 
 def attach_filter(ns: str, dev: str, fd: int, name: str, ingress: bool) -> None:
-    """A direct-action bpf filter on dev's clsact (added if missing) through nptrace.netlink."""
-    from nptrace import netlink
+    """A direct-action bpf filter on dev's clsact (added if missing) through nptrace.kernel.netlink."""
+    from nptrace.kernel import netlink
     from nptrace.errors import InterfaceError
     for attempt in range(5):
         try:
@@ -70,8 +70,8 @@ def attach_empty(ns: str, dev: str, fd: int, ingress: bool) -> tuple[str, int | 
     """The empty program on dev the way nptrace attaches its own (tc.py, --tc-mode auto): a
     tcx link where the kernel has tcx, else a clsact filter. ("tcx", link fd) or
     ("clsact", None); close the link fd to unlink (the filter goes with the namespace)."""
-    from nptrace import tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tcx
+    from nptrace.node.netns import path_of
     idx = ifindex(ns, dev)
     try:
         return "tcx", tcx.link_create(fd, idx, ingress, path_of(ns))
@@ -116,8 +116,8 @@ def prog_names(ids) -> dict[int, str]:
 def tc_prog_ids(ns: str, dev: str) -> dict[str, dict[str, int]]:
     """{'ingress'|'egress': {name: prog id}} of the programs on dev: tc bpf filters by filter
     name, tcx-linked programs by program name (bpftool's, 15 characters at most)."""
-    from nptrace import tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tcx
+    from nptrace.node.netns import path_of
     idx = ifindex(ns, dev)
     out = {}
     for hook in ("ingress", "egress"):

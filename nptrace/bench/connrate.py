@@ -143,7 +143,7 @@ def rotate(rounds: int, runs) -> list[list]:
 def per_connection_costs(b: Bench, t: Topology, node: str, load: ConnLoad, secs: float) -> dict:
     """{connections, programs: {name: {runs_per_conn, ns_per_run, ns_per_conn}}} of one run
     of nptrace with BPF_ENABLE_STATS held; programs that did not run are left out."""
-    from nptrace.tc import enable_bpf_stats
+    from nptrace.kernel.tc import enable_bpf_stats
     npt = b.nptrace(t, "connrate", "connrate_stats",
                     ["--iface", f"{node}/n0", "--iface", f"{node}/n1"])
     try:

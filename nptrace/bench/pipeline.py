@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from nptrace import events as ev
-from nptrace import ringbuf as rb
+from nptrace.kernel import ringbuf as rb
 from nptrace.bench import pyspy
 from nptrace.bench.report import Row, Section, si
 

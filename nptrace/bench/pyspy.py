@@ -92,7 +92,7 @@ def stage_of(fn: str, file: str) -> str | None:
     name = fn.rpartition(".")[2]          # py-spy names methods Class.method
     if _is(file, "nptrace/events.py") and name in ("decode_many", "from_tuple"):
         return "decode"
-    if _is(file, "nptrace/ringbuf.py"):
+    if _is(file, "nptrace/kernel/ringbuf.py"):
         return "ring"
     if _is(file, "nptrace/classify.py"):
         return "attribution"

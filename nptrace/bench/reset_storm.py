@@ -165,7 +165,7 @@ def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
     n = b.nptrace(t, "reset_storm", f"storm-{name}",
                   ["--iface", f"{server}/s0", "--host", "10.251.0.0/16",
                    "--metrics-addr", f"127.0.0.1:{port}", *extra], stdout_path=out)
-    from nptrace.tc import enable_bpf_stats
+    from nptrace.kernel.tc import enable_bpf_stats
     try:
         with enable_bpf_stats():
             p0 = bpfprog.process_prog_stats(n.pid)

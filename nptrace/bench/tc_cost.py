@@ -36,7 +36,7 @@ def _setup(t: Topology) -> tuple[str, str]:
 
 
 def run(b: Bench) -> Section:
-    from nptrace.tc import enable_bpf_stats
+    from nptrace.kernel.tc import enable_bpf_stats
 
     sec = Section("tc_cost")
     secs = b.scale(4, 2)

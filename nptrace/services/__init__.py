@@ -8,7 +8,7 @@ Input is the node's own rule dump, never the Kubernetes API:
   * ``nft [-a] list ruleset`` text and the knftables ``add table/chain/set/map/rule/element``
     dump form (kube-proxy's nftables mode, alpha in v1.29): :func:`parse_nft`.
 
-Pure text processing: no subprocess, no root, no bcc. ``nptrace/rules_source.py`` reads the
+Pure text processing: no subprocess, no root, no bcc. ``nptrace/node/rules_source.py`` reads the
 live dump of a network namespace. What kube-proxy writes, and what is read from it:
 iptables.py and nft_kube_proxy.py.
 

@@ -1,4 +1,4 @@
-"""`--record DIR`: the live side of a session (nptrace/session.py holds the format).
+"""`--record DIR`: the live side of a session (nptrace/sessions/format.py holds the format).
 
 The recorder stores what the kernel said (each raw ring-buffer record) and what the live
 classifier learned from the node while labeling it (interface and Service names), so that
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from nptrace.session import SessionWriter
+from nptrace.sessions.format import SessionWriter
 
 CountersFn = Callable[[], "tuple[dict, dict]"]
 _MISSING = object()
@@ -104,10 +104,10 @@ class Recorder:
 
 def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
     """{netns inode: {ifindex: name}} of the host and up to `limit` named namespaces, named
-    the way nptrace.netns.Names.iface names them ("ns/ifname" in a named namespace). For the
+    the way nptrace.node.netns.Names.iface names them ("ns/ifname" in a named namespace). For the
     session header: a person reading it, and `report`; replay itself relies on the recorded
     lookups."""
-    from nptrace import netns
+    from nptrace.node import netns
     out: dict[int, dict[int, str]] = {}
     try:
         out[netns.host_inode()] = netns.link_names_or_none(None)

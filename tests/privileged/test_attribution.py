@@ -9,7 +9,7 @@ import os
 import pytest
 
 from nptrace import lab
-from nptrace.scorecard import HEALTHY, FAULTLESS, matrix_markdown, score
+from nptrace.lab.scorecard import HEALTHY, FAULTLESS, matrix_markdown, score
 
 pytestmark = pytest.mark.privileged
 COUNT = int(os.environ.get("NPT_ATTRIBUTION_COUNT", "100"))

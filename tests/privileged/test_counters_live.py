@@ -12,7 +12,7 @@ import pytest
 
 from nptrace import counters
 from nptrace import events as ev
-from nptrace import ringbuf as rb
+from nptrace.kernel import ringbuf as rb
 
 pytestmark = pytest.mark.privileged
 
@@ -37,9 +37,10 @@ def settled_snapshot(probes, drops, resets) -> counters.CounterSnapshot:
 
 
 def test_counts_exact_when_ring_overflows(netns):
-    from nptrace import btf, offsets, reasons
+    from nptrace import reasons
+    from nptrace.kernel import btf, offsets
     from nptrace.config import Config
-    from nptrace.loader import Probes
+    from nptrace.kernel.loader import Probes
 
     ns, inode = netns
     n = 2000

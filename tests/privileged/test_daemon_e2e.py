@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from loopback import loopback_netns
 
-from nptrace import session
+from nptrace.sessions import format as session
 
 pytestmark = [pytest.mark.privileged,
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -154,8 +154,8 @@ def wait_for(cond, timeout: float, what: str):
 def tc_state(watch: list[str]) -> dict[str, tuple[list[str], list[str]]]:
     """{"ns/if": (qdisc kinds, names of npt_ filters on ingress and egress, then one
     "tcx:<hook>:<prog id>" per program linked there with tcx)}."""
-    from nptrace import tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tcx
+    from nptrace.node.netns import path_of
     out = {}
     for w in watch:
         ns, dev = w.split("/", 1)

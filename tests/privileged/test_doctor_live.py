@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nptrace import doctor, features, node
+from nptrace import doctor
+from nptrace.kernel import features
+from nptrace.node import checks as node
 
 pytestmark = [
     pytest.mark.privileged,
@@ -50,7 +52,7 @@ def test_doctor_as_root_exits_0_and_really_tries_fentry():
     assert (kp["status"] == "ok") == KPROBE_PMU.exists()
     if not KPROBE_PMU.exists():
         assert kp["status"] == "missing" and kp["cost"]
-    # A trial load happened (through nptrace.loader and bcc): the kernel answered yes or no.
+    # A trial load happened (through nptrace.kernel.loader and bcc): the kernel answered yes or no.
     fentry = row(d, "fentry")
     assert fentry["status"] in ("ok", "missing"), fentry
     if fentry["status"] == "missing":

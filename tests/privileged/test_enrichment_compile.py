@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from nptrace import events as ev
-from nptrace import nfhook
-from nptrace import ringbuf as rb
+from nptrace.kernel import nfhook
+from nptrace.kernel import ringbuf as rb
 
 privileged = pytest.mark.privileged
 
@@ -42,7 +42,7 @@ def _need_root_and_bcc():
 
 
 def _base_cflags():
-    from nptrace import btf, offsets
+    from nptrace.kernel import btf, offsets
     from nptrace.config import Config, build_cflags
     b = btf.default()
     return b, build_cflags(Config(ringbuf_pages=64), set(), offsets.cflags(b))
@@ -76,7 +76,7 @@ def test_kprobes_compile_and_verify():
     loading does not need CONFIG_KPROBES, attaching does."""
     _need_root_and_bcc()
     from bcc import BPF
-    from nptrace import loader
+    from nptrace.kernel import loader
     _, flags = _base_cflags()
     b = loader.compile_families(("npt_common.h", "kprobes.bpf.c"),
                                 flags + ["-DNPT_WITH_KPROBES=1"])
@@ -93,7 +93,7 @@ def test_kprobes_compile_and_verify():
 @privileged
 def test_kprobes_attach_or_say_why_not():
     _need_root_and_bcc()
-    from nptrace import features, loader
+    from nptrace.kernel import features, loader
     f = features.probe()
     r = f.result("kprobes")
     if not r.present:
@@ -114,7 +114,7 @@ def test_kprobes_attach_or_say_why_not():
 
 # --- netfilter hook program -------------------------------------------------------------------
 def _nf_prog_supported() -> str | None:
-    from nptrace import features
+    from nptrace.kernel import features
     r = features.probe().result("netfilter bpf")
     return None if r.present is not False else r.detail or "kernel < 6.4"
 
@@ -169,7 +169,7 @@ def test_nf_hook_sees_syn_after_dnat(dnat_lab):
     why = _nf_prog_supported()
     if why:
         pytest.skip(f"BPF_PROG_TYPE_NETFILTER unavailable: {why}")
-    from nptrace import loader
+    from nptrace.kernel import loader
     cli, node = dnat_lab
     node_inode = os.stat(f"/run/netns/{node}").st_ino
     b, flags = _base_cflags()

@@ -47,11 +47,13 @@ def test_metrics_recording_and_pcap_on_the_real_kernel(netns, tmp_path):
 
     from prometheus_client import CollectorRegistry
 
-    from nptrace import btf, offline, offsets, reasons
+    from nptrace import reasons
+    from nptrace.kernel import btf, offsets
+    from nptrace.sessions import offline
     from nptrace.classify import Classifier, Context
     from nptrace.config import Config
-    from nptrace.loader import Probes
-    from nptrace.session import SessionWriter, make_header
+    from nptrace.kernel.loader import Probes
+    from nptrace.sessions.format import SessionWriter, make_header
     from nptrace.sinks.jsonl import verdict_dict
     from nptrace.sinks.pcapng import PcapngSink
     from nptrace.sinks.prometheus import MetricsSink, serve

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from nptrace import netns
+from nptrace.node import netns
 
 pytestmark = pytest.mark.privileged
 

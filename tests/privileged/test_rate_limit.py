@@ -24,9 +24,10 @@ def netns():
 
 
 def test_token_bucket_sends_a_sample_and_counts_all(netns):
-    from nptrace import btf, counters, offsets, reasons
+    from nptrace import counters, reasons
+    from nptrace.kernel import btf, offsets
     from nptrace.config import Config, per_cpu
-    from nptrace.loader import Probes
+    from nptrace.kernel.loader import Probes
 
     ns, inode = netns
     n, burst, rate = 3000, 20, 50
@@ -83,11 +84,12 @@ def test_sample_is_of_flows_not_of_records(netns):
     tcp_receive_reset. With the drop kind's bucket already empty (bare resets) and the other
     two full, a per-record sample would send some connections' resets without their drop;
     the kernel keeps a flow whole: all three records of a connection, or none."""
-    from nptrace import btf, counters, offsets, reasons
+    from nptrace import counters, reasons
+    from nptrace.kernel import btf, offsets
     from nptrace import events as ev
-    from nptrace import ringbuf as rb
+    from nptrace.kernel import ringbuf as rb
     from nptrace.config import Config
-    from nptrace.loader import Probes
+    from nptrace.kernel.loader import Probes
     from test_ringbuf_live import baseline, drain_until_settled
 
     ns, inode = netns

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nptrace import events as ev
-from nptrace import ringbuf as rb
+from nptrace.kernel import ringbuf as rb
 
 pytestmark = pytest.mark.privileged
 
@@ -37,9 +37,10 @@ def netns():
 
 
 def load_probes(**cfg_kw):
-    from nptrace import btf, offsets, reasons
+    from nptrace import reasons
+    from nptrace.kernel import btf, offsets
     from nptrace.config import Config
-    from nptrace.loader import Probes
+    from nptrace.kernel.loader import Probes
     b = btf.default()
     drops, _ = reasons.load_tables(b)
     cfg_kw.setdefault("ringbuf_pages", 4096)   # these tests size their storms for 16 MiB

@@ -1,4 +1,4 @@
-"""nptrace.rules_source against real rules: each test builds a namespace npt-svc-<pid>-<n>, loads a
+"""nptrace.node.rules_source against real rules: each test builds a namespace npt-svc-<pid>-<n>, loads a
 kube-proxy fixture with the iptables-nft, iptables-legacy or nft tools, reads it back and looks the
 Services up. Namespaces are deleted even when a test fails; nothing outside them is touched."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nptrace import rules_source as rs
-from nptrace.rules_source import RulesSourceError
+from nptrace.node import rules_source as rs
+from nptrace.node.rules_source import RulesSourceError
 
 pytestmark = pytest.mark.privileged
 

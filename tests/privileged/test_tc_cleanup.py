@@ -26,7 +26,7 @@ PROG = "int npt_noop(struct __sk_buff *skb) { return -1; }"
 DEAD_RUN = r"""
 import sys
 from bcc import BPF
-from nptrace import tc
+from nptrace.kernel import tc
 from nptrace.config import IfaceSpec
 b = BPF(text=sys.argv[3], cflags=["-Wno-ignored-attributes"])
 fd = b.load_func("npt_noop", BPF.SCHED_CLS).fd
@@ -72,7 +72,7 @@ def fd():
 
 def tc_state(ns: str, dev: str) -> tuple[bool, list[str]]:
     """(clsact present, names of the bpf filters on ingress + egress)."""
-    from nptrace import netlink
+    from nptrace.kernel import netlink
     with netlink.open_netns(ns) as r:
         idx = r.link(dev).ifindex
         names = [f.name for p in (netlink.PARENT_INGRESS, netlink.PARENT_EGRESS)
@@ -85,7 +85,7 @@ def ours(pid: int) -> list[str]:
 
 
 def test_normal_exit_and_exception_remove_everything(ns, fd, tmp_path):
-    from nptrace import tc
+    from nptrace.kernel import tc
     spec = [IfaceSpec(ns, "v0")]
     with tc.TcAttachments(spec, fd, fd, state_dir=tmp_path) as att:
         assert tc_state(ns, "v0") == (True, ours(os.getpid()))
@@ -102,7 +102,7 @@ def test_normal_exit_and_exception_remove_everything(ns, fd, tmp_path):
 
 
 def test_foreign_qdisc_and_filter_are_kept(ns, fd, tmp_path):
-    from nptrace import netlink, tc
+    from nptrace.kernel import netlink, tc
     with netlink.open_netns(ns) as r:
         idx = r.link("v1").ifindex
         r.add_clsact(idx)
@@ -116,7 +116,7 @@ def test_foreign_qdisc_and_filter_are_kept(ns, fd, tmp_path):
 
 
 def test_unknown_interface_or_namespace_changes_nothing(ns, fd, tmp_path):
-    from nptrace import tc
+    from nptrace.kernel import tc
     with pytest.raises(InterfaceError, match="'nope0' not found"):
         with tc.TcAttachments([IfaceSpec(ns, "v0"), IfaceSpec(ns, "nope0")], fd, fd,
                               state_dir=tmp_path):
@@ -145,7 +145,7 @@ def _dead_run(ns: str, state_dir: Path, mode: str = "clsact") -> int:
 
 @pytest.mark.parametrize("lose_state_file", [False, True], ids=["state-file", "names-only"])
 def test_next_start_removes_what_a_killed_run_left(ns, fd, tmp_path, lose_state_file):
-    from nptrace import tc
+    from nptrace.kernel import tc
     dead = _dead_run(ns, tmp_path)
     assert tc_state(ns, "v0") == (True, ours(dead))
     state = tmp_path / f"tc-{dead}.json"
@@ -170,8 +170,8 @@ def _ifindex(ns: str, dev: str) -> int:
 
 
 def _need_tcx(ns: str, fd: int) -> None:
-    from nptrace import tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tcx
+    from nptrace.node.netns import path_of
     try:
         os.close(tcx.link_create(fd, _ifindex(ns, "v1"), True, path_of(ns)))
     except OSError as e:
@@ -182,8 +182,8 @@ def _need_tcx(ns: str, fd: int) -> None:
 
 def tcx_progs(ns: str, dev: str) -> tuple[list[int], list[int]]:
     """(ingress, egress) program ids linked with tcx on dev, in run order."""
-    from nptrace import tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tcx
+    from nptrace.node.netns import path_of
     idx = _ifindex(ns, dev)
     return (tcx.prog_ids(idx, True, path_of(ns)), tcx.prog_ids(idx, False, path_of(ns)))
 
@@ -196,8 +196,8 @@ def _prog_id(fd: int) -> int:
 
 
 def test_tcx_links_first_and_unlinks_on_exit(ns, fd, tmp_path):
-    from nptrace import tc, tcx
-    from nptrace.netns import path_of
+    from nptrace.kernel import tc, tcx
+    from nptrace.node.netns import path_of
     _need_tcx(ns, fd)
     pid_ = _prog_id(fd)
     # a CNI's program already linked on v0's ingress: ours must run before it

@@ -3,8 +3,8 @@
 Traffic: a bulk TCP transfer over a veth pair between two namespaces (npt-tc<pid>-*), then a
 burst of connects to a closed port (each one a SYN through the flow table and a RST event).
 Both programs sit on the same hooks of the server's veth, so they see the same packets.
-Statistics come from BPF_ENABLE_STATS (nptrace.tc.enable_bpf_stats) and fdinfo
-(nptrace.tc.prog_stats). The numbers are printed (pytest -s); the assertions only catch a
+Statistics come from BPF_ENABLE_STATS (nptrace.kernel.tc.enable_bpf_stats) and fdinfo
+(nptrace.kernel.tc.prog_stats). The numbers are printed (pytest -s); the assertions only catch a
 program that became grossly slower (an accidental loop, a map op per data packet).
 """
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _per_run(before, after):
 def test_tc_program_cost_against_empty_program(veth, tmp_path):
     from bcc import BPF
 
-    from nptrace import btf, loader, netlink, offsets, reasons, tc
+    from nptrace import reasons
+    from nptrace.kernel import btf, loader, netlink, offsets, tc
     cli, srv = veth
     b = btf.default()
     cfg = Config(ifaces=(IfaceSpec(srv, "s0"),))

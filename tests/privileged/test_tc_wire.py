@@ -1,7 +1,7 @@
 """tc programs on real traffic between namespaces made for the test (npt-tc<pid>-*).
 
 One bcc object (tc programs only) for the module; each test builds its own topology, attaches
-through nptrace.tc.TcAttachments, makes traffic with short python3 processes inside the
+through nptrace.kernel.tc.TcAttachments, makes traffic with short python3 processes inside the
 namespaces, and reads the events the ring buffer delivered.
 """
 from __future__ import annotations
@@ -144,7 +144,8 @@ class Collector:
 @pytest.fixture(scope="module")
 def probes():
     _need_root_and_bcc()
-    from nptrace import btf, loader, offsets, reasons, tc
+    from nptrace import reasons
+    from nptrace.kernel import btf, loader, offsets, tc
     b = btf.default()
     drops, _ = reasons.load_tables(b)
     cfg = Config(ifaces=(IfaceSpec(None, "placeholder"),))
@@ -160,7 +161,7 @@ def probes():
 @pytest.fixture
 def attach(probes, tmp_path):
     """attach(*"ns/ifname") -> context manager on the module's programs."""
-    from nptrace import tc
+    from nptrace.kernel import tc
 
     def make(*specs: str):
         ing, egr = probes.tc_program_fds()
@@ -370,7 +371,8 @@ def test_stacked_bridge_and_port_no_false_anomaly(lab, probes, attach):
 
 def test_netns_from_iface_map_without_kernel_skb_reads(lab, tmp_path):
     """-DNPT_TC_KSKB=0: netns from tc_ifaces (filled on attach), no conntrack."""
-    from nptrace import btf, loader, offsets, reasons, tc
+    from nptrace import reasons
+    from nptrace.kernel import btf, loader, offsets, tc
     b = btf.default()
     cfg = Config(ifaces=(IfaceSpec(None, "placeholder"),))
     flags = [f for f in tc.tc_cflags(cfg) if "NPT_TC_KSKB" not in f] + ["-DNPT_TC_KSKB=0"]

@@ -174,7 +174,7 @@ def test_syn_frames_have_valid_checksums_and_distinct_flows(i):
 
 def test_synthetic_ring_reads_back_every_record():
     from nptrace import events as ev
-    from nptrace import ringbuf as rb
+    from nptrace.kernel import ringbuf as rb
     from nptrace.bench import pipeline as pl
     recs = pl.records(10, mix=True)
     assert len(recs) == 40 and all(len(r) == ev.SIZE for r in recs)

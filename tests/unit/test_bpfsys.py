@@ -1,10 +1,10 @@
-"""nptrace.bpfsys: the one bpf(2) wrapper (no root needed for these cases)."""
+"""nptrace.kernel.bpfsys: the one bpf(2) wrapper (no root needed for these cases)."""
 from __future__ import annotations
 
 import ctypes as ct
 import errno
 
-from nptrace import bpfsys
+from nptrace.kernel import bpfsys
 
 
 def test_unknown_architecture_is_enosys_not_a_crash(monkeypatch):

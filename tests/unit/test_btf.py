@@ -1,4 +1,4 @@
-"""nptrace.btf: hand-built BTF blobs, then the running kernel's BTF against bpftool."""
+"""nptrace.kernel.btf: hand-built BTF blobs, then the running kernel's BTF against bpftool."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from nptrace import btf as B
-from nptrace import offsets
+from nptrace.kernel import btf as B
+from nptrace.kernel import offsets
 
 VMLINUX = "/sys/kernel/btf/vmlinux"
 
@@ -331,7 +331,7 @@ KERNEL_MEMBERS = [
 
 
 class Bpftool:
-    """Types from `bpftool btf dump ... format raw`, walked independently of nptrace.btf."""
+    """Types from `bpftool btf dump ... format raw`, walked independently of nptrace.kernel.btf."""
 
     HEAD = re.compile(r"^\[(\d+)\] (\w+) '([^']*)'(.*)$")
     MEMB = re.compile(r"^\t'([^']*)' (?:type_id=(\d+) bits_offset=(\d+)(?: bitfield_size=(\d+))?|val=(-?\d+))")

@@ -15,7 +15,7 @@ import pytest
 
 from nptrace import cli
 from nptrace import events as ev
-from nptrace import session as S
+from nptrace.sessions import format as S
 from nptrace.reasons import ReasonTable
 
 E0 = 1_700_000_000 * 10**9

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nptrace import doctor, features, node
+from nptrace import doctor
+from nptrace.kernel import features
+from nptrace.node import checks as node
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "features"
 ROUTE_HDR = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"

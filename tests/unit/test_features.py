@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nptrace import features as f
-from nptrace.features import FeatureMissing, PrivilegeError, TrialResult
+from nptrace.kernel import features as f
+from nptrace.kernel.features import FeatureMissing, PrivilegeError, TrialResult
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "features"
 

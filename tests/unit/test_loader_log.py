@@ -1,5 +1,5 @@
 """What a failed BPF compile shows the user (loader._tail): the error, not only clang's notes."""
-from nptrace.loader import _tail
+from nptrace.kernel.loader import _tail
 
 
 def test_a_compile_error_is_shown_before_the_notes_that_follow_it():

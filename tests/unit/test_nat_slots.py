@@ -1,7 +1,7 @@
 """loader.nat_key / nat_set mirror bpf/nf_hook.bpf.c's npt_nat_key and npt_nat_set; that the
 two hashes agree is checked end to end by tests/privileged/test_nat_tuples.py (user space finds
 the slot the kernel wrote)."""
-from nptrace import loader
+from nptrace.kernel import loader
 
 
 def test_key_layout_is_the_c_struct():

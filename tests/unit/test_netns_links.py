@@ -1,9 +1,9 @@
-"""The in-process RTM_GETLINK dump parser (nptrace.netns.parse_links)."""
+"""The in-process RTM_GETLINK dump parser (nptrace.node.netns.parse_links)."""
 import struct
 
 import pytest
 
-from nptrace import netns
+from nptrace.node import netns
 
 
 def _link(index: int, name: bytes, seq: int = 1) -> bytes:

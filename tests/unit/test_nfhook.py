@@ -1,11 +1,11 @@
-"""nptrace.nfhook without root: what a bad namespace says before any bpf() call."""
+"""nptrace.kernel.nfhook without root: what a bad namespace says before any bpf() call."""
 from __future__ import annotations
 
 import errno
 
 import pytest
 
-from nptrace import nfhook
+from nptrace.kernel import nfhook
 
 
 def test_unknown_namespace_is_a_clear_error():

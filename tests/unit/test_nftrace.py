@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nptrace import nftrace, nftrace_live
+from nptrace.node import nftrace, nftrace_live
 from nptrace.classify import Context
 from nptrace.services import parse_iptables_save, parse_nft
 

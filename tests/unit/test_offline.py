@@ -7,10 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from nptrace import events as ev
-from nptrace import offline
+from nptrace.sessions import offline
 from nptrace.classify import Classifier, Context
 from nptrace.reasons import ReasonTable
-from nptrace.session import SessionWriter, make_header, read_session, session_files
+from nptrace.sessions.format import SessionWriter, make_header, read_session, session_files
 from nptrace.sinks.jsonl import verdict_dict
 from nptrace.sinks.recorder import Recorder
 

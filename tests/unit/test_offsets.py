@@ -1,4 +1,4 @@
-"""nptrace.offsets: -D cflags for the struct members the probes read."""
+"""nptrace.kernel.offsets: -D cflags for the struct members the probes read."""
 from __future__ import annotations
 
 import os
@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from nptrace import btf as B
-from nptrace import offsets
-from nptrace.offsets import MEMBERS, SIZES, cflags, describe, macro_name
+from nptrace.kernel import btf as B
+from nptrace.kernel import offsets
+from nptrace.kernel.offsets import MEMBERS, SIZES, cflags, describe, macro_name
 
 VMLINUX = "/sys/kernel/btf/vmlinux"
 needs_vmlinux = pytest.mark.skipif(not os.access(VMLINUX, os.R_OK),

@@ -66,7 +66,7 @@ def test_without_a_filter_every_sample_counts():
 def test_stage_of_frames():
     assert pyspy.stage_of("Event.from_tuple", "nptrace/events.py") == "decode"
     assert pyspy.stage_of("decode", "nptrace/events.py") is None      # not the batch path
-    assert pyspy.stage_of("RingReader.read_batch", "/x/nptrace/ringbuf.py") == "ring"
+    assert pyspy.stage_of("RingReader.read_batch", "/x/nptrace/kernel/ringbuf.py") == "ring"
     assert pyspy.stage_of("x", "other/classify.py") is None
     assert pyspy.summarize("")["samples"] == 0
     assert pyspy.stage_text(pyspy.summarize("")["stages"]) == "no samples"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from nptrace import events as ev
-from nptrace import ringbuf as rb
+from nptrace.kernel import ringbuf as rb
 
 PAGE = 4096
 

@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from nptrace import events as ev
-from nptrace import session as S
+from nptrace.sessions import format as S
 from nptrace.reasons import ReasonTable
 
 

@@ -1,4 +1,4 @@
-"""nptrace.tc without root: attachment bookkeeping, state file and recovery, against a fake
+"""nptrace.kernel.tc without root: attachment bookkeeping, state file and recovery, against a fake
 netlink (FakeNet) and a fake /proc."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nptrace import tc
+from nptrace.kernel import tc
 from nptrace.config import Config, IfaceSpec
 from nptrace.errors import InterfaceError
 

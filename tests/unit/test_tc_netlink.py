@@ -1,4 +1,4 @@
-"""Namespace naming for --iface NETNS/IFNAME, and the import boundary of nptrace.tc."""
+"""Namespace naming for --iface NETNS/IFNAME, and the import boundary of nptrace.kernel.tc."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from nptrace.errors import InterfaceError
 
-netlink = pytest.importorskip("nptrace.netlink", reason="pyroute2 is not installed")
+netlink = pytest.importorskip("nptrace.kernel.netlink", reason="pyroute2 is not installed")
 
 
 @pytest.mark.parametrize("spec, path", [
@@ -34,7 +34,7 @@ def test_missing_netns_is_one_line_interface_error():
 
 
 def test_tc_module_imports_without_pyroute2_or_bcc():
-    code = ("import sys, nptrace.tc; "
+    code = ("import sys, nptrace.kernel.tc; "
             "bad = [m for m in ('pyroute2', 'bcc') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,7 +1,7 @@
 """How well nptrace names causes: every lab scenario traced by the real `nptrace run --json`,
 the labels of the scenario's own flows counted into a confusion matrix.
 
-    python -m nptrace.scorecard [--count 100] [--markdown docs/confusion.md] [SCENARIO ...]
+    python -m nptrace.lab.scorecard [--count 100] [--markdown docs/confusion.md] [SCENARIO ...]
 
 A flow belongs to a scenario's trigger when one of its ports is a client port of an attempt
 (masquerade keeps the client's port; ephemeral ports are unique within one run).
@@ -72,7 +72,7 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
           observe: float = 1.0, max_rate: int | None = 0) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
     storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok)."""
-    from nptrace.demo import trace_scenario
+    from nptrace.lab.demo import trace_scenario
     inodes: dict = {}
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                     "interfaces), "
                     f"{a.count} client connection attempts each; cells are the share of the "
                     "scenario's own resets and drops given each cause. Regenerate with "
-                    "`python -m nptrace.scorecard --markdown docs/confusion.md`.\n\n" + md + "\n")
+                    "`python -m nptrace.lab.scorecard --markdown docs/confusion.md`.\n\n" + md + "\n")
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from nptrace.btf import Btf, BtfError, NotFoundError
+from nptrace.kernel.btf import Btf, BtfError, NotFoundError
 
 # (struct, member path, required). Optional: absent from some configs/kernels.
 MEMBERS: tuple[tuple[str, str, bool], ...] = (

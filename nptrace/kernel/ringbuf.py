@@ -36,7 +36,7 @@ import select
 import struct
 
 from nptrace import events as ev
-from nptrace.bpfsys import bpf
+from nptrace.kernel.bpfsys import bpf
 
 BUSY = 1 << 31
 DISCARD = 1 << 30

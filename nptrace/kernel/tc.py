@@ -3,7 +3,7 @@
 `TcAttachments` is a context manager: on entry it resolves every interface first (bad input
 changes nothing) and removes what dead nptrace runs left behind. Then, per interface:
 - mode "tcx" (and "auto" on Linux 6.6+): two tcx links, ours first on the device
-  (nptrace/tcx.py: cheaper dispatch, and the kernel unlinks them when the process dies);
+  (nptrace/kernel/tcx.py: cheaper dispatch, and the kernel unlinks them when the process dies);
 - mode "clsact" (and "auto" where the kernel has no tcx): a clsact qdisc where none exists
   and two direct-action bpf filters named `npt_<pid>_ing` / `npt_<pid>_egr`.
 On exit (normal or exception) it closes the links, removes only its filters, and the qdisc
@@ -14,7 +14,7 @@ A state file /run/nptrace/tc-<pid>.json records each step as it succeeds, so tha
 by name: a filter whose name says it belongs to a pid that no longer runs is removed from
 every interface we attach to, which covers a crash between adding a filter and recording it.
 
-netlink goes through nptrace/netlink.py (pyroute2), loaded lazily: this module imports
+netlink goes through nptrace/kernel/netlink.py (pyroute2), loaded lazily: this module imports
 without pyroute2 and without root, and unit tests pass a fake in its place.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from nptrace import tcx
-from nptrace.bpfsys import bpf
+from nptrace.kernel import tcx
+from nptrace.kernel.bpfsys import bpf
 from nptrace.config import Config, IfaceSpec
 from nptrace.errors import InterfaceError
-from nptrace.netns import path_of
+from nptrace.node.netns import path_of
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def read_state(path: Path) -> tuple[int, int | None, list[Attached]] | None:
 
 # --- netlink access ----------------------------------------------------------------------
 def _default_open(netns):
-    from nptrace import netlink
+    from nptrace.kernel import netlink
     return netlink.open_netns(netns)
 
 

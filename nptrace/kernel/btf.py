@@ -3,7 +3,7 @@
 bcc compiles our probes against borrowed Debian 6.12 headers whose struct
 layouts are not the running kernel's, so every offset the BPF C reads comes
 from the kernel's own BTF (/sys/kernel/btf/vmlinux, ~126k types, 5.5 MB on
-6.18) and is passed in as a -D macro (see nptrace/offsets.py).
+6.18) and is passed in as a -D macro (see nptrace/kernel/offsets.py).
 
 Format: Documentation/bpf/btf.rst (kernel). Kinds up to BTF_KIND_ENUM64
 (kernel 6.0). Split BTF (kernel 5.11+, /sys/kernel/btf/<module>) is read

@@ -192,7 +192,7 @@ def _conntrack_finding(count: int | None, cmax: int | None) -> Finding:
 
 
 def _default_backend(netns: str | None) -> str:
-    from nptrace.rules_source import detect_backend  # written alongside; absent is fine
+    from nptrace.node.rules_source import detect_backend  # written alongside; absent is fine
     return detect_backend(netns)
 
 
@@ -234,7 +234,7 @@ def check(root: Path = Path("/"), netns: str | None = None,
           detect_backend: Callable[[str | None], str] | None | object = _AUTO) -> NodeChecks:
     """Read the node's rp_filter, routes, devices, conntrack and kube-proxy rules.
 
-    detect_backend(netns) names the kube-proxy rule backend; by default nptrace.rules_source is
+    detect_backend(netns) names the kube-proxy rule backend; by default nptrace.node.rules_source is
     used on the real root and nothing on a fixture root.
     """
     root = Path(root)
@@ -285,10 +285,10 @@ def _check_in_netns(name: str) -> NodeChecks:
     if not (Path("/run/netns") / name).exists():
         raise NodeError(f"no network namespace {name!r} (see `ip netns list`)")
     env = dict(os.environ)
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    pkg_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        r = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-m", "nptrace.node"],
+        r = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-m", "nptrace.node.checks"],
                            capture_output=True, text=True, timeout=60, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NodeError(f"cannot inspect netns {name}: {e}") from None

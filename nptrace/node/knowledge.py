@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from nptrace.netns import Names
+from nptrace.node.netns import Names
 
 
 ROUTE_LOOKUPS_PER_S = 20
@@ -45,7 +45,7 @@ class NodeKnowledge:
         smap = None
         if ns is not False:
             try:
-                from nptrace.rules_source import load_service_map
+                from nptrace.node.rules_source import load_service_map
                 smap = load_service_map(ns)
                 self.errors.pop(inode, None)
             except Exception as e:   # no rules readable: the classifier says so in its hint

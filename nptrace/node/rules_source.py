@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nptrace.netns import path_of, run_in
+from nptrace.node.netns import path_of, run_in
 from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
 
 __all__ = [
@@ -169,7 +169,7 @@ def dump_digest(text: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# nf_tables generation id over netlink (no pyroute2: nptrace/netlink.py is its only importer)
+# nf_tables generation id over netlink (no pyroute2: nptrace/kernel/netlink.py is its only importer)
 
 _NETLINK_NETFILTER = 12
 _NFNL_SUBSYS_NFTABLES = 10
@@ -195,7 +195,7 @@ def _genid_here() -> int:
         raise OSError(err, os.strerror(err))
     if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
         raise OSError(0, f"unexpected netlink reply type {mtype}")
-    from nptrace.nftrace import attrs
+    from nptrace.node.nftrace import attrs
     for atype, payload in attrs(data, 20, length):   # after nlmsghdr + nfgenmsg
         if atype == _NFTA_GEN_ID and len(payload) >= 4:
             return struct.unpack_from(">I", payload)[0]

@@ -2,7 +2,7 @@
 
 Every check is a file read under `root`, so unit tests point `root` at a fixture tree
 (tests/fixtures/features/<case>/) the way retis reads test_data/. The only things that are
-not file reads are injected: `trials(kind)` loads a real BPF program (nptrace/loader.py owns
+not file reads are injected: `trials(kind)` loads a real BPF program (nptrace/kernel/loader.py owns
 bcc), and tracefs is mounted only when asked and only on the real root.
 
 Each probe has a name, a minimum kernel, a check, whether it is required and what is lost
@@ -52,7 +52,7 @@ from nptrace.errors import FeatureMissing, PrivilegeError  # noqa: E402,F401 (re
 
 
 class TrialResult(NamedTuple):
-    """What a trial load returns; nptrace.loader.TrialResult has the same two fields."""
+    """What a trial load returns; nptrace.kernel.loader.TrialResult has the same two fields."""
     ok: bool
     error: str = ""
 
@@ -645,7 +645,7 @@ def _ringbuf(root: Path, b: _Builder, has_btf: bool) -> tuple[bool, str]:
     by_version = b.at_least("5.8")
     if has_btf:
         try:
-            from nptrace import btf as _btf
+            from nptrace.kernel import btf as _btf
             kernel = _btf.default() if root == Path("/") else _btf.load(root / "sys/kernel/btf/vmlinux")
             if kernel.has("bpf_ringbuf"):
                 return True, "BTF has struct bpf_ringbuf"

@@ -1,7 +1,7 @@
 """`make demo`: bring a lab scenario up, trace it with the real `nptrace run`, trigger the
 failure, print the labeled events, and always clean up.
 
-    python -m nptrace.demo [SCENARIO] [--count N]
+    python -m nptrace.lab.demo [SCENARIO] [--count N]
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     inodes: dict = {}
     info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe,
                                                  inode_sink=inodes)
-    from nptrace.scorecard import scenario_events
+    from nptrace.lab.scorecard import scenario_events
     outcomes = Counter(getattr(x, "outcome", "?") for x in attempts)
     print(f"== client saw: {dict(outcomes)}")
     mine = scenario_events(attempts, events, set(inodes.values()))   # only this lab's

@@ -28,7 +28,7 @@ from nptrace.config import Config, build_cflags
 from nptrace.errors import FeatureMissing, LoadError
 from nptrace.reasons import ReasonTable, interesting_drops
 
-BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
+BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
 FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
 
@@ -171,7 +171,7 @@ class Probes:
 
     # --- tc programs (bpf/tc.bpf.c, compiled in with -DNPT_WITH_TC=1) --------------------
     def tc_program_fds(self) -> tuple[int, int]:
-        """(ingress fd, egress fd) of the SCHED_CLS programs, for nptrace/tc.py to attach."""
+        """(ingress fd, egress fd) of the SCHED_CLS programs, for nptrace/kernel/tc.py to attach."""
         from bcc import BPF
         try:
             ing = self.bpf.load_func("npt_tc_ingress", BPF.SCHED_CLS)
@@ -311,7 +311,7 @@ def require_tracepoints(available: set[str]) -> None:
 
 # --- enrichment (ringbuf/counters helper) ---
 # Compile, verify and attach the optional enrichment programs (bpf/kprobes.bpf.c,
-# bpf/nf_hook.bpf.c): the netfilter program's fd goes to nptrace/nfhook.py, which links it.
+# bpf/nf_hook.bpf.c): the netfilter program's fd goes to nptrace/kernel/nfhook.py, which links it.
 # Used by tests/privileged/test_enrichment_compile.py; Probes does not call these yet.
 
 BPF_PROG_TYPE_NETFILTER = 32   # Linux 6.4
@@ -403,7 +403,7 @@ def attach_kprobes(bpf, groups=None) -> dict[str, str]:
 
 def load_netfilter_prog(bpf, name: str = "npt_nf_view") -> int:
     """fd of a BPF_PROG_TYPE_NETFILTER program (bcc 0.26 load_func passes the expected attach
-    type); nptrace/nfhook.py links it with BPF_LINK_CREATE."""
+    type); nptrace/kernel/nfhook.py links it with BPF_LINK_CREATE."""
     with _capture_stderr() as log:
         try:
             fn = bpf.load_func(name, BPF_PROG_TYPE_NETFILTER, attach_type=BPF_NETFILTER)

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from nptrace.nftrace import attrs
+from nptrace.node.nftrace import attrs
 
 RUN_NETNS = Path("/run/netns")
 

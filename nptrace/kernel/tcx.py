@@ -1,6 +1,6 @@
 """tcx links (Linux 6.6+): the tc programs attached as BPF links instead of cls_bpf filters.
 
-Why tcx first, clsact as the fallback (nptrace/tc.py):
+Why tcx first, clsact as the fallback (nptrace/kernel/tc.py):
 - Cost. A tcx link runs the program straight from the device's hook (bpf_mprog), without the
   clsact qdisc's classifier walk. On the 6.18 VM, with EMPTY programs on both directions of a
   NodePort's two devices, clsact + cls_bpf took 3.5% of the connection rate and tcx 2.0%
@@ -23,8 +23,8 @@ import errno
 import os
 import struct
 
-from nptrace.bpfsys import bpf
-from nptrace.netns import run_in
+from nptrace.kernel.bpfsys import bpf
+from nptrace.node.netns import run_in
 
 BPF_PROG_QUERY = 16
 BPF_LINK_CREATE = 28

@@ -32,7 +32,7 @@ from nptrace import events as ev
 from nptrace.classify import Classifier, Context, Verdict, flow_keys
 from nptrace.errors import NptraceError
 from nptrace.reasons import ReasonTable
-from nptrace.session import Problem, Record, SessionError, read_header, read_session, session_files
+from nptrace.sessions.format import Problem, Record, SessionError, read_header, read_session, session_files
 
 
 class Item(NamedTuple):

@@ -25,8 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from nptrace import nftrace
-from nptrace.rules_source import RulesSourceError, _in_netns, _is_xt, _run
+from nptrace.node import nftrace
+from nptrace.node.rules_source import RulesSourceError, _in_netns, _is_xt, _run
 
 TABLE = "nptrace_trace"
 ARM_FOR_S = 60          # a destination stays traced this long after its last drop

@@ -21,8 +21,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from nptrace.bpfsys import bpf
-from nptrace.netns import path_of, run_in
+from nptrace.kernel.bpfsys import bpf
+from nptrace.node.netns import path_of, run_in
 
 NFPROTO_IPV4 = 2
 NFPROTO_IPV6 = 10

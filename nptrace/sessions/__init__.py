@@ -1,0 +1,1 @@
+"""Session files: the frame format, and replay / report / merge over them."""
