@@ -3,7 +3,8 @@
  * tracepoints cannot give, none is needed to classify a reset.
  *
  * Hooks (kprobes are unstable API; argument positions below match the 6.18 BTF prototypes,
- * and loader.KPROBE_GROUPS tries the older names where a function was renamed):
+ * and the kprobe rows of nptrace/kernel/hooks.py try the older names where a function was
+ * renamed; those alternatives are the only fallbacks here, a group with none left is skipped):
  *   nf_nat_manip_pkt(skb, ct, mtype, dir)         NAT applied (nf_nat_proto.c, 5.x+);
  *     fallback nf_nat_packet(ct, ctinfo, hooknum, skb) when manip_pkt is not probeable
  *   fib_validate_source(skb, src, dst, dscp, oif, dev, idev, itag)  kretprobe: result of the
@@ -11,11 +12,13 @@
  *   nf_send_reset(net, sk, oldskb, hook), nf_send_reset6(...)  iptables/nft REJECT
  *     --reject-with tcp-reset (oldskb is the 3rd argument since the sk argument was added in
  *     5.x; older kernels, nf_send_reset(net, oldskb, hook), need another program).
- *     tcp:tcp_send_reset does not fire for these resets (PLATFORM.md).
+ *     tcp:tcp_send_reset does not fire for these resets (docs/PLATFORM.md).
  *   ip_vs_in_hook / ip_vs_out_hook(priv, skb, state)  IPVS, 6.2+ (before: ip_vs_remote_request4
  *     and ip_vs_reply4, same argument order); kretprobe gives the verdict
- * Needs CONFIG_KPROBES (absent on the development VM: there these programs are compiled and
- * verified by tests/privileged/test_enrichment_compile.py, never attached). Gate: -DNPT_WITH_KPROBES.
+ * Needs CONFIG_KPROBES (kprobe PMU 4.17, kprobe_events since 4.1; absent on the development VM:
+ * there these programs are compiled and verified by tests/privileged/test_enrichment_compile.py,
+ * never attached). Gate: -DNPT_WITH_KPROBES, set by nptrace/kernel/attach.py where
+ * features.probe() finds kprobes.
  *
  * Overhead: the NAT and IPVS probes run for every packet of a NAT'd or IPVS flow; they read the
  * TCP flags first (5 probe reads) and do the full read only for SYN and RST, which are what a
@@ -28,7 +31,7 @@
  * fib_validate_source failure -> NPT_T_DROP (reason 0: kfree_skb gives the drop reason where it
  * exists), nf_send_reset -> NPT_T_RST_SENT (tuple reversed: the RST's own, as for the tracepoint).
  *
- * enum npt_kfunc (aux of NPT_H_KPROBE events; to move to nptrace_events.h, mirrored in events.py):
+ * enum npt_kfunc (aux of NPT_H_KPROBE events; in nptrace_events.h, mirrored by events.KFunc):
  *   NPT_KF_NAT_MANIP      = 1  nf_nat_manip_pkt entry;  aux2 = mtype << 8 | dir
  *                              (mtype 0 SRC / 1 DST, dir 0 ORIGINAL / 1 REPLY)
  *   NPT_KF_NAT_PACKET     = 2  nf_nat_packet entry;     aux2 = hooknum << 8 | ctinfo

@@ -105,26 +105,16 @@ static __always_inline void npt_count(struct npt_event *e)
  * (free-list pop, bucket lock, cold element, an eviction once full) were most of this
  * program's cost, about 0.6 us each under bpf_stats on the 6.18 VM (BPF_F_NO_COMMON_LRU
  * measured slower). A slot write touches one or two cold cache lines. Each side's tuple takes
- * the empty or older slot of its set (npt_nat_set; loader.Probes.nat_peer computes the same
- * set and compares the key). A mapping survives t seconds at R new NATed connections/s with
+ * the empty or older slot of its set (npt_nat_set; nptrace/kernel/natpeers.py computes the
+ * same set and compares the key). A mapping survives t seconds at R new NATed connections/s with
  * probability e^-x (1 + x), x = 4 R t / NPT_NAT_PEERS (99% for 5 s at 1k/s with 131072 slots,
  * 56% at 10k/s; the LRU kept the last 65536 connections). Slots are written without a lock;
  * two CPUs writing one slot at the same instant can mix it, and the key compare in user space
  * catches most of that (a wrong link needs both to hash to one set within nanoseconds). */
-struct npt_nat_key {
-	u8  src[16];
-	u8  dst[16];
-	u16 sport;
-	u16 dport;
-};
-struct npt_nat_slot {
-	struct npt_nat_key key;     /* all zero when empty */
-	struct npt_nat_key peer;
-	u64 ns;                     /* when written: the older slot of a set is replaced */
-};
+/* struct npt_nat_key / npt_nat_slot: nptrace_events.h (user space reads the slots) */
 #define NPT_NAT_WAYS 2
 #define NPT_NAT_SETS (NPT_NAT_PEERS / NPT_NAT_WAYS)
-/* BPF_F_MMAPABLE: user space reads the slots from memory (loader.Probes.nat_peer); with a
+/* BPF_F_MMAPABLE: user space reads the slots from memory (natpeers.NatPeers); with a
  * bpf() lookup per way and direction, a storm's unlinked records cost four syscalls each */
 BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT_WAYS,
 	    BPF_F_MMAPABLE);
@@ -133,7 +123,8 @@ BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT
  * line stays shared among CPUs instead of bouncing once per connection. */
 BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
 
-/* First slot of k's set. Mirrored by loader.nat_set(); keep the two identical. */
+/* First slot of k's set. Mirrored by nptrace/kernel/natpeers.py nat_set(); keep the two
+ * identical. */
 static __always_inline u32 npt_nat_set(const struct npt_nat_key *k)
 {
 	const u32 *w = (const u32 *)k;

@@ -143,7 +143,8 @@ struct npt_count_key {
 	__u8  _pad;
 };
 
-/* Index into the `stats` per-CPU array. */
+/* Index into the `stats` per-CPU array. Mirrored by nptrace/kernel/loader.py Stat (the names
+ * Probes.stats() returns); tests/unit/test_layout.py checks the mirror. */
 enum npt_stat {
 	NPT_S_EMITTED   = 0,  /* records written to the ring buffer */
 	NPT_S_LOST      = 1,  /* records lost: ring buffer full */
@@ -151,6 +152,23 @@ enum npt_stat {
 	NPT_S_SAMPLED   = 3,  /* counted exactly, not sent: over the per-CPU rate (--max-rate) */
 	NPT_S_FLOW_KEPT = 4,  /* sent over an empty bucket: an earlier record of its flow was sent */
 	NPT_S_MAX       = 8,
+};
+
+/* NAT map (npt_common.h `nat_peers`, written by nf_hook.bpf.c, read by user space from memory):
+ * each side's tuple of a NATed connection in its packet direction -> the other side's.
+ * Mirrored by nptrace/kernel/natpeers.py (NatKey, NatSlot); tests/unit/test_layout.py checks it.
+ * Addresses as in npt_event (IPv4 in the first 4 bytes), ports host order. npt_nat_set() hashes
+ * the key as 9 __u32 words: keep it 36 bytes with no padding. */
+struct npt_nat_key {
+	__u8  src[16];
+	__u8  dst[16];
+	__u16 sport;
+	__u16 dport;
+};
+struct npt_nat_slot {
+	struct npt_nat_key key;     /* all zero when empty */
+	struct npt_nat_key peer;
+	__u64 ns;                   /* when written: the older slot of a set is replaced */
 };
 
 #endif /* NPTRACE_EVENTS_H */

@@ -2,14 +2,18 @@
  * the local TCP stack sent or received, which ICMP errors it sent about TCP, and which SYN-ACKs
  * it had to retransmit.
  *
- * Hooks (stable tracepoints; every one is optional and probed by nptrace/kernel/features.py):
- *   skb:kfree_skb            reason field since Linux 5.17 (rx_sk since 6.12, unused)
+ * Hooks (stable tracepoints, one row each in nptrace/kernel/hooks.py; probed by
+ * nptrace/kernel/features.py, chosen by nptrace/kernel/attach.py; gate -DNPT_TP_<NAME>):
+ *   skb:kfree_skb            since 2.6.30, REQUIRED; reason field since Linux 5.17 (rx_sk since
+ *                            6.12, unused)
  *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10
  *   tcp:tcp_receive_reset    since 4.15
  *   icmp:icmp_send           since 6.10
- *   tcp:tcp_retransmit_synack since 4.16
- * Fallback where a tracepoint is missing: kprobes.bpf.c (tcp_drop, tcp_v4_send_reset), if
- * the kernel has kprobes. Overhead: kfree_skb is hit by every freed-as-dropped skb on the node;
+ *   tcp:tcp_retransmit_synack since 4.15
+ * Fallback where a tracepoint is missing: none. A missing optional tracepoint is skipped and
+ * costs what its hooks.py row says; kprobes.bpf.c adds detail, it replaces no tracepoint (bcc
+ * tools/tcpdrop.py's kprobe tcp_drop is not built: kfree_skb exists on every kernel with BTF).
+ * Overhead: kfree_skb is hit by every freed-as-dropped skb on the node;
  * the reason filter (drop_reasons map) runs before any skb read, so an uninteresting drop costs
  * one array lookup.
  *

@@ -3,35 +3,13 @@ and exit code 2 here, in one place, so an expected failure never prints a traceb
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 
 import click
 
 from nptrace import __version__
 from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
-from nptrace.errors import NptraceError
-
-EXIT_USAGE = 2
-
-
-class Fail(click.ClickException):
-    exit_code = EXIT_USAGE
-
-
-def one_line_errors(fn):
-    """Expected errors -> `nptrace: <message>` and exit 2."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except (NptraceError, ConfigError) as e:
-            tail = getattr(e, "log_tail", "")
-            if tail:
-                click.echo(tail, err=True)
-            raise Fail(str(e)) from None
-    return wrapper
-
+from nptrace.errors import EXIT_USAGE, one_line_errors
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
                                "auto_envvar_prefix": "NPTRACE"})
@@ -112,14 +90,6 @@ def _run_options(fn):
     return fn
 
 
-def storm_collapse(burst: int | None, as_json: bool):
-    """The StormCollapse for --collapse: a person reads the console, a program reads JSON."""
-    from nptrace.sinks.collapse import BURST, StormCollapse
-    if burst is None:
-        burst = 0 if as_json else BURST
-    return StormCollapse(burst) if burst else None
-
-
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
     return Config(ifaces=tuple(IfaceSpec.parse(i) for i in ifaces),
                   ports=tuple(PortRange.parse(p) for p in ports),
@@ -153,6 +123,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
                       record_max_total_bytes=record_max_total_mb << 20,
                       metrics_addr=metrics_addr, pcap=pcap)
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
+    from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
     sink = JsonLines(tracer.epoch_offset_ns, collapse=storm) if as_json \
         else Console(tracer.epoch_offset_ns, collapse=storm)
@@ -172,10 +143,13 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
 def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
              **_outputs):
     """Print the BPF source and cflags `run` would compile (no root needed)."""
-    from nptrace.kernel import btf, loader, offsets
-    from nptrace.tracer import available_tracepoints
+    from nptrace.kernel import attach, btf, features, loader, offsets
     cfg = build_config(ifaces, ports, hosts, ring_pages)
-    flags = loader.all_cflags(cfg, available_tracepoints() or None, offsets.cflags(btf.default()))
+    # run's plan and cflags; without root tracefs is unreadable: every tracepoint counts as there
+    plan = attach.plan(features.probe(mount_tracefs=True), cfg, assume_unknown=True)
+    kbtf = btf.default()
+    flags = attach.all_cflags(plan, offsets.cflags(kbtf) + attach.nf_cflags(
+        plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True)))
     click.echo("/* cflags: " + " ".join(flags) + " */")
     click.echo(loader.source_text())
 
@@ -192,7 +166,7 @@ def _register_optional():
         main_group.add_command(lab, "lab")
     except ImportError:
         pass
-    from nptrace.sessions.offline import merge_command, replay_command, report_command
+    from nptrace.sessions.commands import merge_command, replay_command, report_command
     main_group.add_command(replay_command, "replay")
     main_group.add_command(report_command, "report")
     main_group.add_command(merge_command, "merge")

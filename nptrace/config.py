@@ -1,28 +1,19 @@
-"""Run configuration, and its translation into BPF compile-time switches.
+"""Run configuration: what the user asked for, checked.
 
-`build_cflags` is pure (unit-tested): what reaches the BPF C is decided here, never by
-rewriting the C text. Sets of values (ports, CIDRs) go into maps at load time; only the gates
-that say "this filter is on" are compile-time, so an unused filter costs nothing per packet.
+Its translation into BPF compile-time switches is nptrace/kernel/cflags.py build_cflags (pure,
+unit-tested), next to the hook table whose gates it sets.
 """
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass, field
 
-# Tracepoint name -> the -D switch that compiles its program in.
-TRACEPOINTS = {
-    "skb/kfree_skb": "NPT_TP_KFREE_SKB",
-    "tcp/tcp_send_reset": "NPT_TP_TCP_SEND_RESET",
-    "tcp/tcp_receive_reset": "NPT_TP_TCP_RECEIVE_RESET",
-    "icmp/icmp_send": "NPT_TP_ICMP_SEND",
-    "tcp/tcp_retransmit_synack": "NPT_TP_TCP_RETRANSMIT_SYNACK",
-}
+from nptrace.errors import NptraceError
 
 DEFAULT_VXLAN_PORTS = (4789, 8472)
 
 
-class ConfigError(ValueError):
+class ConfigError(NptraceError, ValueError):
     """Bad user input; the CLI shows the message as one line."""
 
 
@@ -80,7 +71,7 @@ class Config:
     tc_mode: str = "auto"              # --iface programs: tcx links, clsact filters, or auto
     nft_trace: bool = True             # nf_tables tracing of dropped flows (nftrace_live.py)
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
-    tracepoints: tuple[str, ...] = tuple(TRACEPOINTS)
+    tracepoints: tuple[str, ...] | None = None   # "cat/name"s; None: every one in kernel/hooks.py
     extra: dict = field(default_factory=dict)
 
     def port_set(self) -> set[int]:
@@ -106,36 +97,3 @@ def per_cpu(budget: int, cpus: int) -> int:
     (no limit). A storm spread over the CPUs by RSS gets the whole budget; one that a single
     CPU handles gets its share."""
     return -(-int(budget) // max(1, cpus)) if budget > 0 else 0
-
-
-def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
-                 offset_flags: list[str] = ()) -> list[str]:
-    """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all)."""
-    pages = cfg.ringbuf_pages
-    if pages <= 0 or pages & (pages - 1):
-        raise ConfigError(f"ring buffer pages must be a power of two, got {pages}")
-    cpus = cfg.cpus or os.cpu_count() or 1
-    wake = cfg.wake_every
-    if wake <= 0 or wake & (wake - 1):
-        raise ConfigError(f"wake-up batch must be a power of two, got {wake}")
-    flags = [
-        f"-DNPT_RINGBUF_PAGES={pages}",
-        f"-DNPT_MAX_COUNTS={cfg.max_counts}",
-        f"-DNPT_MAX_RATE={per_cpu(cfg.max_rate, cpus)}",
-        f"-DNPT_MAX_BURST={max(1, per_cpu(cfg.max_burst, cpus))}",
-        f"-DNPT_FLOW_TABLE_SIZE={cfg.flow_table_size}",
-        f"-DNPT_WAKE_EVERY={wake}",
-        f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
-        f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
-        f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",
-        f"-DNPT_WITH_KPROBES={1 if cfg.kprobes else 0}",
-        # bcc's borrowed headers warn about attributes clang does not know; the noise hides
-        # real errors in the load log.
-        "-Wno-ignored-attributes",
-        "-Wno-unused-function",
-    ]
-    for tp, macro in TRACEPOINTS.items():
-        on = tp in cfg.tracepoints and (available_tracepoints is None or tp in available_tracepoints)
-        flags.append(f"-D{macro}={1 if on else 0}")
-    flags.extend(offset_flags)
-    return flags

@@ -7,15 +7,16 @@ events that passed the filters:  sum(counts) == emitted + lost.
 
 Everything here is pure, over the plain dicts loader.Probes.counts() and .stats() return
 ({(type, hook, reason, ifindex, netns): n}, {"emitted": n, "lost": n, "filtered": n}), so it
-is unit-tested without bcc or root. Names for reasons come from the kernel's BTF tables
-(nptrace.reasons.load_tables); without a table a reason shows as its number.
+is unit-tested without bcc or root. Keys are named by nptrace.names (count-key form); names
+for reasons come from the kernel's BTF tables (nptrace.reasons.load_tables); without a table a
+reason shows as its number.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from nptrace import events as ev
+from nptrace.names import count_reason, hook_id, type_name
 
 # (type, hook, reason, ifindex, netns), the order loader.Probes.counts() uses
 RawKey = tuple[int, int, int, int, int]
@@ -28,31 +29,6 @@ class CountKey:
     reason: str   # drop/reset reason name, "icmp 3/3", or "" where the type has none
     ifindex: int
     netns: int
-
-
-def type_name(t: int) -> str:
-    try:
-        return ev.EvType(t).name
-    except ValueError:
-        return f"TYPE_{t}"
-
-
-def hook_name(h: int) -> str:
-    try:
-        return ev.Hook(h).name
-    except ValueError:
-        return f"HOOK_{h}"
-
-
-def reason_name(typ: int, reason: int, drops=None, resets=None) -> str:
-    """The reason field means something different per event type (nptrace_events.h)."""
-    if typ == ev.EvType.DROP:
-        return drops.name(reason) if drops is not None else str(reason)
-    if typ == ev.EvType.RST_SENT:
-        return resets.name(reason) if resets is not None else str(reason)
-    if typ in (ev.EvType.ICMP_UNREACH, ev.EvType.WIRE_ICMP):
-        return f"icmp {reason >> 8}/{reason & 0xFF}"
-    return str(reason) if reason else ""
 
 
 @dataclass(frozen=True)
@@ -100,7 +76,7 @@ def snapshot(counts: Mapping[RawKey, int], stats: Mapping[str, int],
     that has no name in the tables stay apart (REASON_<n>)."""
     out: dict[CountKey, int] = {}
     for (typ, hook, reason, ifindex, netns), n in counts.items():
-        k = CountKey(type_name(typ), hook_name(hook), reason_name(typ, reason, drops, resets),
+        k = CountKey(type_name(typ), hook_id(hook), count_reason(typ, reason, drops, resets),
                      int(ifindex), int(netns))
         out[k] = out.get(k, 0) + int(n)
     return CounterSnapshot(out, int(stats.get("emitted", 0)), int(stats.get("lost", 0)),

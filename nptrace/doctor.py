@@ -2,7 +2,9 @@
 
 One row per probe (nptrace/kernel/features.py) and per node check (nptrace/node/checks.py): area, check,
 status (ok, warn, missing, fail, unknown), detail, and for anything not ok what nptrace cannot
-see because of it. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
+see because of it. The hook rows (tracepoints, kprobes, tc, netfilter bpf: the hook table's,
+nptrace/kernel/hooks.py) carry what `nptrace run` does about them, from the same plan run
+uses (nptrace/kernel/attach.py), so doctor and run cannot disagree. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
 with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.kernel.loader and bcc,
 imported only inside the command and only on the real root.
 """
@@ -15,6 +17,9 @@ from pathlib import Path
 
 import click
 
+from nptrace.errors import one_line_errors
+from nptrace.config import Config
+from nptrace.kernel import attach
 from nptrace.kernel import features as feat
 from nptrace.node import checks as nodemod
 
@@ -53,8 +58,13 @@ class Report:
                 "kernel": self.kernel, "rows": [r.to_dict() for r in self.rows]}
 
 
-def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None) -> Report:
-    rows = [Row(r.area, r.name, r.status, r.detail, "" if r.status == "ok" else r.cost)
+def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None,
+                 cfg: Config | None = None) -> Report:
+    """`cfg`: the run configuration the hook rows are planned for (default: `nptrace run`'s)."""
+    plan = attach.plan(features, cfg or Config())
+    hook_rows = set(feat.HOOK_ROWS)
+    rows = [Row(r.area, r.name, r.status, plan.detail(r) if r.name in hook_rows else r.detail,
+                "" if r.status == "ok" else r.cost)
             for r in features.results]
     if node_checks is not None:
         area = f"node ({node_checks.netns})" if node_checks.netns else "node"
@@ -109,10 +119,6 @@ def render(report: Report, color: bool = False) -> str:
     return "\n".join(out) + "\n"
 
 
-class _NodeFailure(click.ClickException):
-    exit_code = 2
-
-
 def _trial_function():
     """nptrace.kernel.loader.trial_load (bcc), or None when the loader cannot be imported."""
     try:
@@ -140,6 +146,7 @@ Examples:
 @click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default="/", hidden=True)
 @click.pass_context
+@one_line_errors
 def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
     """Report what this kernel and node allow, and what is lost without each feature.
 
@@ -150,10 +157,7 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
     if trials and real and feat.has_bpf_caps(root):
         trial_fn = _trial_function()
     features = feat.probe(root, trials=trial_fn, mount_tracefs=mount_tracefs and real)
-    try:
-        node_checks = nodemod.check(root, netns=netns)
-    except nodemod.NodeError as e:
-        raise _NodeFailure(str(e)) from None
+    node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
     report = build_report(features, node_checks)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

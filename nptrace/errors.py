@@ -1,6 +1,9 @@
 """Typed errors. The CLI maps each to one line on stderr and exit code 2 (cli.py, one place)."""
 from __future__ import annotations
 
+import os
+import sys
+
 
 class NptraceError(Exception):
     """Expected failure: the message says what failed, the likely cause and what to do."""
@@ -35,3 +38,49 @@ class FeatureMissing(NptraceError):
 class PrivilegeError(NptraceError):
     def __init__(self, message: str = PRIVILEGE_HINT):
         super().__init__(message)
+
+
+EXIT_FAILURE = 1     # an operation that failed (the lab's), not bad input
+EXIT_USAGE = 2       # bad input or an environment nptrace cannot work in: one line, exit 2
+
+
+def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
+    """Every command's error-to-exit mapper (cli.py, sessions/commands.py, doctor.py, lab/cli.py):
+    an NptraceError is one line on stderr and exit 2 (a compile's log tail first), an exception
+    of `usage` a click usage error (exit 2, with a pointer to --help), one of `failures` one line
+    and exit 1, and a closed stdout pipe (`| head`) a quiet exit 1. Never a traceback."""
+    import functools
+
+    import click
+
+    class Fail(click.ClickException):
+        exit_code = EXIT_USAGE
+
+    def wrap(f):
+        @functools.wraps(f)
+        def wrapper(*a, **kw):
+            try:
+                return f(*a, **kw)
+            except usage as e:
+                raise click.UsageError(str(e)) from None
+            except NptraceError as e:
+                tail = getattr(e, "log_tail", "")
+                if tail:
+                    click.echo(tail, err=True)
+                raise Fail(str(e)) from None
+            except failures as e:
+                raise click.ClickException(str(e)) from None
+            except BrokenPipeError:
+                _quiet_stdout()
+                sys.exit(EXIT_FAILURE)
+        return wrapper
+    return wrap if fn is None else wrap(fn)
+
+
+def _quiet_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

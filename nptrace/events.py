@@ -78,12 +78,15 @@ class Dir(enum.IntEnum):
     LOCAL = 3
 
 
+# record flags (NPT_F_* in nptrace_events.h)
 F_HAS_CT = 0x01
 F_ENCAP = 0x02
 F_HAS_SOCK = 0x04
 F_TRUNC = 0x08
 F_ICMP_QUOTE = 0x10
 
+# nf_conn.status bits (NPT_IPS_* in nptrace_events.h; tests/unit/test_events.py checks both)
+IPS_EXPECTED = 1 << 0
 IPS_SEEN_REPLY = 1 << 1
 IPS_ASSURED = 1 << 2
 IPS_CONFIRMED = 1 << 3
@@ -211,6 +214,16 @@ class CtTuples:
         return bool(self.status & IPS_SEEN_REPLY)
 
 
+def _carried(field: str, doc: str, typ: int = 0, hook: int = 0) -> property:
+    """A read-only name for aux or aux2 on the event type (or hook) that carries that meaning;
+    0 on any other."""
+    typ, hook = int(typ), int(hook)
+
+    def get(ev) -> int:
+        return getattr(ev, field) if (ev.type == typ if typ else ev.hook == hook) else 0
+    return property(get, doc=doc)
+
+
 class Event(NamedTuple):
     """One decoded record (immutable). Fields and properties as before; a tuple underneath."""
     ts_ns: int
@@ -250,6 +263,35 @@ class Event(NamedTuple):
     def is_rst(self) -> bool:
         return self.type in (EvType.RST_SENT, EvType.RST_RECV, EvType.WIRE_RST)
 
+    # aux and aux2 mean something else per event type (struct npt_event in nptrace_events.h):
+    # read them by these names. A name read on an event type that does not carry it is 0.
+    @property
+    def answered_flags(self) -> int:
+        """TCP flags of the packet the event is about: for a sent reset those of the packet
+        it answers (aux), else the packet's own (a NO_SOCKET drop: the SYN or ACK dropped)."""
+        return self.aux if self.type == _RST_SENT else self.tcpflags
+
+    @property
+    def in_ifindex(self) -> int:
+        """ASYM_IFACE, ASYM_SRC: the ifindex the SYN came in on (aux); SYN_RETX: the first
+        copy's (aux2)."""
+        t = self.type
+        if t == _ASYM_IFACE or t == _ASYM_SRC:
+            return self.aux
+        return self.aux2 if t == _SYN_RETX else 0
+
+    in_ifindex2 = _carried("aux2", "ASYM_IFACE: a second, stacked ingress ifindex of the SYN, "
+                           "0 if none.", EvType.ASYM_IFACE)
+    syn_dport = _carried("aux2", "ASYM_SRC: the port the SYN was sent to; outer_daddr is its "
+                         "address.", EvType.ASYM_SRC)
+    syn_copies = _carried("aux", "SYN_RETX: how many copies of the SYN were seen.", EvType.SYN_RETX)
+    nf_hook_point = _carried("aux", "NF_VIEW: pf << 24 | hooknum << 16 | priority of the netfilter "
+                             "hook (kernel.nfhook.decode_aux splits it).", EvType.NF_VIEW)
+    kfunc = _carried("aux", "Hook KPROBE: which kernel function (enum npt_kfunc, KFunc) the event "
+                     "comes from.", hook=Hook.KPROBE)
+    kfunc_arg = _carried("aux2", "Hook KPROBE: the function's argument or return value, per kfunc "
+                         "(bpf/kprobes.bpf.c).", hook=Hook.KPROBE)
+
 
 _TYPES = {int(m): m for m in EvType}
 _HOOKS = {int(m): m for m in Hook}
@@ -257,6 +299,8 @@ _DIRS = {int(m): m for m in Dir}
 _new_event = tuple.__new__
 _AF_INET, _AF_INET6 = socket.AF_INET, socket.AF_INET6
 _ASYM_SRC = int(EvType.ASYM_SRC)   # carries outer addresses, as an ICMP quote does
+_RST_SENT, _ASYM_IFACE = int(EvType.RST_SENT), int(EvType.ASYM_IFACE)
+_SYN_RETX = int(EvType.SYN_RETX)
 _ntop = socket.inet_ntop
 # 16-byte address field -> text. Bounded: a flood of spoofed sources must not grow it.
 _ADDRS: dict[bytes, str] = {}

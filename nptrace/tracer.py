@@ -1,5 +1,9 @@
 """The live pipeline: probes -> decoder -> classifier -> sinks, with start-up checks and a clean
-stop. Status and start-up lines go to stderr; stdout belongs to the sinks."""
+stop. Status and start-up lines go to stderr; stdout belongs to the sinks.
+
+The Tracer orchestrates: what to attach is kernel/attach.py's plan (from features.probe() and
+the hook table), compiling and attaching is kernel/attach.py's, the extra outputs are
+sinks/outputs.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +17,10 @@ from pathlib import Path
 
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
-from nptrace.config import TRACEPOINTS, Config
-from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
+from nptrace.config import Config
+from nptrace.errors import InterfaceError, LockError, PrivilegeError
+from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
-TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
 DRAIN_BATCH = 4096
 WAKE_EVERY = 256       # records a CPU emits per wake-up of run() (bpf/npt_common.h)
@@ -25,22 +29,6 @@ LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"
 
 def log(msg: str) -> None:
     print(f"nptrace: {msg}", file=sys.stderr, flush=True)
-
-
-def tracefs() -> Path | None:
-    for p in TRACEFS:
-        if (p / "events").is_dir():
-            return p
-    # tracefs is often not mounted on minimal hosts; mounting it is harmless and needed.
-    subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS[0])], capture_output=True)
-    return TRACEFS[0] if (TRACEFS[0] / "events").is_dir() else None
-
-
-def available_tracepoints() -> set[str]:
-    root = tracefs()
-    if root is None:
-        return set()
-    return {tp for tp in TRACEPOINTS if (root / "events" / tp / "format").exists()}
 
 
 def check_privileges() -> None:
@@ -66,17 +54,6 @@ def check_ifaces(cfg: Config) -> None:
             raise InterfaceError(f"interface {spec.name!r} not found{where} (ip link)")
 
 
-@dataclasses.dataclass(frozen=True)
-class Outputs:
-    """Where labeled events go besides stdout."""
-    record_dir: str | None = None
-    record_max_file_bytes: int = 64 << 20
-    record_max_age_s: float = 3600.0
-    record_max_total_bytes: int = 1 << 30
-    metrics_addr: str | None = None
-    pcap: str | None = None
-
-
 def release_startup_memory() -> None:
     """Start-up needs the whole BTF (tens of MB of Python objects) and clang's heap; the
     running tracer needs neither. Drop the BTF and hand freed heap back to the kernel, so a
@@ -84,7 +61,7 @@ def release_startup_memory() -> None:
     import ctypes
     import gc
     from nptrace.kernel import btf
-    btf._DEFAULT = None
+    btf.release_default()
     gc.collect()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -163,6 +140,11 @@ class Tracer:
         self.reader = None
         self.outputs = outputs or Outputs()
         self.metrics = self.metrics_server = None
+        self.plan = None               # kernel/attach.py Plan: what start() attaches
+        self.nf_links = None           # netfilter-hook links (kernel/nfhook.py)
+        self.knowledge = None          # node knowledge (node/knowledge.py), without a context
+        self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
+        self.classifier = None
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -171,36 +153,25 @@ class Tracer:
         check_ifaces(self.cfg)
         self.lock.acquire()
         from nptrace import reasons
-        from nptrace.kernel import btf, loader, offsets
+        from nptrace.kernel import attach, btf, features, offsets
         from nptrace.node.netns import Names
         kbtf = btf.default()
         offset_flags = offsets.cflags(kbtf)
         drops, rsts = reasons.load_tables(kbtf)
-        tps = available_tracepoints()
-        self._open_outputs(drops, rsts, tps)   # before the slow compile: bad paths fail fast
-        loader.require_tracepoints(tps)
-        missing = [tp for tp in self.cfg.tracepoints if tp not in tps]
-        if missing:
-            log(f"tracepoints not in this kernel, skipped: {', '.join(missing)}")
-        if Path("/sys/bus/event_source/devices/kprobe").exists() and not self.cfg.kprobes:
-            self.cfg = dataclasses.replace(self.cfg, kprobes=True)
-        offset_flags = offset_flags + self._nf_cflags(kbtf)
-        self.probes = loader.Probes(self.cfg, offset_flags + self._tc_cflags(), drops, tps)
-        if self.cfg.ifaces:
-            try:
-                self._attach_tc()
-            except LoadError as e:
-                # Reading the kernel sk_buff behind a tc context (netns, conntrack) needs
-                # CAP_PERFMON's probe_read in tc programs; where the verifier refuses it,
-                # fall back to the attach-time netns map and no conntrack on tc events.
-                log(f"tc programs refused ({e}); retrying without kernel sk_buff reads "
-                    "(tc events carry no conntrack tuples)")
-                self.probes.close()
-                flags = [f for f in self._tc_cflags() if not f.startswith("-DNPT_TC_KSKB=")]
-                self.probes = loader.Probes(self.cfg, offset_flags + flags + ["-DNPT_TC_KSKB=0"],
-                                            drops, tps)
-                self._attach_tc()
-        self._attach_enrichment(loader)
+        # tracefs is often not mounted on minimal hosts; mounting it is harmless and needed.
+        feats = features.probe(mount_tracefs=True)
+        self.plan = plan = attach.plan(feats, self.cfg)
+        self._open_outputs(drops, rsts)   # before the slow compile: bad paths fail fast
+        plan.require()
+        for line in plan.lines():
+            log(f"plan: {line}")
+        self.cfg = plan.cfg
+        kflags = offset_flags + attach.nf_cflags(plan, kbtf, log)
+        self.probes = attach.load(plan, kflags, drops)
+        if plan.tc:
+            self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)
+        self.nf_links = attach.attach_netfilter(plan, self.probes, log)
+        attach.attach_kprobes(plan, self.probes, log)
         names = Names()
         if self.ctx is None:
             from nptrace.node.knowledge import NodeKnowledge
@@ -229,14 +200,13 @@ class Tracer:
         release_startup_memory()
         from nptrace.kernel.ringbuf import RingReader
         # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
-        # near 350-600k records/s in Python, the mmap walk above 1M/s (PLATFORM.md).
+        # near 350-600k records/s in Python, the mmap walk above 1M/s (docs/PLATFORM.md).
         self.reader = RingReader(self.probes.ring_map_fd())
         elapsed = time.monotonic() - t0
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
         if self.tc is not None:
             what += f" (tc via {self.tc.mode})"
-        log(f"attached {what} in {elapsed:.2f}s "
-            f"(kprobes: {'yes' if Path('/sys/bus/event_source/devices/kprobe').exists() else 'absent'})")
+        log(f"attached {what} in {elapsed:.2f}s (kprobes: {'yes' if plan.kprobes else 'absent'})")
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         return elapsed
@@ -247,91 +217,19 @@ class Tracer:
         peer = self.probes.nat_peer(saddr, sport, daddr, dport)
         return list(peer) if peer else None    # lists: what msgpack gives back in replay
 
-    # -- outputs: session files, metrics endpoint, pcapng ----------------------------------
-    def _open_outputs(self, drops, rsts, tps) -> None:
-        o = self.outputs
-        self.recorder = None
-        if o.metrics_addr:
-            from prometheus_client import CollectorRegistry
-            from nptrace.sinks import prometheus
-            reg = CollectorRegistry()
-            self.metrics_server = prometheus.serve(o.metrics_addr, reg)
-            self.metrics = prometheus.MetricsSink(reg)
-            self.sinks.append(self.metrics)
-            log(f"metrics on http://{o.metrics_addr}/metrics")
-        if o.record_dir:
-            from nptrace.sessions import format as session
-            from nptrace.sinks.recorder import Recorder, snapshot_ifnames
-            hdr = session.make_header(
-                epoch_offset_ns=self.epoch_offset_ns, drops=drops, resets=rsts,
-                features={"tracepoints": sorted(tps), "ifaces": [str(i) for i in self.cfg.ifaces],
-                          "kprobes": Path("/sys/bus/event_source/devices/kprobe").exists()},
-                ifnames=snapshot_ifnames())
-            writer = session.SessionWriter(o.record_dir, o.record_max_file_bytes,
-                                           o.record_max_age_s, o.record_max_total_bytes, hdr)
-            self.recorder = Recorder(writer, counters=lambda: (self.probes.counts(),
-                                                               self.probes.stats()))
+    # -- outputs: session files, metrics endpoint, pcapng (sinks/outputs.py) ----------------
+    def _open_outputs(self, drops, rsts) -> None:
+        plan = self.plan
+        opened = open_outputs(
+            self.outputs, epoch_offset_ns=self.epoch_offset_ns, drops=drops, rsts=rsts,
+            features={"tracepoints": sorted(plan.tracepoints),
+                      "ifaces": [str(i) for i in self.cfg.ifaces], "kprobes": plan.kprobes},
+            counters=lambda: (self.probes.counts(), self.probes.stats()), log=log)
+        self.metrics, self.metrics_server = opened.metrics, opened.metrics_server
+        self.recorder = opened.recorder
+        if self.recorder is not None:
             self.recorders.append(self.recorder)
-        if o.pcap:
-            from nptrace.sinks.pcapng import PcapngSink
-            self.sinks.append(PcapngSink(o.pcap, self.epoch_offset_ns))
-
-    # -- enrichment: netfilter-hook view of NATed SYNs, kprobes ---------------------------
-    NF_POINTS = None   # set lazily from nfhook: just after SNAT, where both NAT tuples are final
-
-    def _nf_cflags(self, kbtf) -> list[str]:
-        if not self.cfg.nf_hook:
-            return []
-        from nptrace.kernel import nfhook
-        try:
-            return nfhook.cflags(kbtf, points=(nfhook.AFTER_SNAT,))
-        except Exception as e:
-            log(f"netfilter-hook view off: {e}")
-            return []
-
-    def _nf_namespaces(self) -> list[str | None]:
-        """Where NAT happens: the namespaces of the watched interfaces, else the host."""
-        spaces = {s.netns for s in self.cfg.ifaces}
-        return sorted(spaces, key=lambda n: n or "") or [None]
-
-    def _attach_enrichment(self, loader) -> None:
-        self.nf_links = None
-        if any(f.startswith("-DNPT_WITH_NF_HOOK=1") for f in self.probes.cflags):
-            from nptrace.kernel import nfhook
-            try:
-                fd = loader.load_netfilter_prog(self.probes.bpf)
-                self.nf_links = nfhook.NfHookLinks(fd)
-                for ns in self._nf_namespaces():
-                    self.nf_links.attach(ns, points=(nfhook.AFTER_SNAT,))
-                self.probes.attached.append("netfilter:post_routing@101")
-            except Exception as e:
-                # Linux < 6.4 or CONFIG_NETFILTER_BPF_LINK off: NAT tuples still come from
-                # conntrack at the tracepoints and tc egress, only later in a flow.
-                log(f"netfilter-hook view not attached ({str(e).splitlines()[0]}): NAT "
-                    "tuples come from tracepoints and tc egress only")
-                if self.nf_links is not None:
-                    self.nf_links.close()
-                    self.nf_links = None
-        if self.cfg.kprobes:
-            got = loader.attach_kprobes(self.probes.bpf)
-            for group, what in got.items():
-                if what.startswith("skipped"):
-                    log(f"kprobe {group} {what}")
-                else:
-                    self.probes.attached.append(f"kprobe:{what}")
-
-    def _tc_cflags(self) -> list[str]:
-        if not self.cfg.ifaces:
-            return []
-        try:
-            from nptrace.kernel.tc import tc_cflags
-        except ImportError:
-            return []
-        return tc_cflags(self.cfg)
-
-    def _attach_tc(self) -> None:
-        from nptrace.kernel import tc
-        self.tc = tc.attach(self.probes, self.cfg)
+        self.sinks.extend(opened.sinks)
 
     # -- run -----------------------------------------------------------------------------
     def _on_record(self, raw: bytes) -> None:
@@ -462,10 +360,10 @@ class Tracer:
         if self.tc is not None:
             self.tc.close()
             self.tc = None
-        if getattr(self, "nf_links", None) is not None:
+        if self.nf_links is not None:
             self.nf_links.close()
             self.nf_links = None
-        if getattr(self, "nft", None) is not None:
+        if self.nft is not None:
             self.nft.close()     # removes nptrace's trace tables
             self.nft = None
         if self.reader is not None:

@@ -71,7 +71,7 @@ def attach_empty(ns: str, dev: str, fd: int, ingress: bool) -> tuple[str, int | 
     tcx link where the kernel has tcx, else a clsact filter. ("tcx", link fd) or
     ("clsact", None); close the link fd to unlink (the filter goes with the namespace)."""
     from nptrace.kernel import tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     idx = ifindex(ns, dev)
     try:
         return "tcx", tcx.link_create(fd, idx, ingress, path_of(ns))
@@ -117,7 +117,7 @@ def tc_prog_ids(ns: str, dev: str) -> dict[str, dict[str, int]]:
     """{'ingress'|'egress': {name: prog id}} of the programs on dev: tc bpf filters by filter
     name, tcx-linked programs by program name (bpftool's, 15 characters at most)."""
     from nptrace.kernel import tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     idx = ifindex(ns, dev)
     out = {}
     for hook in ("ingress", "egress"):

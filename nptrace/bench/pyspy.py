@@ -94,7 +94,7 @@ def stage_of(fn: str, file: str) -> str | None:
         return "decode"
     if _is(file, "nptrace/kernel/ringbuf.py"):
         return "ring"
-    if _is(file, "nptrace/classify.py"):
+    if _is(file, "nptrace/classify.py") or "nptrace/classify/" in file:
         return "attribution"
     if _is(file, "nptrace/sinks/jsonl.py") or _is(file, "nptrace/sinks/collapse.py"):
         return "json sink"

@@ -523,3 +523,10 @@ def default() -> Btf:
     if _DEFAULT is None:
         _DEFAULT = load_kernel()
     return _DEFAULT
+
+
+def release_default() -> None:
+    """Forget the kernel BTF default() loaded (tens of MB of Python objects): the running
+    tracer needs it only at start-up; a later default() reads it again."""
+    global _DEFAULT
+    _DEFAULT = None

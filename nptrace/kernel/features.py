@@ -7,7 +7,10 @@ bcc), and tracefs is mounted only when asked and only on the real root.
 
 Each probe has a name, a minimum kernel, a check, whether it is required and what is lost
 without it. Required probes that fail make tracing impossible (`Features.tracing_possible`);
-optional ones cost a cause or a view and are logged and skipped.
+optional ones cost a cause or a view and are logged and skipped. The hook rows (one per
+tracepoint and tracepoint field, and the kprobes / tc clsact / netfilter bpf facilities) are
+derived from the hook table, nptrace/kernel/hooks.py; kernel/attach.py plan() turns this
+module's answer into what `nptrace run` attaches, and `nptrace doctor` prints that plan.
 
 Evidence used, besides the paths named per probe: the kernel config (/proc/config.gz, or
 /boot/config-<release>), and module lists (/proc/modules, /sys/module/<m>,
@@ -30,6 +33,7 @@ __all__ = [
     "PrivilegeError",
     "Probe",
     "ProbeResult",
+    "HOOK_ROWS",
     "PROBES",
     "TRACEPOINTS",
     "TrialResult",
@@ -49,6 +53,7 @@ TRACEFS_MOUNT = "mount -t tracefs nodev /sys/kernel/tracing"
 
 
 from nptrace.errors import FeatureMissing, PrivilegeError  # noqa: E402,F401 (re-exported)
+from nptrace.kernel import hooks  # noqa: E402
 
 
 class TrialResult(NamedTuple):
@@ -98,15 +103,25 @@ class ProbeResult:
                 "required": self.required, "cost": self.cost, "expected": self.expected}
 
 
-# Tracepoints the probes use, with the kernel that added each (trace/events/*.h).
-TRACEPOINTS: dict[str, str] = {
-    "skb/kfree_skb": "2.6.30",             # added with the drop monitor
-    "tcp/tcp_send_reset": "4.15",          # with the other tcp tracepoints
-    "tcp/tcp_receive_reset": "4.15",
-    "icmp/icmp_send": "6.10",              # trace/events/icmp.h
-    "tcp/tcp_retransmit_synack": "4.15",
-    "fib/fib_table_lookup": "4.11",        # trace/events/fib.h
-}
+# Tracepoints the probes use, with the kernel that added each: the hook table's.
+TRACEPOINTS: dict[str, str] = {h.tracepoint: h.min_kernel for h in hooks.HOOKS
+                               if h.kind == "tracepoint"}
+
+
+def _tracepoint_rows():
+    for h in hooks.HOOKS:
+        if h.kind != "tracepoint":
+            continue
+        yield Probe(h.name, "tracepoints", h.min_kernel, h.required, h.cost, h.fail_reason,
+                    by_version=True)
+        for fld in h.fields:
+            yield Probe(fld.row, "tracepoints", fld.min_kernel, False, fld.cost, by_version=True)
+
+
+def _facility(name: str) -> Probe:
+    min_kernel, cost, by_version = hooks.FACILITIES[name]
+    return Probe(name, "hooks", min_kernel, False, cost, by_version=by_version)
+
 
 _P = Probe
 PROBES: dict[str, Probe] = {p.name: p for p in (
@@ -121,39 +136,20 @@ PROBES: dict[str, Probe] = {p.name: p for p in (
     _P("tracefs", "kernel", "4.1", True,
        "tracepoints cannot be attached",
        "no tracefs: " + TRACEFS_MOUNT),
-    _P("skb:kfree_skb", "tracepoints", TRACEPOINTS["skb/kfree_skb"], True,
-       "no drop events: rp_filter, netfilter drops and no_listener drops are not seen",
-       "no drop hook: neither skb:kfree_skb nor kprobes", by_version=True),
-    _P("skb:kfree_skb reason", "tracepoints", "5.17", False,
-       "drops cannot be told apart (IP_RPFILTER vs NETFILTER_DROP vs NO_SOCKET): cause unknown",
-       by_version=True),
-    _P("tcp:tcp_send_reset", "tracepoints", TRACEPOINTS["tcp/tcp_send_reset"], False,
-       "resets sent by the local TCP stack (no_listener) are not seen", by_version=True),
-    _P("tcp:tcp_send_reset reason", "tracepoints", "6.10", False,
-       "why the stack reset (NO_SOCKET vs state errors) is unknown", by_version=True),
-    _P("tcp:tcp_receive_reset", "tracepoints", TRACEPOINTS["tcp/tcp_receive_reset"], False,
-       "resets received by local sockets (peer_reset) are not seen", by_version=True),
-    _P("icmp:icmp_send", "tracepoints", TRACEPOINTS["icmp/icmp_send"], False,
-       "REJECT with ICMP (kube-proxy's no-endpoints rule) is seen only as a NETFILTER_DROP",
-       by_version=True),
-    _P("tcp:tcp_retransmit_synack", "tracepoints", TRACEPOINTS["tcp/tcp_retransmit_synack"], False,
-       "lost handshakes (SYN-ACK retransmits) are not seen", by_version=True),
-    _P("fib:fib_table_lookup", "tracepoints", TRACEPOINTS["fib/fib_table_lookup"], False,
-       "the reverse route behind an rp_filter drop is not shown", by_version=True),
-    _P("kprobes", "hooks", "4.1", False,
-       "no kernel-function hooks: no fallback when a tracepoint is missing"),
+    *_tracepoint_rows(),
+    _facility("kprobes"),
     _P("fentry", "hooks", "5.5", False,
-       "no fentry/fexit hooks: tracepoints are used instead"),
+       "no fentry/fexit hooks: none are built, tracepoints are used instead"),
+    # BPF_MAP_TYPE_RINGBUF carries every record (bpf/npt_common.h `events`); no perf buffer
+    # variant is built.
     _P("ring buffer", "hooks", "5.8", False,
-       "perf buffer used instead: per-CPU buffers, one wakeup per event, order across CPUs lost",
+       "no fallback (no perf buffer variant is built): the programs cannot be loaded",
        by_version=True),
-    _P("tc clsact", "hooks", "4.5", False,
-       "no wire view: resets sent by iptables REJECT --reject-with tcp-reset are not seen"),
+    _facility("tc clsact"),
     _P("tcx", "hooks", "6.6", False,
        "--iface programs are clsact filters: dearer dispatch, and a kill -9 leaves them on the "
        "device until the next start removes them"),
-    _P("netfilter bpf", "hooks", "6.4", False,
-       "no view of packets at a netfilter hook (after DNAT): NAT is read from conntrack only"),
+    _facility("netfilter bpf"),
     _P("netfilter backend", "netfilter", None, False,
        "no nf_tables or iptables: kube-proxy rules cannot be read"),
     _P("ipvs", "netfilter", None, False,
@@ -162,6 +158,9 @@ PROBES: dict[str, Probe] = {p.name: p for p in (
        "conntrack_invalid and snat cannot be named; DNAT'd tuples are not recovered"),
 )}
 del _P
+# The rows derived from the hook table (what kernel/attach.py plans from).
+HOOK_ROWS: tuple[str, ...] = hooks.probe_rows()
+assert set(HOOK_ROWS) <= set(PROBES), set(HOOK_ROWS) - set(PROBES)
 
 
 # --- small readers ------------------------------------------------------------------------
@@ -515,15 +514,13 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     unseen = "tracefs not readable" if tracefs is not None else "no tracefs"
 
     def tp_row(tp: str, name: str):
+        # No tracepoint falls back to a kprobe: bcc tools/tcpdrop.py's kprobe tcp_drop (before
+        # kfree_skb had a reason, 5.17) is not built here (kernel/hooks.py says "none").
         if not readable:
             b.add(name, None, unseen)
             return
         if tracepoints[tp]:
             b.add(name, True, "")
-            return
-        if name == "skb:kfree_skb" and kprobes:
-            # Before the tracepoint had a reason (5.17), bcc tools/tcpdrop.py used kprobe tcp_drop.
-            b.add(name, False, "absent; falling back to kprobe tcp_drop", status="warn")
             return
         b.add(name, False, _missing_detail(b, name, f"no events/{tp}"))
 
@@ -537,14 +534,11 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
         else:
             b.add(name, False, _missing_detail(b, name, f"no {fld!r} field in its format"))
 
-    tp_row("skb/kfree_skb", "skb:kfree_skb")
-    field_row("skb/kfree_skb", "skb:kfree_skb reason", "reason")   # commit c504e5c2f964, 5.17
-    tp_row("tcp/tcp_send_reset", "tcp:tcp_send_reset")
-    field_row("tcp/tcp_send_reset", "tcp:tcp_send_reset reason", "reason")  # sk_rst_reason, 6.10
-    tp_row("tcp/tcp_receive_reset", "tcp:tcp_receive_reset")
-    tp_row("icmp/icmp_send", "icmp:icmp_send")
-    tp_row("tcp/tcp_retransmit_synack", "tcp:tcp_retransmit_synack")
-    tp_row("fib/fib_table_lookup", "fib:fib_table_lookup")
+    for h in hooks.HOOKS:              # the hook table's order: PROBES' order
+        if h.kind == "tracepoint":
+            tp_row(h.tracepoint, h.name)
+            for fld in h.fields:           # e.g. kfree_skb reason: commit c504e5c2f964, 5.17
+                field_row(h.tracepoint, fld.row, fld.name)
 
     b.add("kprobes", kprobes, kdetail)
 

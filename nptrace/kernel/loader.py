@@ -12,20 +12,21 @@ second ring buffer would mean a second consumer.)
 from __future__ import annotations
 
 import ctypes as ct
+import enum
 import mmap
 import os
-import socket
-import struct
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from nptrace import events as ev
-from nptrace.config import Config, build_cflags
-from nptrace.errors import FeatureMissing, LoadError
+from nptrace.config import Config
+from nptrace.errors import LoadError
+from nptrace.kernel import natpeers
+from nptrace.kernel.cflags import build_cflags
+from nptrace.kernel.hooks import KPROBE_GROUPS, TRACEPOINTS
 from nptrace.reasons import ReasonTable, interesting_drops
 
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
@@ -33,29 +34,14 @@ BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parent
 FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
 
 
-@lru_cache(maxsize=4096)
-def _addr16(addr: str) -> bytes:
-    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    return socket.inet_pton(fam, addr).ljust(16, b"\0")
-
-
-# struct npt_nat_key (bpf/nf_hook.bpf.c): src[16], dst[16], sport, dport (host order)
-NAT_KEY = struct.Struct("=16s16sHH")
-NAT_SLOT = 80      # struct npt_nat_slot: key, peer, u64 ns (8-aligned)
-_NAT_WORDS = struct.Struct("=9I")
-
-
-def nat_key(saddr: str, sport: int, daddr: str, dport: int) -> bytes:
-    return NAT_KEY.pack(_addr16(saddr), _addr16(daddr), sport, dport)
-
-
-def nat_set(key: bytes, slots: int, ways: int = 2) -> int:
-    """First slot of a key's set in nat_peers: npt_nat_set() in bpf/nf_hook.bpf.c, exactly."""
-    h = 0
-    for w in _NAT_WORDS.unpack(key):
-        h = ((h ^ w) * 0x9E3779B1) & 0xFFFFFFFF
-    h ^= h >> 16
-    return (h % (slots // ways)) * ways
+class Stat(enum.IntEnum):
+    """enum npt_stat (bpf/nptrace_events.h): index into the `stats` per-CPU array. Its names,
+    lower case, are the keys of Probes.stats(); tests/unit/test_layout.py checks the mirror."""
+    EMITTED = 0
+    LOST = 1
+    FILTERED = 2
+    SAMPLED = 3
+    FLOW_KEPT = 4
 
 
 def source_text(families=FAMILIES) -> str:
@@ -131,7 +117,7 @@ class Probes:
         if err is not None:
             raise LoadError(f"BPF compile/load failed: {err}", _tail(log["text"]))
         self.compile_s = time.monotonic() - t0
-        for tp, macro in _tracepoint_macros().items():
+        for tp, macro in TRACEPOINTS.items():
             if f"-D{macro}=1" in self.cflags:
                 self.attached.append(tp)
         self._fill_drop_reasons(drops)
@@ -189,14 +175,7 @@ class Probes:
         mem, size, used = nat
         if not used[0]:
             return None             # nothing NATed yet: no slot can match
-        key = nat_key(saddr, sport, daddr, dport)
-        off = nat_set(key, size) * NAT_SLOT
-        for o in (off, off + NAT_SLOT):     # the set's two ways
-            if mem[o:o + NAT_KEY.size] == key:
-                src, dst, sp, dp = NAT_KEY.unpack_from(mem, o + NAT_KEY.size)
-                fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
-                return (ev.ntop(fam, src), sp, ev.ntop(fam, dst), dp)
-        return None
+        return natpeers.find(mem, size, saddr, sport, daddr, dport)
 
     def _map_nat_peers(self):
         """(read-only mapping of nat_peers' slots, slot count, nat_used as u64s); no slots
@@ -207,10 +186,10 @@ class Probes:
         except KeyError:
             return (b"", 0, (0,))
         size = len(m)
-        if ct.sizeof(m.Leaf) != NAT_SLOT:
+        if ct.sizeof(m.Leaf) != natpeers.NAT_SLOT:
             raise LoadError(f"nat_peers slot is {ct.sizeof(m.Leaf)} bytes, loader expects "
-                            f"{NAT_SLOT}")
-        length = -(-size * NAT_SLOT // mmap.PAGESIZE) * mmap.PAGESIZE
+                            f"{natpeers.NAT_SLOT}")
+        length = -(-size * natpeers.NAT_SLOT // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             mem = mmap.mmap(m.map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
             flag = mmap.mmap(u.map_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -243,10 +222,9 @@ class Probes:
     # --- counters -----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         arr = self.bpf["stats"]
-        names = {0: "emitted", 1: "lost", 2: "filtered", 3: "sampled", 4: "flow_kept"}
         out = {}
-        for idx, name in names.items():
-            out[name] = int(sum(arr.getvalue(ct.c_int(idx))))
+        for s in Stat:
+            out[s.name.lower()] = int(sum(arr.getvalue(ct.c_int(s))))
         return out
 
     def counts(self) -> dict[tuple[int, int, int, int, int], int]:
@@ -269,11 +247,6 @@ class Probes:
             self.bpf.cleanup()
         except Exception:
             pass
-
-
-def _tracepoint_macros():
-    from nptrace.config import TRACEPOINTS
-    return TRACEPOINTS
 
 
 def trial_load(kind: str) -> TrialResult:
@@ -304,38 +277,17 @@ def trial_load(kind: str) -> TrialResult:
         return TrialResult(False, str(e))
 
 
-def require_tracepoints(available: set[str]) -> None:
-    if "skb/kfree_skb" not in available and "tcp/tcp_send_reset" not in available:
-        raise FeatureMissing("tracepoints skb:kfree_skb and tcp:tcp_send_reset", "4.15")
-
-
-# --- enrichment (ringbuf/counters helper) ---
-# Compile, verify and attach the optional enrichment programs (bpf/kprobes.bpf.c,
-# bpf/nf_hook.bpf.c): the netfilter program's fd goes to nptrace/kernel/nfhook.py, which links it.
-# Used by tests/privileged/test_enrichment_compile.py; Probes does not call these yet.
+# --- enrichment: kprobes and the netfilter-hook program ---
+# Load, verify and attach the optional enrichment programs (bpf/kprobes.bpf.c,
+# bpf/nf_hook.bpf.c) of a Probes object (kernel/attach.py, for `nptrace run`) or of a
+# compile_families() object (tests/privileged/test_enrichment_compile.py). The netfilter
+# program's fd goes to nptrace/kernel/nfhook.py, which links it.
 
 BPF_PROG_TYPE_NETFILTER = 32   # Linux 6.4
 BPF_NETFILTER = 45             # enum bpf_attach_type: expected attach type of netfilter progs
 
-# Enrichment kprobe groups: name -> alternatives tried in order; an alternative is a list of
-# (program, "entry" | "return", kernel function) that must all attach (an entry/return pair).
-KPROBE_GROUPS: dict[str, tuple[tuple[tuple[str, str, str], ...], ...]] = {
-    "nat": ((("npt_kp_nat_manip", "entry", "nf_nat_manip_pkt"),),
-            (("npt_kp_nat_packet", "entry", "nf_nat_packet"),)),
-    "rp_filter": ((("npt_kp_fib_validate_entry", "entry", "fib_validate_source"),
-                   ("npt_kp_fib_validate_ret", "return", "fib_validate_source")),),
-    "reject_reset": ((("npt_kp_nf_send_reset", "entry", "nf_send_reset"),),),
-    "reject_reset6": ((("npt_kp_nf_send_reset", "entry", "nf_send_reset6"),),),
-    # ip_vs_in_hook/ip_vs_out_hook since 6.2; ip_vs_remote_request4/ip_vs_reply4 before
-    "ipvs_in": ((("npt_kp_ipvs_in_entry", "entry", "ip_vs_in_hook"),
-                 ("npt_kp_ipvs_in_ret", "return", "ip_vs_in_hook")),
-                (("npt_kp_ipvs_in_entry", "entry", "ip_vs_remote_request4"),
-                 ("npt_kp_ipvs_in_ret", "return", "ip_vs_remote_request4"))),
-    "ipvs_out": ((("npt_kp_ipvs_out_entry", "entry", "ip_vs_out_hook"),
-                  ("npt_kp_ipvs_out_ret", "return", "ip_vs_out_hook")),
-                 (("npt_kp_ipvs_out_entry", "entry", "ip_vs_reply4"),
-                  ("npt_kp_ipvs_out_ret", "return", "ip_vs_reply4"))),
-}
+# Enrichment kprobe groups (group -> alternatives tried in order): the kprobe rows of the hook
+# table, kernel/hooks.py KPROBE_GROUPS, imported above.
 
 
 def compile_families(families, cflags: list[str]):
@@ -370,8 +322,9 @@ def verify_programs(bpf, names, prog_type: int, attach_type: int = -1) -> dict[s
 
 
 def attach_kprobes(bpf, groups=None) -> dict[str, str]:
-    """Attach the enrichment kprobes. group -> the kernel function attached, or
-    "skipped: <why>" (an optional hook that cannot run is skipped, never fatal)."""
+    """Attach the enrichment kprobes (every group of the hook table, or `groups`). group ->
+    the kernel function attached, or "skipped: <why>" (an optional hook that cannot run is
+    skipped, never fatal)."""
     groups = KPROBE_GROUPS if groups is None else groups
     out = {}
     for group, alternatives in groups.items():

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 
 from nptrace.kernel.bpfsys import bpf
-from nptrace.node.netns import path_of, run_in
+from nptrace.kernel.nsenter import path_of, run_in
 
 NFPROTO_IPV4 = 2
 NFPROTO_IPV6 = 10

@@ -1,6 +1,6 @@
 """Consume the BPF ring buffer (`events` map) by mapping it into this process and walking it.
 
-Why not bcc's `ring_buffer_poll`: it calls back into Python once per record (PLATFORM.md:
+Why not bcc's `ring_buffer_poll`: it calls back into Python once per record (docs/PLATFORM.md:
 350-600k records/s at best). Walking the mapped ring in Python and unpacking whole runs of
 records with one `Struct.iter_unpack` call did 1.3-1.5M records/s here (216-byte events, walk
 + unpack into tuples), and the consumer position is advanced once per batch, not per record.
@@ -19,7 +19,7 @@ the kernel writes it under its spinlock before publishing the new producer posit
 
 Positions are read and written with single 8-byte accesses (`memoryview.cast('Q')`): the
 kernel updates them concurrently, and struct.unpack would read them byte by byte, tearing them
-(PLATFORM.md). Memory ordering: x86-64 never reorders loads with loads, so producer position,
+(docs/PLATFORM.md). Memory ordering: x86-64 never reorders loads with loads, so producer position,
 header and payload are read in the order the kernel published them. On weakly ordered CPUs
 (arm64) plain loads are not acquires, and Python offers no barrier: this reader is only
 tested on x86-64; elsewhere prefer bcc's callback consumer (loader.Probes.open_ring).

@@ -33,7 +33,7 @@ from nptrace.kernel import tcx
 from nptrace.kernel.bpfsys import bpf
 from nptrace.config import Config, IfaceSpec
 from nptrace.errors import InterfaceError
-from nptrace.node.netns import path_of
+from nptrace.kernel.nsenter import path_of
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def filter_owner(name: str) -> int | None:
 
 # --- compile switches and config maps ----------------------------------------------------
 def tc_cflags(cfg: Config) -> list[str]:
-    """-D switches for bpf/tc.bpf.c (the lead appends them in build_cflags)."""
+    """-D switches for bpf/tc.bpf.c (kernel/attach.py tc_cflags adds them to the cflags)."""
     return [
         # netns inode and conntrack read from the kernel sk_buff behind the tc context
         "-DNPT_TC_KSKB=1",

@@ -14,7 +14,7 @@ with no relative program): a CNI program after it that redirects or drops the pa
 links its own programs with tcx on these kernels) cannot hide it from the observer.
 
 The link is created in the network namespace of the calling thread (target_ifindex is looked
-up there), so it is made by a thread that joined the interface's namespace (netns.run_in).
+up there), so it is made by a thread that joined the interface's namespace (nsenter.run_in).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import os
 import struct
 
 from nptrace.kernel.bpfsys import bpf
-from nptrace.node.netns import run_in
+from nptrace.kernel.nsenter import run_in
 
 BPF_PROG_QUERY = 16
 BPF_LINK_CREATE = 28

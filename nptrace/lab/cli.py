@@ -7,6 +7,8 @@ import json
 import click
 
 from . import runner
+from nptrace.errors import one_line_errors
+
 from .errors import LabError, UsageError
 from .model import BACKENDS, load_scenarios
 
@@ -22,12 +24,8 @@ The namespace prefix is $NPT_LAB_PREFIX (default npt-)."""
 
 
 def _call(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except UsageError as e:
-        raise click.UsageError(str(e)) from None
-    except LabError as e:
-        raise click.ClickException(str(e)) from None
+    # a scenario that does not exist is bad input (exit 2); a lab operation that failed, exit 1
+    return one_line_errors(fn, usage=(UsageError,), failures=(LabError,))(*args, **kwargs)
 
 
 @click.group(epilog=EPILOG)

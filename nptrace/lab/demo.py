@@ -6,76 +6,11 @@ failure, print the labeled events, and always clean up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from collections import Counter
-from pathlib import Path
 
-
-def _nptrace_cmd() -> list[str]:
-    return [sys.executable, "-m", "nptrace.cli"]
-
-
-def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: Path | None = None) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return
-        if proc.poll() is not None:
-            why = stderr.read_text().strip().splitlines()[-1:] if stderr else []
-            raise RuntimeError(f"nptrace run exited early with code {proc.returncode}"
-                               + (f": {why[0]}" if why else ""))
-        time.sleep(0.05)
-    raise RuntimeError("nptrace run did not attach in time")
-
-
-def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
-                   prefix: str | None = None, settle: float = 1.0, watch: bool = True,
-                   inode_sink: dict | None = None, variant: str | None = None,
-                   rounds: int = 1, pause: float = 1.5):
-    """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down.
-    Returns (lab info, attempts, JSON events, stderr)."""
-    from nptrace import lab
-    info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
-    if inode_sink is not None:   # netns inodes exist only while the lab is up
-        for ns in info.namespaces.values():
-            inode_sink[ns] = os.stat(f"/run/netns/{ns}").st_ino
-    try:
-        with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
-            ready = Path(tmp) / "ready"
-            out = Path(tmp) / "events.json"
-            err = Path(tmp) / "stderr"
-            ifaces = []
-            for w in (info.watch if watch else ()):
-                ifaces += ["--iface", w]
-            with open(out, "w") as fo, open(err, "w") as fe:
-                proc = subprocess.Popen(_nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
-                                                          *ifaces, *extra_args],
-                                        stdout=fo, stderr=fe)
-                try:
-                    wait_ready(ready, proc, stderr=err)
-                    attempts = lab.trigger(name, count=count, prefix=prefix)
-                    for _ in range(rounds - 1):
-                        time.sleep(pause)
-                        attempts += lab.trigger(name, count=count, prefix=prefix)
-                    time.sleep(settle)   # let the last records reach user space
-                finally:
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-            events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
-            return info, attempts, events, err.read_text()
-    finally:
-        lab.down(name, prefix=prefix)
+from nptrace.lab.harness import scenario_events, trace_scenario
 
 
 def main(argv=None) -> int:
@@ -100,7 +35,6 @@ def main(argv=None) -> int:
     inodes: dict = {}
     info, attempts, events, err = trace_scenario(a.scenario, a.count, a.backend, settle=sc.observe,
                                                  inode_sink=inodes)
-    from nptrace.lab.scorecard import scenario_events
     outcomes = Counter(getattr(x, "outcome", "?") for x in attempts)
     print(f"== client saw: {dict(outcomes)}")
     mine = scenario_events(attempts, events, set(inodes.values()))   # only this lab's

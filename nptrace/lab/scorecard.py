@@ -13,6 +13,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from nptrace.lab.harness import scenario_events, trace_scenario
+
 HEALTHY = "none"          # the expected label of scenarios with no network fault
 FAULTLESS = {"app_reset"}  # labels that do not blame the network
 
@@ -39,40 +41,11 @@ class Score:
         return self.labels[self.expected] / self.total if self.total else 0.0
 
 
-def _ports_of(detail: str) -> set[int]:
-    out = set()
-    for part in detail.replace("(", " ").replace(")", " ").split():
-        host, sep, port = part.rpartition(":")
-        if sep and port.isdigit():
-            out.add(int(port))
-    return out
-
-
-def scenario_events(attempts, events, netns: set | None = None) -> list[dict]:
-    """Incidents about the trigger's connections: a client port appears in the incident's own
-    tuple, its conntrack entry or any of its evidence (masquerade may pick another port on the
-    pod side, the client side keeps it); with `netns` (the lab's namespace inodes), only
-    incidents whose primary event happened there (other traffic on the machine may reuse a
-    port)."""
-    ports = {a.sport for a in attempts}
-
-    def mine(e):
-        if netns is not None and e.get("netns") not in netns:
-            return False
-        if e["sport"] in ports or e["dport"] in ports:
-            return True
-        if e.get("conntrack") and e["conntrack"]["orig"][1] in ports:
-            return True
-        return any(_ports_of(x.get("detail", "")) & ports for x in e.get("evidence", ()))
-    return [e for e in events if mine(e)]
-
-
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
           observe: float = 1.0, max_rate: int | None = 0) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
     storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok)."""
-    from nptrace.lab.demo import trace_scenario
     inodes: dict = {}
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from nptrace.errors import NptraceError
+
 __all__ = ["Finding", "Interface", "NodeChecks", "NodeError", "check", "netns_names"]
 
 CONNTRACK_WARN = 0.8
@@ -45,7 +47,7 @@ RP_FILTER_REASON = ("strict rp_filter drops packets that arrive on an interface 
                     "drops sources with no route at all")
 
 
-class NodeError(Exception):
+class NodeError(NptraceError):
     """The node could not be inspected (bad netns name, `ip netns exec` failed)."""
 
 

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 from nptrace.node.netns import Names
+from nptrace.services import nf_cause
 
 
 ROUTE_LOOKUPS_PER_S = 20
@@ -55,32 +56,12 @@ class NodeKnowledge:
 
     def nf_rule(self, inode: int, saddr: str, daddr: str, dport: int, odst: str, oport: int,
                 syn: bool, has_ct: bool) -> dict | None:
-        """The netfilter rule that explains a drop or reject of this packet, as plain data
-        (recordable for replay): None when no ruleset is readable, {"tag": None} when the
-        ruleset has no rule for it, else {"tag", "where", "text", "service", "to_pod"}.
-        Tags: no_local_endpoint, no_endpoints, lb_source_range, conntrack_invalid, other."""
+        """Context.nf_rule: services.nf_cause on this namespace's rules (plain data,
+        recordable for replay), None when no ruleset is readable."""
         smap = self.rules(inode)
         if smap is None:
             return None
-
-        def out(r, tag=None, to_pod=False):
-            return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
-                    "service": r.service, "to_pod": to_pod}
-        for r in smap.verdict_rules(odst, oport, include_invalid=False):
-            if r.reason != "other":
-                return out(r)
-        if not syn and not has_ct:
-            # conntrack clears skb->_nfct for a packet it deems INVALID
-            for r in smap.verdict_rules(daddr, dport):
-                if r.reason == "conntrack_invalid":
-                    return out(r)
-        rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate="NEW" if syn else None)
-        rules = [r for r in rules if r.reason == "other"] or rules
-        if not rules:
-            return {"tag": None}
-        ep = smap.lookup(daddr, dport)
-        to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
-        return out(rules[0], to_pod=to_pod)
+        return nf_cause(smap, saddr, daddr, dport, odst, oport, syn, has_ct)
 
     def preload(self, inodes) -> None:
         for i in inodes:

@@ -7,34 +7,15 @@ most once per `refresh_s`, so a flood of events from an unknown netns costs one 
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import struct
-import threading
 import time
 from pathlib import Path
 
-from nptrace.node.nftrace import attrs
-
-RUN_NETNS = Path("/run/netns")
-
-
-def path_of(netns: str | None) -> str | None:
-    """The nsfs file of a --iface namespace: a name under /run/netns, or a path as given
-    (/proc/PID/ns/net, a CNI's /var/run/netns/cni-...); None (this namespace) stays None."""
-    if netns is None or "/" in netns:
-        return netns
-    return str(RUN_NETNS / netns)
-
-
-def inode_of(path: str | os.PathLike) -> int:
-    return os.stat(path).st_ino
-
-
-def host_inode() -> int:
-    return inode_of("/proc/1/ns/net")
-
+from nptrace.kernel.nsenter import RUN_NETNS, host_inode, inode_of, run_in
+from nptrace.node.nlmsg import (NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE, NLMSG_ERROR, attrs,
+                                error_of, messages, request)
 
 def named_namespaces() -> dict[int, str]:
     out = {}
@@ -49,76 +30,25 @@ def named_namespaces() -> dict[int, str]:
     return out
 
 
-_CLONE_NEWNET = 0x40000000
 _RTM_NEWLINK, _RTM_GETLINK = 16, 18
-_NLMSG_ERROR, _NLMSG_DONE = 2, 3
-_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
 _IFLA_IFNAME = 3
-_NLMSG = struct.Struct("=IHHII")        # struct nlmsghdr
 _IFINFO_LEN = 16                        # struct ifinfomsg
-
-
-def setns_fd(fd: int) -> None:
-    """Move the calling thread into the network namespace open at fd."""
-    if hasattr(os, "setns"):  # Python 3.12+
-        os.setns(fd, _CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def run_in(path: str | None, fn, name: str = "npt-netns"):
-    """fn() run in the namespace at `path` (an nsfs file) by a short-lived thread: setns moves
-    only the calling thread (and needs CAP_SYS_ADMIN). None: here. OSError when the namespace
-    cannot be entered."""
-    if path is None:
-        return fn()
-    result: list = []
-
-    def worker() -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                setns_fd(fd)
-            finally:
-                os.close(fd)
-            result.append((True, fn()))
-        except OSError as e:
-            result.append((False, e))
-
-    t = threading.Thread(target=worker, name=name, daemon=True)
-    t.start()
-    t.join(5.0)
-    if not result:
-        raise OSError(0, f"timed out entering the network namespace at {path}")
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
 
 
 def parse_links(data: bytes) -> tuple[dict[int, str], bool]:
     """({ifindex: name} of the RTM_NEWLINK messages in one recv, dump finished)."""
     out: dict[int, str] = {}
-    off = 0
-    while off + _NLMSG.size <= len(data):
-        length, mtype, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
-        if length < _NLMSG.size:
+    for mtype, start, end in messages(data):
+        if mtype == NLMSG_DONE:
             return out, True
-        if mtype == _NLMSG_DONE:
-            return out, True
-        if mtype == _NLMSG_ERROR:
-            err = -struct.unpack_from("=i", data, off + _NLMSG.size)[0]
-            raise OSError(err, os.strerror(err))
-        if mtype == _RTM_NEWLINK:
-            index = struct.unpack_from("=i", data, off + _NLMSG.size + 4)[0]
-            for atype, payload in attrs(data, off + _NLMSG.size + _IFINFO_LEN, off + length):
+        if mtype == NLMSG_ERROR:
+            raise error_of(data, start)
+        if mtype == _RTM_NEWLINK and end - start >= NLMSG.size + _IFINFO_LEN:
+            index = struct.unpack_from("=i", data, start + NLMSG.size + 4)[0]
+            for atype, payload in attrs(data, start + NLMSG.size + _IFINFO_LEN, end):
                 if atype == _IFLA_IFNAME:
                     out[index] = payload.split(b"\0", 1)[0].decode(errors="replace")
                     break
-        off += (length + 3) & ~3
     return out, False
 
 
@@ -130,8 +60,7 @@ def link_names(path: str | None) -> dict[int, str]:
                                               socket.NETLINK_ROUTE), "npt-links")
     with sock:
         sock.settimeout(5)
-        req = _NLMSG.pack(_NLMSG.size + _IFINFO_LEN, _RTM_GETLINK, _NLM_F_REQUEST | _NLM_F_DUMP,
-                          1, 0) + bytes(_IFINFO_LEN)
+        req = request(_RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1, bytes(_IFINFO_LEN))
         sock.send(req)
         out: dict[int, str] = {}
         done = False

@@ -6,7 +6,10 @@ chain policy or return, to the NFNLGRP_NFTRACE netlink group of its network name
 what `nft monitor trace` prints; iptables-nft rules are nf_tables rules, so their drops are
 traced too, while iptables-legacy's are not (they log TRACE through nf_log instead).
 
-Pure decoding and bookkeeping, no sockets: tests feed it recorded bytes.
+Pure decoding and bookkeeping, no sockets: tests feed it recorded bytes. A datagram is
+kernel input, but decode() never raises on a short or odd one (a truncated attribute is
+absent; tests/unit/test_fuzz_netlink.py fuzzes it), and names are kept as sent: whoever
+prints one escapes it, whoever passes one to nft checks it (nftrace_live.nft_name).
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import ipaddress
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from nptrace.node.nlmsg import NFGENMSG_LEN, NLMSG, attrs, messages
 
 # include/uapi/linux/netlink.h, netfilter/nfnetlink.h, netfilter/nf_tables.h
 NETLINK_NETFILTER = 12
@@ -42,19 +47,6 @@ NF_DROP = 0
 NF_VERDICT_MASK = 0xFF  # NF_DROP_ERR() keeps an errno in the upper bits
 
 NFPROTO_NAMES = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
-_NLA_TYPE_MASK = 0x3FFF   # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
-_NLMSG_HDR = struct.Struct("=IHHII")
-
-
-def attrs(data: bytes, off: int, end: int):
-    """(type, payload) of each netlink attribute in data[off:end]."""
-    end = min(end, len(data))
-    while off + 4 <= end:
-        alen, atype = struct.unpack_from("=HH", data, off)
-        if alen < 4:
-            return
-        yield atype & _NLA_TYPE_MASK, data[off + 4:off + alen]
-        off += (alen + 3) & ~3
 
 
 @dataclass(frozen=True)
@@ -109,17 +101,12 @@ def _headers(net: bytes, l4: bytes | None) -> tuple | None:
 def decode(data: bytes) -> list[TraceMsg]:
     """Every trace message in one netlink datagram; other message types are skipped."""
     out = []
-    off = 0
     want = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_TRACE
-    while off + _NLMSG_HDR.size <= len(data):
-        length, mtype, _flags, _seq, _pid = _NLMSG_HDR.unpack_from(data, off)
-        if length < _NLMSG_HDR.size:
-            break
-        if mtype == want and length >= 20:
-            msg = _decode_one(data, off, off + length)
+    for mtype, start, end in messages(data):
+        if mtype == want and end - start >= NLMSG.size + NFGENMSG_LEN:
+            msg = _decode_one(data, start, end)
             if msg is not None:
                 out.append(msg)
-        off += (length + 3) & ~3
     return out
 
 
@@ -129,14 +116,14 @@ def _str(b: bytes) -> str:
 
 def _decode_one(data: bytes, start: int, end: int) -> TraceMsg | None:
     family = data[start + 16]   # nfgenmsg.nfgen_family
-    a: dict[int, bytes] = dict(attrs(data, start + 20, end))
+    a: dict[int, bytes] = dict(attrs(data, start + NLMSG.size + NFGENMSG_LEN, end))
     if NFTA_TRACE_ID not in a or NFTA_TRACE_TYPE not in a:
         return None
     verdict = jump = None
     if NFTA_TRACE_VERDICT in a:
         v = dict(attrs(a[NFTA_TRACE_VERDICT], 0, len(a[NFTA_TRACE_VERDICT])))
-        if NFTA_VERDICT_CODE in v:
-            verdict = struct.unpack(">i", v[NFTA_VERDICT_CODE][:4])[0]
+        if len(v.get(NFTA_VERDICT_CODE, b"")) >= 4:
+            verdict = struct.unpack_from(">i", v[NFTA_VERDICT_CODE])[0]
         if NFTA_VERDICT_CHAIN in v:
             jump = _str(v[NFTA_VERDICT_CHAIN])
 

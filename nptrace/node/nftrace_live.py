@@ -19,6 +19,8 @@ The classifier sees this only as Context.nf_rule answers (plain dicts), recorded
 from __future__ import annotations
 
 import errno
+import ipaddress
+import re
 import select
 import socket
 import threading
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from nptrace.node import nftrace
-from nptrace.node.rules_source import RulesSourceError, _in_netns, _is_xt, _run
+from nptrace.node.rules_source import RulesSourceError, in_netns, is_xt, run_in_netns
 
 TABLE = "nptrace_trace"
 ARM_FOR_S = 60          # a destination stays traced this long after its last drop
@@ -34,6 +36,22 @@ TRACE_RATE = "50/second"  # packets traced per second and namespace, whatever th
 SET_SIZE = 1024
 ARMS_PER_S = 10         # `nft add element` forks; a flood of drops must not fork per event
 SOCK_RCVBUF = 1 << 20
+
+
+# An nft identifier as nft's scanner reads one (scanner.l: `string`): a letter, '_' or '.',
+# then letters, digits and '/', '-', '_', '.'; at most NFT_NAME_MAXLEN - 1 bytes. Table and
+# chain names in trace messages come from the kernel, where any bytes but NUL are allowed
+# (`nft add table 'x; flush ruleset'` works), and nft joins its arguments into one line and
+# parses it: a name that is not an identifier could be read as more commands. Such names are
+# refused, not quoted (nft's quoting cannot hold every byte), and the answer says the rule
+# text was not read.
+_NFT_IDENT = re.compile(r"[A-Za-z_.][A-Za-z0-9/_.\-]{0,254}\Z")
+NFT_FAMILIES = frozenset(nftrace.NFPROTO_NAMES.values())
+
+
+def nft_name(name: str) -> str | None:
+    """`name` if nft reads it as one identifier, else None."""
+    return name if isinstance(name, str) and _NFT_IDENT.match(name) else None
 
 
 def table_script() -> str:
@@ -74,21 +92,32 @@ class NsTrace:
 
     @classmethod
     def open(cls, netns: str | None) -> "NsTrace":
-        _run(netns, ["nft", table_script()])
-        return cls(netns, _in_netns(netns, _trace_socket))
+        run_in_netns(netns, ["nft", table_script()])
+        return cls(netns, in_netns(netns, _trace_socket))
 
     def arm(self, addr: str, port: int, now: float) -> bool:
-        """Trace addr:port's packets from now on; False when it was armed already."""
+        """Trace addr:port's packets from now on; False when it was armed already (or the
+        address is not one: it goes into an nft command)."""
         last = self.armed.get((addr, port))
         if last is not None and now - last < ARM_FOR_S / 2:
             return False
-        fam = "6" if ":" in addr else "4"
-        _run(self.netns, ["nft", f"add element inet {TABLE} want{fam} "
-                                 f"{{ {addr} . {int(port)} timeout {ARM_FOR_S}s }}"])
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            return False
+        port = int(port)
+        if not 0 <= port <= 0xFFFF:
+            return False
+        fam = str(ip.version)
+        run_in_netns(self.netns, ["nft", f"add element inet {TABLE} want{fam} "
+                                 f"{{ {ip} . {port} timeout {ARM_FOR_S}s }}"])
         self.armed[(addr, port)] = now
         if len(self.armed) > SET_SIZE:
             self.armed.pop(next(iter(self.armed)))
         return True
+
+    malformed: int = 0      # datagrams that could not be decoded: counted and skipped
+    overruns: int = 0       # ENOBUFS: the kernel dropped trace messages for this socket
 
     def drain(self, now: float) -> int:
         n = 0
@@ -99,20 +128,29 @@ class NsTrace:
                 return n
             except OSError as e:
                 if e.errno == errno.ENOBUFS:    # the kernel dropped messages; the next ones count
+                    self.overruns += 1
                     continue
                 return n
-            self.book.feed(nftrace.decode(data), now)
+            try:
+                self.book.feed(nftrace.decode(data), now)
+            except Exception:
+                # decode() is fuzzed never to raise; should a datagram still break it, the
+                # reader thread must go on: count it, skip it
+                self.malformed += 1
+                continue
             n += 1
 
     def rule_line(self, d: nftrace.TracedDrop, now: float) -> tuple[str | None, int]:
         """(nft's text of the traced rule, its 1-based position in the chain), read with
         `nft -a list chain` and kept a few seconds (rules change, handles do not repeat)."""
         key = (d.family, d.table, d.chain)
+        if d.family not in NFT_FAMILIES or nft_name(d.table) is None or nft_name(d.chain) is None:
+            return None, 0     # not an nft identifier: never an nft argument (see nft_name)
         hit = self._chains.get(key)
         if hit is None or now - hit[0] > 5.0:
             lines = []
             try:
-                out = _run(self.netns, ["nft", "-a", "list", "chain", *key]).stdout
+                out = run_in_netns(self.netns, ["nft", "-a", "list", "chain", *key]).stdout
                 lines = [ln.strip() for ln in out.splitlines()
                          if "# handle " in ln and not ln.strip().startswith(("chain ", "table "))]
             except RulesSourceError:
@@ -129,7 +167,7 @@ class NsTrace:
     def close(self) -> None:
         self.sock.close()
         try:
-            _run(self.netns, ["nft", f"delete table inet {TABLE}"], check=False)
+            run_in_netns(self.netns, ["nft", f"delete table inet {TABLE}"], check=False)
         except RulesSourceError:
             pass
 
@@ -250,17 +288,34 @@ class TracedRules:
 
     def _reader(self) -> None:
         while not self._stop.is_set():
-            socks = [s.sock for s in list(self._ns.values()) if not isinstance(s, str)]
             try:
-                ready, _, _ = select.select(socks, [], [], 0.5)
-            except (OSError, ValueError):
-                ready = []
-            if ready:
-                with self._lock:
-                    now = self.clock()
-                    for s in list(self._ns.values()):
-                        if not isinstance(s, str) and s.sock in ready:
-                            s.drain(now)
+                self._read_once()
+            except Exception as e:      # never dies: a dead reader lets the sockets fill
+                self.reader_errors += 1
+                if self.reader_errors == 1:
+                    self.log(f"warning: nft trace reader: {type(e).__name__}: {e} "
+                             "(counted and skipped; tracing goes on)")
+                self._stop.wait(0.5)
+
+    reader_errors = 0
+
+    def _read_once(self) -> None:
+        socks = [s.sock for s in list(self._ns.values()) if not isinstance(s, str)]
+        try:
+            ready, _, _ = select.select(socks, [], [], 0.5)
+        except (OSError, ValueError):
+            ready = []
+            self._stop.wait(0.05)     # a closed socket in the list: do not spin
+        if ready:
+            with self._lock:
+                now = self.clock()
+                for s in list(self._ns.values()):
+                    if not isinstance(s, str) and s.sock in ready:
+                        s.drain(now)
+
+    def malformed(self) -> int:
+        """Trace datagrams skipped as undecodable, in every namespace."""
+        return sum(s.malformed for s in list(self._ns.values()) if not isinstance(s, str))
 
     def close(self) -> None:
         self._stop.set()
@@ -284,7 +339,7 @@ def _same_table(where: str, d: nftrace.TracedDrop) -> bool:
     the traced packet's table? iptables-nft tables are named without their family."""
     table = where.split("/", 1)[0]
     return table in (f"{d.family} {d.table}",) or (" " not in table and table == d.table
-                                                  and _is_xt(d.family, d.table))
+                                                  and is_xt(d.family, d.table))
 
 
 def _rule_for(smap, d: nftrace.TracedDrop, pos: int):
@@ -292,7 +347,7 @@ def _rule_for(smap, d: nftrace.TracedDrop, pos: int):
     iptables-nft ones (iptables-nft-save prints no handles)."""
     if smap is None:
         return None
-    xt = _is_xt(d.family, d.table)
+    xt = is_xt(d.family, d.table)
     table = d.table if xt else f"{d.family} {d.table}"
     for r in smap.rules:
         if r.table != table or r.chain != d.chain:

@@ -31,7 +31,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nptrace.node.netns import path_of, run_in
+from nptrace.kernel.nsenter import path_of, run_in
+from nptrace.node.nlmsg import NFGENMSG_LEN, NLM_F_REQUEST, NLMSG, NLMSG_ERROR, attrs, error_of, messages, request
 from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
 
 __all__ = [
@@ -86,7 +87,7 @@ def _check_netns(netns: str | None) -> None:
         raise RulesSourceError(f"network namespace {netns!r} not found (see `ip netns list`)")
 
 
-def _run(netns: str | None, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+def run_in_netns(netns: str | None, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
     tool = argv[0]
     if shutil.which(tool) is None:
         raise RulesSourceError(f"{tool} not found: install the Debian package "
@@ -119,7 +120,7 @@ def _nft_tables(netns: str | None) -> list[tuple[str, str]]:
     """(family, name) of every nf_tables table, iptables-nft's included; [] without nft."""
     if shutil.which("nft") is None:
         return []
-    out = _run(netns, ["nft", "list", "tables"]).stdout
+    out = run_in_netns(netns, ["nft", "list", "tables"]).stdout
     tables = []
     for line in out.splitlines():
         parts = line.split()
@@ -128,14 +129,14 @@ def _nft_tables(netns: str | None) -> list[tuple[str, str]]:
     return tables
 
 
-def _is_xt(family: str, name: str) -> bool:
+def is_xt(family: str, name: str) -> bool:
     return family in ("ip", "ip6") and name in _XT_TABLES
 
 
 def _legacy_names_here() -> str:
     names = ""
     for proc in ("ip_tables_names", "ip6_tables_names"):
-        try:  # thread-self: the netns of this thread, which _in_netns may have moved
+        try:  # thread-self: the netns of this thread, which in_netns may have moved
             with open(f"/proc/thread-self/net/{proc}") as f:
                 names += f.read()
         except OSError:
@@ -146,10 +147,10 @@ def _legacy_names_here() -> str:
 def _legacy_present(netns: str | None) -> bool:
     """Does the namespace hold legacy (x_tables) tables? Reading /proc loads no module."""
     try:
-        return bool(_in_netns(netns, _legacy_names_here).strip())
+        return bool(in_netns(netns, _legacy_names_here).strip())
     except OSError:
         # cannot enter the namespace from here (no CAP_SYS_ADMIN): ask a process inside it
-        r = _run(netns, ["cat", "/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"], check=False)
+        r = run_in_netns(netns, ["cat", "/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"], check=False)
         return bool(r.stdout.strip())
 
 
@@ -176,8 +177,6 @@ _NFNL_SUBSYS_NFTABLES = 10
 _NFT_MSG_NEWGEN = 15
 _NFT_MSG_GETGEN = 16
 _NFTA_GEN_ID = 1
-_NLMSG_ERROR = 2
-_NLM_F_REQUEST = 1
 
 
 def _genid_here() -> int:
@@ -187,23 +186,22 @@ def _genid_here() -> int:
         seq = int(time.time()) & 0xFFFFFFFF
         nfgen = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)  # nfgenmsg: family, version, res_id
         msg_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN
-        s.send(struct.pack("=IHHII", 16 + len(nfgen), msg_type, _NLM_F_REQUEST, seq, 0) + nfgen)
+        s.send(request(msg_type, NLM_F_REQUEST, seq, nfgen))
         data = s.recv(65536)
-    length, mtype, _, _, _ = struct.unpack_from("=IHHII", data)
-    if mtype == _NLMSG_ERROR:
-        err = -struct.unpack_from("=i", data, 16)[0]
-        raise OSError(err, os.strerror(err))
-    if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
-        raise OSError(0, f"unexpected netlink reply type {mtype}")
-    from nptrace.node.nftrace import attrs
-    for atype, payload in attrs(data, 20, length):   # after nlmsghdr + nfgenmsg
-        if atype == _NFTA_GEN_ID and len(payload) >= 4:
-            return struct.unpack_from(">I", payload)[0]
+    for mtype, start, end in messages(data):
+        if mtype == NLMSG_ERROR:
+            raise error_of(data, start)
+        if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
+            raise OSError(0, f"unexpected netlink reply type {mtype}")
+        for atype, payload in attrs(data, start + NLMSG.size + NFGENMSG_LEN, end):
+            if atype == _NFTA_GEN_ID and len(payload) >= 4:
+                return struct.unpack_from(">I", payload)[0]
+        break
     raise OSError(0, "no NFTA_GEN_ID in the netlink reply")
 
 
-def _in_netns(netns: str | None, fn):
-    """fn() run in the named namespace by a short-lived thread (netns.run_in); OSError when the
+def in_netns(netns: str | None, fn):
+    """fn() run in the named namespace by a short-lived thread (nsenter.run_in); OSError when the
     namespace cannot be entered."""
     return run_in(path_of(netns), fn, f"npt-netns-{netns}")
 
@@ -216,7 +214,7 @@ def nft_generation(netns: str | None = None) -> int | None:
     """
     _check_netns(netns)
     try:
-        return _in_netns(netns, _genid_here)
+        return in_netns(netns, _genid_here)
     except OSError:
         return None
 
@@ -233,30 +231,30 @@ def detect_backend(netns: str | None = None) -> str:
     tables = _nft_tables(netns)
     if ("ip", "kube-proxy") in tables or ("ip6", "kube-proxy") in tables:
         return "nft"
-    if any(_is_xt(f, n) for f, n in tables):
+    if any(is_xt(f, n) for f, n in tables):
         for tool in ("iptables-nft", "ip6tables-nft"):
             if shutil.which(tool) is None:
                 continue
             for table in ("nat", "filter"):
-                if _run(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
+                if run_in_netns(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
                     return "iptables-nft"
     if _legacy_present(netns):
         for tool in ("iptables-legacy", "ip6tables-legacy"):
             if shutil.which(tool) is None:
                 continue
             for table in ("nat", "filter"):
-                if _run(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
+                if run_in_netns(netns, [tool, "-t", table, "-S", "KUBE-SERVICES"], check=False).returncode == 0:
                     return "iptables-legacy"
     return "none"
 
 
 def _read_nft(netns: str | None, tables: list[tuple[str, str]]) -> str:
-    native = [(f, n) for f, n in tables if not _is_xt(f, n)]
+    native = [(f, n) for f, n in tables if not is_xt(f, n)]
     if not native:
         return ""
     if len(native) == len(tables):
-        return _run(netns, ["nft", "-a", "list", "ruleset"]).stdout
-    return "".join(_run(netns, ["nft", "-a", "list", "table", f, n]).stdout for f, n in native)
+        return run_in_netns(netns, ["nft", "-a", "list", "ruleset"]).stdout
+    return "".join(run_in_netns(netns, ["nft", "-a", "list", "table", f, n]).stdout for f, n in native)
 
 
 def _read_xt(netns: str | None, tools: tuple[str, str], families: set[str] | None) -> str:
@@ -266,7 +264,7 @@ def _read_xt(netns: str | None, tools: tuple[str, str], families: set[str] | Non
             continue
         if family == "ip6" and shutil.which(tool) is None:
             continue  # an IPv4-only install; the IPv4 tool's absence is an error (_run says so)
-        parts.append(_run(netns, [tool]).stdout)
+        parts.append(run_in_netns(netns, [tool]).stdout)
     return "".join(parts)
 
 
@@ -286,7 +284,7 @@ def read_rules(netns: str | None = None, backend: str = "auto") -> RulesDump:
     if backend == "nft":
         text = _read_nft(netns, _nft_tables(netns))
     elif backend == "iptables-nft":
-        fams = {f for f, n in _nft_tables(netns) if _is_xt(f, n)}
+        fams = {f for f, n in _nft_tables(netns) if is_xt(f, n)}
         text = _read_xt(netns, ("iptables-nft-save", "ip6tables-nft-save"), fams)
     elif backend == "iptables-legacy":
         text = _read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None)
@@ -302,10 +300,10 @@ def read_all(netns: str | None = None) -> list[RulesDump]:
     tables = _nft_tables(netns)
     gen = nft_generation(netns) if tables else None
     dumps = []
-    if any(not _is_xt(f, n) for f, n in tables):
+    if any(not is_xt(f, n) for f, n in tables):
         text = _read_nft(netns, tables)
         dumps.append(RulesDump(text, "nft", dump_digest(text), gen, netns))
-    fams = {f for f, n in tables if _is_xt(f, n)}
+    fams = {f for f, n in tables if is_xt(f, n)}
     if fams and shutil.which("iptables-nft-save"):
         text = _read_xt(netns, ("iptables-nft-save", "ip6tables-nft-save"), fams)
         dumps.append(RulesDump(text, "iptables-nft", dump_digest(text), gen, netns))

@@ -32,18 +32,21 @@ Cost, measured on the 2-vCPU test VM with 10,000 Services in the fixture pattern
 
 Modules, each importing (at run time) only those listed before it:
   model.py           Service, Rule, KINDS, REASONS; address, port and protocol helpers
-  match.py           _Flow and _Match: the best-effort matcher of one rule
-  facts.py           _Info/_Scope per service port; _Entry/_Chain/_Table for the rule walk
+  match.py           Flow and Match: the best-effort matcher of one rule (MapView: what it
+                     asks of the map)
+  facts.py           Info/Scope per service port; Entry/Chain/Table for the rule walk
   servicemap.py      ServiceMap (lookup, verdict_rules, matching_drop_rules) and merge
-  build.py           _Builder, which a parse fills and finish()es into a ServiceMap
+  nfcause.py         nf_cause: the rule behind a netfilter drop and its cause tag
+  build.py           Builder, which a parse fills and finish()es into a ServiceMap
   iptables.py        parse_iptables_save / parse_iptables_restore
-  nft_rules.py       _NftTable, set elements, one nft rule -> _Match, generic tables
+  nft_rules.py       NftTable, set elements, one nft rule -> Match, generic tables
   nft_kube_proxy.py  kube-proxy's own nft table
   nft.py             parse_nft
 """
 
 from .iptables import parse_iptables_restore, parse_iptables_save
 from .model import KINDS, REASONS, Rule, Service
+from .nfcause import nf_cause
 from .nft import parse_nft
 from .servicemap import ServiceMap, merge
 
@@ -54,6 +57,7 @@ __all__ = [
     "Service",
     "ServiceMap",
     "merge",
+    "nf_cause",
     "parse_iptables_restore",
     "parse_iptables_save",
     "parse_nft",

@@ -1,6 +1,6 @@
-"""The ``_Builder`` both parsers fill, and the GC pause they parse under.
+"""The ``Builder`` both parsers fill, and the GC pause they parse under.
 
-One builder per parse collects the ``_Info`` facts, kube-proxy's indexed rules and the chains;
+One builder per parse collects the ``Info`` facts, kube-proxy's indexed rules and the chains;
 ``finish`` makes the ServiceMap and stamps the chains with one origin, so the walk never jumps
 between the chains of two dumps.
 """
@@ -12,13 +12,13 @@ import gc
 import itertools
 from typing import Iterator
 
-from .facts import _Chain, _Info
+from .facts import Chain, Info
 from .model import Rule
 from .servicemap import ServiceMap
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while parsing.
 
     A 10k-Service dump allocates ~10^6 small objects and no reference cycles; the collector's
@@ -36,19 +36,19 @@ def _gc_paused() -> Iterator[None]:
 _origins = itertools.count(1)
 
 
-class _Builder:
+class Builder:
     def __init__(self, backend: str):
         self.backend = backend
-        self.infos: dict[str, _Info] = {}
+        self.infos: dict[str, Info] = {}
         self.kp: list[tuple[str, object, Rule]] = []
-        self.chains: list[_Chain] = []
+        self.chains: list[Chain] = []
         self.ignored = 0
         self.vip_only: set = set()
 
-    def info(self, name: str, proto: str | None = None) -> _Info:
+    def info(self, name: str, proto: str | None = None) -> Info:
         inf = self.infos.get(name)
         if inf is None:
-            inf = self.infos[name] = _Info(name, proto or "tcp")
+            inf = self.infos[name] = Info(name, proto or "tcp")
         elif proto and inf.proto != proto:
             inf.proto = proto  # the first facts may come from proto-less rules (SVL arrows)
         return inf

@@ -1,33 +1,28 @@
 """What a parse hands to ServiceMap: per-Service facts and the chains the rule walk evaluates.
 
-``_Info`` (with ``_Scope``, the addresses a NodePort answers on) gathers what a dump says about
-one service port; ``_Entry``, ``_Chain`` and ``_Table`` hold the rules of each chain in order,
+``Info`` (with ``Scope``, the addresses a NodePort answers on) gathers what a dump says about
+one service port; ``Entry``, ``Chain`` and ``Table`` hold the rules of each chain in order,
 indexed for the walk of :meth:`ServiceMap.matching_drop_rules`. The parsers fill these and the
 map only reads them: kept apart from both so neither side needs the other's code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .match import _Flow, _Match
-from .model import Rule, _AddrSet
-
-if TYPE_CHECKING:
-    from .servicemap import ServiceMap
+from .match import Flow, MapView, Match
+from .model import AddrSet, Rule
 
 
-class _Scope:
+class Scope:
     """Destination addresses a NodePort answers on."""
 
     __slots__ = ("any_local", "addrs", "exclude")
 
-    def __init__(self, any_local=True, addrs: _AddrSet | None = None, exclude: _AddrSet | None = None):
+    def __init__(self, any_local=True, addrs: AddrSet | None = None, exclude: AddrSet | None = None):
         self.any_local = any_local
         self.addrs = addrs
         self.exclude = exclude
 
-    def admits(self, addr: str, smap: "ServiceMap") -> bool:
+    def admits(self, addr: str, smap: MapView) -> bool:
         if self.exclude is not None and self.exclude.contains(addr):
             return False
         if self.addrs is not None and self.addrs.contains(addr):
@@ -36,25 +31,25 @@ class _Scope:
             return False
         if smap.local_addrs is not None:
             return addr in smap.local_addrs
-        return addr not in smap._cluster_addrs
+        return addr not in smap.cluster_addrs
 
-    def union(self, other: "_Scope | None") -> "_Scope":
+    def union(self, other: "Scope | None") -> "Scope":
         if other is None or other is self:
             return self
         if self.addrs is None or other.addrs is None:
             addrs = self.addrs or other.addrs
         else:
-            addrs = _AddrSet([*self.addrs.hosts, *map(str, self.addrs.nets), *other.addrs.hosts,
+            addrs = AddrSet([*self.addrs.hosts, *map(str, self.addrs.nets), *other.addrs.hosts,
                               *map(str, other.addrs.nets)], f"{self.addrs.text},{other.addrs.text}")
         same_excl = self.exclude is not None and other.exclude is not None and \
             self.exclude.text == other.exclude.text
-        return _Scope(self.any_local or other.any_local, addrs, self.exclude if same_excl else None)
+        return Scope(self.any_local or other.any_local, addrs, self.exclude if same_excl else None)
 
 
-_ANY_LOCAL = _Scope()
+ANY_LOCAL = Scope()
 
 
-class _Info:
+class Info:
     """What the dump says about one service port (mutable while parsing, then left alone)."""
 
     __slots__ = ("name", "proto", "cluster", "external", "lb", "ext_unknown", "node_port",
@@ -69,7 +64,7 @@ class _Info:
         self.lb: dict[tuple[str, int], None] = {}
         self.ext_unknown: dict[tuple[str, int], None] = {}  # ExternalIP or LB IP, cannot tell
         self.node_port: int | None = None
-        self.np_scope: _Scope | None = None
+        self.np_scope: Scope | None = None
         self.hc_port: int | None = None
         self.endpoints: dict[tuple[str, int], None] = {}
         self.local_eps: dict[tuple[str, int], None] = {}
@@ -80,7 +75,7 @@ class _Info:
         self.int_no_local = False
         self.lb_sources: list[str] = []
 
-    def absorb(self, o: "_Info") -> None:
+    def absorb(self, o: "Info") -> None:
         for a in ("cluster", "external", "lb", "ext_unknown", "endpoints", "local_eps"):
             getattr(self, a).update(getattr(o, a))
         if o.node_port is not None:
@@ -91,13 +86,13 @@ class _Info:
             setattr(self, a, getattr(self, a) or getattr(o, a))
         self.lb_sources.extend(s for s in o.lb_sources if s not in self.lb_sources)
 
-    def copy(self) -> "_Info":
-        c = _Info(self.name, self.proto)
+    def copy(self) -> "Info":
+        c = Info(self.name, self.proto)
         c.absorb(self)
         return c
 
 
-class _Entry:
+class Entry:
     """One rule of a chain, kept for the in-chain walk of matching_drop_rules()."""
 
     __slots__ = ("cond", "action", "rule", "hint_dst", "hint_port", "target")
@@ -112,7 +107,7 @@ class _Entry:
         self.target = target  # chain of a jump / goto
 
     @classmethod
-    def of(cls, cond: _Match, action: str, rule: Rule | None, target: str | None = None) -> "_Entry":
+    def of(cls, cond: Match, action: str, rule: Rule | None, target: str | None = None) -> "Entry":
         """Entry with hints taken from an already parsed match."""
         dst = [a for a, neg in cond.dst if not neg and not a.local and not a.nets and len(a.hosts) == 1]
         hint_dst = next(iter(dst[0].hosts)) if dst else None
@@ -123,12 +118,12 @@ class _Entry:
         return cls(cond, action, rule, hint_dst, hint_port, target)
 
 
-class _Chain:
+class Chain:
     """Entries of one chain in order, indexed so a 10k-rule chain is not walked per query."""
 
     __slots__ = ("table", "name", "entries", "policy", "hook", "origin", "_by_dst", "_by_port", "_rest")
 
-    def __init__(self, table: str, name: str, entries: list[_Entry], policy: Rule | None,
+    def __init__(self, table: str, name: str, entries: list[Entry], policy: Rule | None,
                  hook: str | None = None):
         self.table = table
         self.name = name
@@ -151,7 +146,7 @@ class _Chain:
                 rest.append(i)
         self._by_dst, self._by_port, self._rest = by_dst, by_port, rest
 
-    def candidates(self, f: _Flow) -> list[_Entry]:
+    def candidates(self, f: Flow) -> list[Entry]:
         """Entries that can match f, in chain order; the others fail on dst or dport anyway."""
         if len(self.entries) < 32 or f.daddr is None or f.dport is None:
             return self.entries
@@ -162,12 +157,12 @@ class _Chain:
         return [self.entries[i] for i in idx]
 
 
-class _Table:
+class Table:
     """Chains of one table for the walk: base chains first, then chains nothing jumps to."""
 
     __slots__ = ("chains", "roots", "orphans")
 
     def __init__(self):
-        self.chains: dict[str, _Chain] = {}
-        self.roots: list[_Chain] = []
-        self.orphans: list[_Chain] = []
+        self.chains: dict[str, Chain] = {}
+        self.roots: list[Chain] = []
+        self.orphans: list[Chain] = []

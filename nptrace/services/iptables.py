@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import re
 
-from .build import _Builder, _gc_paused
-from .facts import _ANY_LOCAL, _Chain, _Entry, _Info, _Scope
-from .match import _Flow, _Match, _ports, _unquote
-from .model import _LOCAL, Rule, _AddrSet, _canon, _proto, _split_hostport
+from .build import Builder, gc_paused
+from .facts import ANY_LOCAL, Chain, Entry, Info, Scope
+from .match import Flow, Match, parse_ports, unquote
+from .model import LOCAL_ADDRS, AddrSet, Rule, canon, norm_proto, split_hostport
 from .servicemap import ServiceMap
 
 _RE_COMMENT = re.compile(r'--comment (?:"((?:[^"\\]|\\.)*)"|(\S+))')
@@ -62,9 +62,9 @@ def _comment_of(rest: str) -> tuple[str | None, str]:
     return c, rest[:m.start()] + rest[m.end():]
 
 
-def _parse_ipt_match(rest: str) -> _Match:
+def _parse_ipt_match(rest: str) -> Match:
     """Conditions of one rule body (what follows ``-A CHAIN``), up to its ``-j``/``-g``."""
-    m = _Match()
+    m = Match()
     toks = _RE_TOKENS.findall(rest)
     i, n, neg, module = 0, len(toks), False, ""
     while i < n:
@@ -76,11 +76,11 @@ def _parse_ipt_match(rest: str) -> _Match:
         if t in ("-j", "-g", "--jump", "--goto"):
             break
         has_val = i + 1 < n and toks[i + 1] != "!" and not toks[i + 1].startswith("-")
-        val = _unquote(toks[i + 1]) if i + 1 < n else ""
+        val = unquote(toks[i + 1]) if i + 1 < n else ""
         if t in ("-s", "--source", "-d", "--destination"):
-            (m.src if t in ("-s", "--source") else m.dst).append((_AddrSet(val.split(","), val), neg))
+            (m.src if t in ("-s", "--source") else m.dst).append((AddrSet(val.split(","), val), neg))
         elif t in ("-p", "--protocol"):
-            m.proto = (frozenset({_proto(val)}), neg)
+            m.proto = (frozenset({norm_proto(val)}), neg)
         elif t in ("-i", "--in-interface"):
             m.iif = ((val,), neg)
         elif t in ("-o", "--out-interface"):
@@ -89,7 +89,7 @@ def _parse_ipt_match(rest: str) -> _Match:
             module = val
         elif t in ("--dport", "--destination-port", "--dports", "--destination-ports",
                    "--sport", "--source-port", "--sports", "--source-ports"):
-            r = _ports(val)
+            r = parse_ports(val)
             if r is None:
                 m.unknown.append(f"{t} {val}")
             elif t.startswith(("--dport", "--destination")):
@@ -99,7 +99,7 @@ def _parse_ipt_match(rest: str) -> _Match:
         elif t in ("--ctstate", "--state"):
             m.ctstate = (frozenset(s.upper() for s in val.split(",")), neg)
         elif t in ("--dst-type", "--src-type") and val.upper() == "LOCAL":
-            (m.dst if t == "--dst-type" else m.src).append((_LOCAL, neg))
+            (m.dst if t == "--dst-type" else m.src).append((LOCAL_ADDRS, neg))
         elif t in ("--comment", "--nfacct-name"):
             pass  # counted or commented, never a condition
         elif t.startswith("-"):
@@ -113,17 +113,17 @@ def _parse_ipt_match(rest: str) -> _Match:
 
 
 class _LazyIptMatch:
-    """An iptables rule's _Match, parsed on first use (a 10k-Service dump has ~10k filter rules)."""
+    """An iptables rule's Match, parsed on first use (a 10k-Service dump has ~10k filter rules)."""
 
     __slots__ = ("_rest", "_extra_src", "_m", "_suffix")
 
-    def __init__(self, rest: str, extra_src: _AddrSet | None = None, suffix: str = ""):
+    def __init__(self, rest: str, extra_src: AddrSet | None = None, suffix: str = ""):
         self._rest = rest
         self._extra_src = extra_src
-        self._m: _Match | None = None
+        self._m: Match | None = None
         self._suffix = suffix
 
-    def get(self) -> _Match:
+    def get(self) -> Match:
         if self._m is None:
             m = _parse_ipt_match(self._rest)
             if self._extra_src is not None:
@@ -131,7 +131,7 @@ class _LazyIptMatch:
             self._m = m
         return self._m
 
-    def evaluate(self, f: _Flow, smap: "ServiceMap | None" = None) -> bool | None:
+    def evaluate(self, f: Flow, smap: "ServiceMap | None" = None) -> bool | None:
         return self.get().evaluate(f, smap)
 
     def describe(self) -> str:
@@ -141,12 +141,12 @@ class _LazyIptMatch:
 class _IptState:
     """Per-parse state: nat lines are digested at once, other tables kept for finish()."""
 
-    def __init__(self, b: _Builder):
+    def __init__(self, b: Builder):
         self.b = b
         self.lines: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (table, chain) -> [(text, rest)]
         self.policy: dict[tuple[str, str], str] = {}
-        self.np_scopes: list[_Scope] = []
-        self.nat_nodeports: list[_Info] = []
+        self.np_scopes: list[Scope] = []
+        self.nat_nodeports: list[Info] = []
         self.markdrops: list[tuple[str, str, str, str, str | None]] = []
         self.kind: dict[str, str] = {}  # table label ("filter", "ip6 filter") -> table name
         self.sections: set[str] = set()
@@ -178,20 +178,20 @@ class _IptState:
             if " KUBE-NODEPORTS" in body:
                 d = _RE_DST.search(body)
                 if d is not None and not d.group(1):
-                    self.np_scopes.append(_Scope(False, _AddrSet([d.group(2)], d.group(2))))
+                    self.np_scopes.append(Scope(False, AddrSet([d.group(2)], d.group(2))))
                 else:
-                    self.np_scopes.append(_ANY_LOCAL)
+                    self.np_scopes.append(ANY_LOCAL)
                 return
             name = _svc_name(comment)
             if name is None:
                 return
             d = _RE_DST.search(body)
             dp = _RE_DPORT.search(body)
-            addr = _canon(d.group(2)) if d is not None else None
+            addr = canon(d.group(2)) if d is not None else None
             if addr is None or dp is None:
                 return
             pm = _RE_PROTO.search(body)
-            inf = b.info(name, _proto(pm.group(1)) if pm else None)
+            inf = b.info(name, norm_proto(pm.group(1)) if pm else None)
             what = comment[len(name) + 1:]
             key = (addr, int(dp.group(1)))
             if what == "cluster IP":
@@ -207,7 +207,7 @@ class _IptState:
             if name is None or dp is None:
                 return
             pm = _RE_PROTO.search(body)
-            inf = b.info(name, _proto(pm.group(1)) if pm else None)
+            inf = b.info(name, norm_proto(pm.group(1)) if pm else None)
             if inf.node_port is None:
                 inf.node_port = int(dp.group(1))
                 self.nat_nodeports.append(inf)
@@ -217,11 +217,11 @@ class _IptState:
             comment, body = _comment_of(rest)
             name = _svc_name(comment)
             to = _RE_TODEST.search(body)
-            hp = _split_hostport(to.group(1)) if to is not None else None
+            hp = split_hostport(to.group(1)) if to is not None else None
             if name is None or hp is None:
                 return
             pm = _RE_PROTO.search(body)
-            b.info(name, _proto(pm.group(1)) if pm else None).endpoints[hp] = None
+            b.info(name, norm_proto(pm.group(1)) if pm else None).endpoints[hp] = None
         elif chain.startswith(("KUBE-SVC-", "KUBE-SVL-", "KUBE-XLB-")):
             if " -> " not in rest and not chain.startswith("KUBE-XLB-"):
                 return
@@ -230,7 +230,7 @@ class _IptState:
                 return
             name, arrow, ep = comment.partition(" -> ")
             if arrow:
-                hp = _split_hostport(ep.strip())
+                hp = split_hostport(ep.strip())
                 if hp is None or "/" not in name:
                     return
                 inf = b.info(name)
@@ -262,7 +262,7 @@ class _IptState:
         for s in self.np_scopes:
             scope = s if scope is None else scope.union(s)
         for inf in self.nat_nodeports:
-            inf.np_scope = (scope or _ANY_LOCAL).union(inf.np_scope)
+            inf.np_scope = (scope or ANY_LOCAL).union(inf.np_scope)
         # before v1.25, "no local endpoints" and LB source-range drops were nat -j KUBE-MARK-DROP
         # and kubelet's KUBE-FIREWALL dropped the 0x8000 mark
         for table, chain, text, rest, comment in self.markdrops:
@@ -289,7 +289,7 @@ class _IptState:
             if pol in ("DROP", "REJECT"):
                 policy = Rule(table, chain, f"-P {chain} {pol}", pol.lower(), "other", "chain policy",
                               backend=b.backend)
-            b.chains.append(_Chain(table, chain, entries, policy, _IPT_HOOKS.get(chain)))
+            b.chains.append(Chain(table, chain, entries, policy, _IPT_HOOKS.get(chain)))
 
     def _hc_rules(self, lines) -> None:
         for _, rest in lines:
@@ -303,28 +303,28 @@ class _IptState:
                 inf.hc_port = int(dp.group(1))
                 inf.etp_local = True
 
-    def _entry(self, table: str, chain: str, pos: int, text: str, rest: str) -> _Entry:
+    def _entry(self, table: str, chain: str, pos: int, text: str, rest: str) -> Entry:
         comment, body = _comment_of(rest)
         tm = _RE_TARGET.search(body)
         target = tm.group(2) if tm else None
         d = _RE_DST.search(body)
-        hint_dst = _canon(d.group(2)) if d is not None and not d.group(1) else None
+        hint_dst = canon(d.group(2)) if d is not None and not d.group(1) else None
         dp = _RE_DPORT_HINT.search(body)
         hint_port = int(dp.group(2)) if dp is not None and not dp.group(1) else None
         if target in ("DROP", "REJECT"):
             verdict = target.lower()
             rule = self._drop_rule(table, chain, pos, text, rest, comment, body, verdict, hint_dst, hint_port)
-            return _Entry(rule.cond, verdict, rule, hint_dst, hint_port)
+            return Entry(rule.cond, verdict, rule, hint_dst, hint_port)
         if target == "KUBE-MARK-DROP":  # a mark: the packet goes on through the chain
             rule = self._drop_rule(table, chain, pos, text, rest, comment, body, "drop", hint_dst, hint_port)
-            return _Entry(rule.cond, "other", rule, hint_dst, hint_port)
+            return Entry(rule.cond, "other", rule, hint_dst, hint_port)
         if target in ("ACCEPT", "RETURN"):
             action = target.lower()
         elif target is None or (table, target) not in self.lines:
             action = "other"  # a target extension (MARK, LOG, DNAT ...): processing goes on
         else:
             action = "goto" if tm.group(1) == "g" else "jump"
-        return _Entry(_LazyIptMatch(rest), action, None, hint_dst, hint_port, target)
+        return Entry(_LazyIptMatch(rest), action, None, hint_dst, hint_port, target)
 
     def _drop_rule(self, table, chain, pos, text, rest, comment, body, verdict, hint_dst, hint_port) -> Rule:
         b = self.b
@@ -341,7 +341,7 @@ class _IptState:
             # sources inside loadBalancerSourceRanges were DNATed by nat KUBE-FW-* before filter
             srcs = b.infos[name].lb_sources if name in b.infos else []
             if srcs:
-                extra_src = _AddrSet(srcs, ",".join(srcs))
+                extra_src = AddrSet(srcs, ",".join(srcs))
         elif invalid:
             reason = "conntrack_invalid"
         else:
@@ -352,7 +352,7 @@ class _IptState:
             return rule
         # kube-proxy's own rules, indexed for verdict_rules()
         pm = _RE_PROTO.search(body)
-        proto = _proto(pm.group(1)) if pm else "tcp"
+        proto = norm_proto(pm.group(1)) if pm else "tcp"
         if hint_port is not None and hint_dst is not None:
             b.kp.append(("dst", (hint_dst, hint_port, proto), rule))
             if name is None or reason not in ("no_endpoints", "no_local_endpoint"):
@@ -374,9 +374,9 @@ class _IptState:
         elif hint_port is not None:
             d = _RE_DST.search(body)
             if d is not None and not d.group(1):
-                scope = _Scope(False, _AddrSet([d.group(2)], d.group(2)))
+                scope = Scope(False, AddrSet([d.group(2)], d.group(2)))
             else:
-                scope = _ANY_LOCAL  # -m addrtype --dst-type LOCAL
+                scope = ANY_LOCAL  # -m addrtype --dst-type LOCAL
             b.kp.append(("port", ((hint_port, proto), scope), rule))
             if name is None or reason not in ("no_endpoints", "no_local_endpoint"):
                 return rule
@@ -399,12 +399,12 @@ def parse_iptables_save(text: str, *, backend: str = "iptables") -> ServiceMap:
     IPv4 and IPv6 dumps may be concatenated. Lines no form explains are counted in
     ``ServiceMap.ignored``; ``backend`` only labels the result (``ServiceMap.backends``).
     """
-    with _gc_paused():
+    with gc_paused():
         return _parse_iptables(text, backend)
 
 
 def _parse_iptables(text: str, backend: str) -> ServiceMap:
-    b = _Builder(backend)
+    b = Builder(backend)
     st = _IptState(b)
     table: str | None = None  # label of the open table: "filter", "ip6 filter", "filter#2" ...
     family = "ip"

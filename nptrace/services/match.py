@@ -1,7 +1,7 @@
-"""The best-effort matcher: a packet's flow (``_Flow``) and one rule's conditions (``_Match``).
+"""The best-effort matcher: a packet's flow (``Flow``) and one rule's conditions (``Match``).
 
-Both parsers build ``_Match`` objects and ``ServiceMap`` evaluates them, so the matcher stands
-apart from either; ``_ports`` and ``_unquote`` are the value helpers both rule parsers share.
+Both parsers build ``Match`` objects and ``ServiceMap`` evaluates them, so the matcher stands
+apart from either; ``parse_ports`` and ``unquote`` are the value helpers both rule parsers share.
 
 Rule matching (:meth:`ServiceMap.matching_drop_rules`) is best effort, not an iptables or nft
 evaluator. Evaluated: source and destination address/CIDR (negation, nft anonymous and named
@@ -19,24 +19,30 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .model import _AddrSet, _canon, _proto
-
-if TYPE_CHECKING:
-    from .servicemap import ServiceMap
+from .model import AddrSet, canon, norm_proto
 
 
-class _Flow:
+class MapView(Protocol):
+    """What a rule's match and scope ask of the ServiceMap they are evaluated in (a Protocol,
+    so this module and facts.py need not import servicemap.py, which imports them)."""
+    local_addrs: frozenset[str] | None
+    cluster_addrs: frozenset[str]
+
+    def is_live_vip(self, addr: str, port: int, proto: str) -> bool: ...
+
+
+class Flow:
     __slots__ = ("saddr", "daddr", "sport", "dport", "proto", "iif", "oif", "ctstate", "_ips")
 
     def __init__(self, saddr=None, daddr=None, sport=None, dport=None, proto=None,
                  iif=None, oif=None, ctstate=None):
-        self.saddr = _canon(saddr) if saddr else None
-        self.daddr = _canon(daddr) if daddr else None
+        self.saddr = canon(saddr) if saddr else None
+        self.daddr = canon(daddr) if daddr else None
         self.sport = int(sport) if sport is not None else None
         self.dport = int(dport) if dport is not None else None
-        self.proto = _proto(proto) if proto is not None else None
+        self.proto = norm_proto(proto) if proto is not None else None
         self.iif = iif
         self.oif = oif
         if isinstance(ctstate, str):
@@ -57,14 +63,14 @@ def _iface_match(pattern: str, name: str) -> bool:
     return name == pattern
 
 
-class _Match:
+class Match:
     """Conjunction of conditions; evaluate() -> True / False / None (cannot tell)."""
 
     __slots__ = ("src", "dst", "proto", "dport", "sport", "iif", "oif", "ctstate", "unknown", "not_vip")
 
     def __init__(self):
-        self.src: list[tuple[_AddrSet, bool]] = []
-        self.dst: list[tuple[_AddrSet, bool]] = []
+        self.src: list[tuple[AddrSet, bool]] = []
+        self.dst: list[tuple[AddrSet, bool]] = []
         self.proto: tuple[frozenset, bool] | None = None
         self.dport: tuple[tuple, bool, str] | None = None  # (ranges, negated, text)
         self.sport: tuple[tuple, bool, str] | None = None
@@ -75,7 +81,7 @@ class _Match:
         # nft cluster-ips-check only sees a ClusterIP packet that no Service DNATed or rejected
         self.not_vip = False
 
-    def evaluate(self, f: _Flow, smap: "ServiceMap | None" = None) -> bool | None:
+    def evaluate(self, f: Flow, smap: MapView | None = None) -> bool | None:
         maybe = bool(self.unknown)
         local = smap.local_addrs if smap is not None else None
         for conds, addr in ((self.src, f.saddr), (self.dst, f.daddr)):
@@ -114,7 +120,7 @@ class _Match:
         if self.not_vip:
             if smap is None or f.daddr is None or f.dport is None or f.proto is None:
                 maybe = True
-            elif smap._is_live_vip(f.daddr, f.dport, f.proto):
+            elif smap.is_live_vip(f.daddr, f.dport, f.proto):
                 return False
         return None if maybe else True
 
@@ -141,7 +147,7 @@ class _Match:
         return text
 
 
-def _ports(spec: str) -> tuple[tuple[int, int], ...] | None:
+def parse_ports(spec: str) -> tuple[tuple[int, int], ...] | None:
     """``80`` ``1000:2000`` ``53,80`` ``1000-2000`` -> ((lo, hi), ...)."""
     out = []
     for part in spec.replace(" ", "").split(","):
@@ -157,7 +163,7 @@ def _ports(spec: str) -> tuple[tuple[int, int], ...] | None:
     return tuple(out) or None
 
 
-def _unquote(tok: str) -> str:
+def unquote(tok: str) -> str:
     if len(tok) >= 2 and tok[0] == '"' and tok[-1] == '"':
         return tok[1:-1].replace('\\"', '"').replace("\\\\", "\\")
     return tok

@@ -1,8 +1,8 @@
 """What the queries answer with, and the address helpers every other module shares.
 
 ``Service`` and ``Rule`` are the public result types; ``KINDS`` and ``REASONS`` list the values
-of their ``kind`` and ``reason``. The address, port and protocol helpers (``_canon``,
-``_AddrSet`` ...) live here, at the bottom of the package, because the matcher, the map and both
+of their ``kind`` and ``reason``. The address, port and protocol helpers (``canon``,
+``AddrSet`` ...) live here, at the bottom of the package, because the matcher, the map and both
 parsers need them and this module imports none of those.
 """
 
@@ -16,7 +16,7 @@ from typing import Iterable
 
 KINDS = ("nodeport", "clusterip", "externalip", "loadbalancer", "endpoint", "healthcheck")
 REASONS = ("no_local_endpoint", "no_endpoints", "lb_source_range", "conntrack_invalid", "other")
-_EXTERNAL_KINDS = frozenset({"nodeport", "externalip", "loadbalancer", "healthcheck"})
+EXTERNAL_KINDS = frozenset({"nodeport", "externalip", "loadbalancer", "healthcheck"})
 _PROTO_NUM = {"6": "tcp", "17": "udp", "132": "sctp", "1": "icmp", "58": "ipv6-icmp"}
 
 
@@ -100,7 +100,7 @@ def _canon_slow(addr: str) -> str | None:
     return str(ip)
 
 
-def _canon(addr: str) -> str | None:
+def canon(addr: str) -> str | None:
     """Canonical host address, or None when ``addr`` is not one host."""
     if _V4.match(addr):
         return addr
@@ -117,29 +117,29 @@ def _net(text: str):
         return None
 
 
-def _proto(p) -> str:
+def norm_proto(p) -> str:
     s = str(p).strip().lower()
     return _PROTO_NUM.get(s, s)
 
 
-def _split_hostport(s: str) -> tuple[str, int] | None:
+def split_hostport(s: str) -> tuple[str, int] | None:
     """``10.0.0.1:80`` / ``[fd00::1]:80`` -> (canonical host, port)."""
     if s.startswith("["):
         host, _, rest = s[1:].partition("]")
         port = rest[1:] if rest.startswith(":") else ""
     else:
         host, _, port = s.rpartition(":")
-    h = _canon(host)
+    h = canon(host)
     if h is None or not port.isdigit():
         return None
     return h, int(port)
 
 
-def _fmt_ep(host: str, port: int) -> str:
+def fmt_ep(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _ep_sort_key(ep: tuple[str, int]):
+def ep_sort_key(ep: tuple[str, int]):
     host, port = ep
     try:
         ip = ipaddress.ip_address(host)
@@ -148,12 +148,12 @@ def _ep_sort_key(ep: tuple[str, int]):
         return (9, 0, port)
 
 
-def _addrs(keys) -> tuple[str, ...]:
+def distinct_addrs(keys) -> tuple[str, ...]:
     """The distinct addresses of (addr, port) keys, in address order."""
-    return tuple(a for a, _ in sorted({(a, 0) for a, _ in keys}, key=_ep_sort_key))
+    return tuple(a for a, _ in sorted({(a, 0) for a, _ in keys}, key=ep_sort_key))
 
 
-class _AddrSet:
+class AddrSet:
     """Hosts (O(1)) plus networks; ``local`` stands for addrtype/fib LOCAL."""
 
     __slots__ = ("hosts", "nets", "text", "local")
@@ -164,7 +164,7 @@ class _AddrSet:
             it = it.strip().strip('"')
             if not it:
                 continue
-            h = _canon(it)
+            h = canon(it)
             if h is not None:
                 hosts.add(h)
                 continue
@@ -185,7 +185,7 @@ class _AddrSet:
         self.local = local
 
     @classmethod
-    def host(cls, addr: str) -> "_AddrSet":
+    def host(cls, addr: str) -> "AddrSet":
         """Set of one canonical host, without parsing."""
         s = cls.__new__(cls)
         s.hosts, s.nets, s.text, s.local = frozenset((addr,)), (), addr, False
@@ -205,4 +205,4 @@ class _AddrSet:
         return False
 
 
-_LOCAL = _AddrSet(text="LOCAL", local=True)
+LOCAL_ADDRS = AddrSet(text="LOCAL", local=True)

@@ -1,9 +1,9 @@
 """Parse ``nft [-a] list ruleset`` text and the knftables ``add table/chain/set/map/rule/element``
 dump form (kube-proxy's nftables mode, alpha in v1.29): :func:`parse_nft`.
 
-One pass reads the text into ``_NftTable`` objects (blocks, one-line commands, statements
+One pass reads the text into ``NftTable`` objects (blocks, one-line commands, statements
 wrapped over several lines); then kube-proxy's table goes to nft_kube_proxy.py and every other
-table to ``_generic_nft_table`` (nft_rules.py).
+table to ``generic_nft_table`` (nft_rules.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from .build import _Builder, _gc_paused
-from .nft_kube_proxy import _kp_nft_table
-from .nft_rules import _NFT_DROPISH, _generic_nft_table, _NftTable, _split_elements
+from .build import Builder, gc_paused
+from .nft_kube_proxy import kp_nft_table
+from .nft_rules import NFT_DROPISH, NftTable, generic_nft_table, split_elements
 from .servicemap import ServiceMap
 
 _FAMILIES = frozenset({"ip", "ip6", "inet", "arp", "bridge", "netdev"})
@@ -56,23 +56,23 @@ def parse_nft(text: str, *, skip_tables: Iterable[str] = (), backend: str = "nft
     ``skip_tables``: ``"<family> <name>"`` strings to leave out, e.g. the ``ip filter`` /
     ``ip nat`` tables iptables-nft owns when the caller parses ``iptables-save`` as well.
     """
-    with _gc_paused():
+    with gc_paused():
         return _parse_nft(text, frozenset(skip_tables), backend)
 
 
 def _parse_nft(text: str, skip: frozenset[str], backend: str) -> ServiceMap:
-    b = _Builder(backend)
-    tables: dict[tuple[str, str], _NftTable] = {}
+    b = Builder(backend)
+    tables: dict[tuple[str, str], NftTable] = {}
 
-    def tab(fam: str, name: str) -> _NftTable:
+    def tab(fam: str, name: str) -> NftTable:
         t = tables.get((fam, name))
         if t is None:
-            t = tables[(fam, name)] = _NftTable(fam, name)
+            t = tables[(fam, name)] = NftTable(fam, name)
         return t
 
     lines = text.splitlines()
     i, n = 0, len(lines)
-    cur_t: _NftTable | None = None
+    cur_t: NftTable | None = None
     block: tuple[str, str] | None = None  # (kind, name) of the block open inside cur_t
     rules: list | None = None  # the rule list of the open chain block
     while i < n:
@@ -133,24 +133,24 @@ def _parse_nft(text: str, skip: frozenset[str], backend: str) -> ServiceMap:
             if (s.startswith("type ") and " hook " in s) or s.startswith("policy "):
                 cur_t.headers[name] = s
             elif s.startswith(("comment ", "devices ", "device ")) and "{" not in s \
-                    and not _NFT_DROPISH.search(s):
+                    and not NFT_DROPISH.search(s):
                 pass  # chain attributes, not rules
             else:
                 cur_t.chain(name).append((s, handle))
         elif kind in ("set", "map") and s.startswith("elements"):
-            cur_t.set(name).extend(_split_elements(_brace_body(s)))
+            cur_t.set(name).extend(split_elements(_brace_body(s)))
         # other block kinds hold no rules
     for t in tables.values():
         if f"{t.family} {t.name}" in skip:
             continue
         if t.name == "kube-proxy" and t.family in ("ip", "ip6"):
-            _kp_nft_table(t, b)
+            kp_nft_table(t, b)
         else:
-            _generic_nft_table(t, b)
+            generic_nft_table(t, b)
     return b.finish()
 
 
-def _nft_command(s: str, handle, tab, b: _Builder) -> None:
+def _nft_command(s: str, handle, tab, b: Builder) -> None:
     """One ``add|insert|create <what> [family] <table> [<object> <rest>]`` command."""
     parts = s.split(None, 5)
     if len(parts) < 3:
@@ -184,7 +184,7 @@ def _nft_command(s: str, handle, tab, b: _Builder) -> None:
             else:
                 lst.append((rest, handle))
     elif what == "element":
-        t.set(obj).extend(_split_elements(_brace_body(rest)))
+        t.set(obj).extend(split_elements(_brace_body(rest)))
     elif what == "chain":
         t.chain(obj)
         body = _brace_body(rest)
@@ -194,6 +194,6 @@ def _nft_command(s: str, handle, tab, b: _Builder) -> None:
         lst = t.set(obj)
         m = re.search(r"elements\s*=\s*\{(.*)\}", rest)
         if m is not None:
-            lst.extend(_split_elements(m.group(1)))
+            lst.extend(split_elements(m.group(1)))
     elif what not in ("flowtable", "counter", "quota", "limit", "ct", "secmark", "synproxy"):
         b.ignored += 1

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 
-from .build import _Builder
-from .facts import _ANY_LOCAL, _Chain, _Entry, _Scope
-from .match import _Match
-from .model import _LOCAL, Rule, _AddrSet, _canon, _proto, _split_hostport
-from .nft_rules import _generic_nft_table, _NftTable, _parse_element, _parse_nft_rule
+from .build import Builder
+from .facts import ANY_LOCAL, Chain, Entry, Scope
+from .match import Match
+from .model import LOCAL_ADDRS, AddrSet, Rule, canon, norm_proto, split_hostport
+from .nft_rules import NftTable, generic_nft_table, parse_element, parse_nft_rule
 
 _RE_DNAT = re.compile(r"\bdnat (?:ip6? )?to (\S+)")
 _RE_GOTO_EP = re.compile(r"goto (endpoint-[^\s,}]+)")
@@ -34,41 +34,41 @@ def _nft_name(base: str) -> tuple[str, str] | None:
     return (f"{ns}/{svc}:{port}" if port else f"{ns}/{svc}"), proto
 
 
-def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
+def kp_nft_table(t: NftTable, b: Builder) -> None:
     """kube-proxy's own nft table: Services from its maps and chains, drops from its vmaps."""
     tname = f"{t.family} {t.name}"
 
     def elements(name: str):
         for e in t.sets.get(name, ()):
-            yield (e, *_parse_element(e))
+            yield (e, *parse_element(e))
 
-    def addrset(name: str) -> _AddrSet:
-        return _AddrSet([_parse_element(e)[0][0] for e in t.sets.get(name, ())], f"@{name}")
+    def addrset(name: str) -> AddrSet:
+        return AddrSet([parse_element(e)[0][0] for e in t.sets.get(name, ())], f"@{name}")
 
-    def np_scope(vmap: str) -> _Scope:
+    def np_scope(vmap: str) -> Scope:
         # "ip daddr @nodeport-ips ... vmap @X" or "fib daddr type local [ip daddr != 127.0.0.0/8] ... vmap @X"
         for cname in ("services", "nodeport-endpoints-check", "endpoints-check", "service-endpoints-check"):
             for text, _ in t.chains.get(cname, ()):
                 if f"@{vmap}" not in text:
                     continue
                 if "@nodeport-ips" in text:
-                    return _Scope(False, addrset("nodeport-ips"))
+                    return Scope(False, addrset("nodeport-ips"))
                 excl = re.search(r"daddr != (\S+)", text)
-                return _Scope(True, None, _AddrSet([excl.group(1)], excl.group(1)) if excl else None)
-        return _ANY_LOCAL
+                return Scope(True, None, AddrSet([excl.group(1)], excl.group(1)) if excl else None)
+        return ANY_LOCAL
 
     svc_scope = np_scope("service-nodeports")
     noep_scope = np_scope("no-endpoint-nodeports")
     cluster_set = addrset("cluster-ips")
     svc_cidrs = [m.group(1) for text, _ in t.chains.get("cluster-ips-check", ())
                  for m in [re.search(r"daddr (?:\{ )?([0-9a-fA-F.:]+/\d+)", text)] if m]
-    svc_cidr_set = _AddrSet(svc_cidrs)
+    svc_cidr_set = AddrSet(svc_cidrs)
 
     fw_keys: dict[tuple[str, int, str], str] = {}
     for _, key, _, value in elements("firewall-ips"):
-        a = _canon(key[0]) if len(key) == 3 else None
+        a = canon(key[0]) if len(key) == 3 else None
         if a is not None and key[2].isdigit() and value and value.startswith("goto "):
-            fw_keys[(a, int(key[2]), _proto(key[1]))] = value[5:].strip()
+            fw_keys[(a, int(key[2]), norm_proto(key[1]))] = value[5:].strip()
 
     # endpoint chains hold the DNAT targets; service-/local- chains pick among them
     ep_of_chain: dict[str, tuple[str, int]] = {}
@@ -85,7 +85,7 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
         if prefix == "endpoint":
             for text, _ in lst:
                 dm = _RE_DNAT.search(text)
-                hp = _split_hostport(dm.group(1)) if dm is not None else None
+                hp = split_hostport(dm.group(1)) if dm is not None else None
                 if hp is not None:
                     inf.endpoints[hp] = None
                     ep_of_chain[cname] = hp
@@ -106,7 +106,7 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
 
     # service dispatch maps
     for _, key, _, value in elements("service-ips"):
-        a = _canon(key[0]) if len(key) == 3 else None
+        a = canon(key[0]) if len(key) == 3 else None
         m = _RE_KP_CHAIN.match(value.split()[-1]) if value else None
         nm = _nft_name(m.group(2)) if m else None
         if a is None or nm is None or not key[2].isdigit():
@@ -117,7 +117,7 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
         if m.group(1) in ("service", "local"):
             inf.cluster[k] = None
             inf.itp_local = inf.itp_local or m.group(1) == "local"
-        elif (a, k[1], _proto(key[1])) in fw_keys:
+        elif (a, k[1], norm_proto(key[1])) in fw_keys:
             inf.lb[k] = None
         else:
             inf.external[k] = None
@@ -134,7 +134,7 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
     # no-endpoint verdict maps: kube-proxy's drops and rejects
     for mapname in ("no-endpoint-services", "no-endpoint-nodeports"):
         nodeport = mapname == "no-endpoint-nodeports"
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         for elem, key, comment, value in elements(mapname):
             if len(key) != (2 if nodeport else 3) or not value or not key[-1].isdigit():
                 b.ignored += 1
@@ -143,8 +143,8 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
             if verdict is None:
                 continue
             reason = "no_local_endpoint" if verdict == "drop" else "no_endpoints"
-            port, proto = int(key[-1]), _proto(key[-2])
-            cond = _Match()
+            port, proto = int(key[-1]), norm_proto(key[-2])
+            cond = Match()
             cond.proto = (frozenset({proto}), False)
             cond.dport = (((port, port),), False, str(port))
             text = f"add element {tname} {mapname} {{ {elem} }}"
@@ -154,21 +154,21 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
                 if noep_scope.addrs is not None:
                     cond.dst.append((noep_scope.addrs, False))
                 elif noep_scope.any_local:
-                    cond.dst.append((_LOCAL, False))
+                    cond.dst.append((LOCAL_ADDRS, False))
                     if noep_scope.exclude is not None:
                         cond.dst.append((noep_scope.exclude, True))
                 rule = Rule(tname, mapname, text, verdict, reason, comment, None, 0, name, cond, b.backend)
                 b.kp.append(("port", ((port, proto), noep_scope), rule))
             else:
-                a = _canon(key[0])
+                a = canon(key[0])
                 if a is None:
                     b.ignored += 1
                     continue
-                cond.dst.append((_AddrSet.host(a), False))
+                cond.dst.append((AddrSet.host(a), False))
                 rule = Rule(tname, mapname, text, verdict, reason, comment, None, 0, name, cond, b.backend)
                 b.kp.append(("dst", (a, port, proto), rule))
                 b.vip_only.add((a, port, proto))
-            entries.append(_Entry(cond, verdict, rule, a, port))
+            entries.append(Entry(cond, verdict, rule, a, port))
             if name is None:
                 continue
             inf = b.info(name, proto)
@@ -191,18 +191,18 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
                 if reason == "no_local_endpoint":
                     inf.ext_no_local = inf.etp_local = True
         if entries:
-            b.chains.append(_Chain(tname, mapname, entries, None))
+            b.chains.append(Chain(tname, mapname, entries, None))
 
     # loadBalancerSourceRanges: firewall-ips element -> firewall chain "ip saddr != {...} drop";
     # one pseudo chain for all of them, each entry carries its own destination
-    fw_entries: list[_Entry] = []
+    fw_entries: list[Entry] = []
     for (a, port, proto), fw_chain in fw_keys.items():
         m = _RE_KP_CHAIN.match(fw_chain)
         nm = _nft_name(m.group(2)) if m else None
         name = nm[0] if nm else None
         for pos, (text, handle) in enumerate(t.chains.get(fw_chain, ()), 1):
-            cond, action, comment, _ = _parse_nft_rule(text, t)
-            cond.dst.append((_AddrSet.host(a), False))
+            cond, action, comment, _ = parse_nft_rule(text, t)
+            cond.dst.append((AddrSet.host(a), False))
             cond.proto = (frozenset({proto}), False)
             cond.dport = (((port, port),), False, str(port))
             rule = None
@@ -210,7 +210,7 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
                 rule = Rule(tname, fw_chain, text, action, "lb_source_range", comment, handle, pos, name, cond,
                             b.backend)
                 b.kp.append(("dst", (a, port, proto), rule))
-            fw_entries.append(_Entry(cond, action, rule, a, port))
+            fw_entries.append(Entry(cond, action, rule, a, port))
             if name is not None:
                 for aset, neg in cond.src:
                     if neg:
@@ -218,25 +218,25 @@ def _kp_nft_table(t: _NftTable, b: _Builder) -> None:
         if name is not None:
             b.info(name, proto).lb.setdefault((a, port), None)
     if fw_entries:
-        b.chains.append(_Chain(tname, "firewall-*", fw_entries, None))
+        b.chains.append(Chain(tname, "firewall-*", fw_entries, None))
 
     # cluster-ips-check: reject a wrong port on a live ClusterIP, drop an unallocated ClusterIP
     lst = t.chains.get("cluster-ips-check")
     if lst:
         entries = []
         for pos, (text, handle) in enumerate(lst, 1):
-            cond, action, comment, _ = _parse_nft_rule(text, t)
+            cond, action, comment, _ = parse_nft_rule(text, t)
             cond.not_vip = True
             rule = None
             if action in ("drop", "reject"):
                 rule = Rule(tname, "cluster-ips-check", text, action, "other", comment, handle, pos, None, cond,
                             b.backend)
                 b.kp.append(("global", None, rule))
-            entries.append(_Entry.of(cond, action, rule))
-        b.chains.append(_Chain(tname, "cluster-ips-check", entries, None))
+            entries.append(Entry.of(cond, action, rule))
+        b.chains.append(Chain(tname, "cluster-ips-check", entries, None))
 
     # anything else that drops and is not kube-proxy's own plumbing
     plumbing = {"reject-chain", "cluster-ips-check", "services", "masquerading", "mark-for-masquerade",
                 "firewall-check", "nodeport-endpoints-check", "service-endpoints-check", "endpoints-check"}
-    _generic_nft_table(t, b, [c for c in t.order if not (
+    generic_nft_table(t, b, [c for c in t.order if not (
         c in plumbing or _RE_KP_CHAIN.match(c) or c.startswith(("filter-", "nat-")))])

@@ -1,7 +1,7 @@
-"""Any nft table as the dump gives it (``_NftTable``), its set elements, and what each rule matches.
+"""Any nft table as the dump gives it (``NftTable``), its set elements, and what each rule matches.
 
-``_parse_nft_rule`` turns one rule's text into a ``_Match`` (what it evaluates: match.py);
-``_generic_nft_table`` keeps the chains of any table that drops. nft.py (the text reader) and
+``parse_nft_rule`` turns one rule's text into a ``Match`` (what it evaluates: match.py);
+``generic_nft_table`` keeps the chains of any table that drops. nft.py (the text reader) and
 nft_kube_proxy.py (kube-proxy's own table) both use them, so they sit below both.
 """
 
@@ -10,19 +10,19 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from .build import _Builder
-from .facts import _Chain, _Entry
-from .match import _Match, _ports, _unquote
-from .model import Rule, _AddrSet, _proto
+from .build import Builder
+from .facts import Chain, Entry
+from .match import Match, parse_ports, unquote
+from .model import AddrSet, Rule, norm_proto
 
 _RE_NFT_TOK = re.compile(r'"(?:[^"\\]|\\.)*"|[{},]|[^\s{},]+')
 _RE_ELEM_ATTR = re.compile(r'\s+(comment\s+"((?:[^"\\]|\\.)*)"|timeout\s+\S+|expires\s+\S+'
                            r'|counter(?:\s+packets\s+\d+\s+bytes\s+\d+)?)')
 _RE_ELEMENT = re.compile(r'(?:"(?:[^"\\]|\\.)*"|\{[^{}]*\}|[^,"{])+')
-_NFT_DROPISH = re.compile(r"(?:^|\s)(?:drop|reject)(?:\s|$)")
+NFT_DROPISH = re.compile(r"(?:^|\s)(?:drop|reject)(?:\s|$)")
 
 
-class _NftTable:
+class NftTable:
     __slots__ = ("family", "name", "chains", "headers", "sets", "order")
 
     def __init__(self, family: str, name: str):
@@ -47,13 +47,13 @@ class _NftTable:
         return lst
 
 
-def _split_elements(body: str) -> list[str]:
+def split_elements(body: str) -> list[str]:
     """Top-level comma split, keeping quoted comments and braces whole."""
     parts = body.split(",") if '"' not in body and "{" not in body else _RE_ELEMENT.findall(body)
     return [e for e in (p.strip() for p in parts) if e]
 
 
-def _parse_element(elem: str) -> tuple[list[str], str | None, str | None]:
+def parse_element(elem: str) -> tuple[list[str], str | None, str | None]:
     """``1.2.3.4 . tcp . 80 comment "x" : drop`` -> (["1.2.3.4", "tcp", "80"], "x", "drop")."""
     key, sep, value = elem.partition(" : ")
     comment = None
@@ -107,7 +107,7 @@ def _scan(toks: list[str], i: int, stop: Callable[[int], bool]) -> int:
     return i
 
 
-def _skip_unknown(toks: list[str], i: int, m: _Match) -> int:
+def _skip_unknown(toks: list[str], i: int, m: Match) -> int:
     """Consume one expression that is not evaluated, and note it in m.unknown."""
     start = i
     i = _scan(toks, i + 1, lambda k: _starts_expr(toks, k))
@@ -126,9 +126,9 @@ def _skip_stmt(toks: list[str], i: int) -> int:
     return _scan(toks, i + 1, lambda k: toks[k] in _STMT_END)
 
 
-def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str, str | None, str | None]:
+def parse_nft_rule(text: str, t: NftTable | None = None) -> tuple[Match, str, str | None, str | None]:
     """(conditions, action, comment, jump/goto target) of one nft rule; limits in match.py's docstring."""
-    m = _Match()
+    m = Match()
     toks = _RE_NFT_TOK.findall(text)
     n = len(toks)
     action, comment, target = "other", None, None
@@ -141,19 +141,19 @@ def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str,
             vals, k = [], j + 1
             while k < n and toks[k] != "}":
                 if toks[k] != ",":
-                    vals.append(_unquote(toks[k]))
+                    vals.append(unquote(toks[k]))
                 k += 1
             return vals, k + 1, "{ " + ", ".join(vals) + " }"
         if toks[j].startswith("@"):
             nm = toks[j][1:]
             if t is not None and nm in t.sets:
-                keys = [_parse_element(e)[0] for e in t.sets[nm]]
+                keys = [parse_element(e)[0] for e in t.sets[nm]]
                 if all(len(k) == 1 for k in keys):
                     return [k[0] for k in keys], j + 1, toks[j]
             return [toks[j]], j + 1, toks[j]  # unresolved: the caller leaves it unevaluated
-        vals, k = [_unquote(toks[j])], j + 1
+        vals, k = [unquote(toks[j])], j + 1
         while k + 1 < n and toks[k] == ",":
-            vals.append(_unquote(toks[k + 1]))
+            vals.append(unquote(toks[k + 1]))
             k += 2
         return vals, k, ",".join(vals)
 
@@ -183,18 +183,18 @@ def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str,
             if got is None or any(" . " in v for v in got[0]):
                 i = _skip_unknown(toks, i, m)
                 continue
-            (m.src if nxt == "saddr" else m.dst).append((_AddrSet(got[0], got[1]), neg))
+            (m.src if nxt == "saddr" else m.dst).append((AddrSet(got[0], got[1]), neg))
             i = k
         elif (tok in ("ip", "ip6") and nxt in ("protocol", "nexthdr")) or (tok == "meta" and nxt == "l4proto"):
             got, neg, k = opval(i + 2)
             if got is None:
                 i = _skip_unknown(toks, i, m)
                 continue
-            m.proto = (frozenset(_proto(v) for v in got[0]), neg)
+            m.proto = (frozenset(norm_proto(v) for v in got[0]), neg)
             i = k
         elif tok in _NFT_L4 and nxt in ("dport", "sport"):
             got, neg, k = opval(i + 2)
-            r = _ports(",".join(got[0])) if got is not None else None
+            r = parse_ports(",".join(got[0])) if got is not None else None
             if r is None:
                 i = _skip_unknown(toks, i, m)
                 continue
@@ -228,7 +228,7 @@ def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str,
         elif tok == "meta" and nxt == "nfproto":
             i += 3  # the address family: the flow's addresses already decide it
         elif tok == "comment":
-            comment = _unquote(nxt)
+            comment = unquote(nxt)
             i += 2
         elif tok in ("accept", "drop", "return"):
             action = tok
@@ -262,11 +262,11 @@ def _parse_nft_rule(text: str, t: _NftTable | None = None) -> tuple[_Match, str,
     return m, action, comment, target
 
 
-def _generic_nft_table(t: _NftTable, b: _Builder, names: list[str] | None = None) -> None:
+def generic_nft_table(t: NftTable, b: Builder, names: list[str] | None = None) -> None:
     """Keep the chains of a table that drops or rejects something (in a rule or a policy), all
     of them, since the walk of matching_drop_rules() follows their jumps."""
     names = t.order if names is None else names
-    if not any(_NFT_DROPISH.search(text) for c in names for text, _ in t.chains[c]) and \
+    if not any(NFT_DROPISH.search(text) for c in names for text, _ in t.chains[c]) and \
             not any(re.search(r"policy\s+drop", t.headers.get(c, "")) for c in names):
         return
     tname = f"{t.family} {t.name}"
@@ -274,15 +274,15 @@ def _generic_nft_table(t: _NftTable, b: _Builder, names: list[str] | None = None
         header = t.headers.get(cname, "")
         entries = []
         for pos, (text, handle) in enumerate(t.chains[cname], 1):
-            cond, action, comment, target = _parse_nft_rule(text, t)
+            cond, action, comment, target = parse_nft_rule(text, t)
             rule = None
             if action in ("drop", "reject"):
                 invalid = cond.ctstate is not None and "INVALID" in cond.ctstate[0] and not cond.ctstate[1]
                 rule = Rule(tname, cname, text, action, "conntrack_invalid" if invalid else "other", comment,
                             handle, pos, None, cond, b.backend)
-            entries.append(_Entry.of(cond, action, rule, target))
+            entries.append(Entry.of(cond, action, rule, target))
         policy = None
         if re.search(r"policy\s+drop", header):
             policy = Rule(tname, cname, header, "drop", "other", "chain policy", backend=b.backend)
         hook = re.search(r"\bhook\s+(\w+)", header)
-        b.chains.append(_Chain(tname, cname, entries, policy, hook.group(1) if hook else None))
+        b.chains.append(Chain(tname, cname, entries, policy, hook.group(1) if hook else None))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .facts import _ANY_LOCAL, _Chain, _Info, _Scope, _Table
-from .match import _Flow
-from .model import _EXTERNAL_KINDS, Rule, Service, _addrs, _canon, _ep_sort_key, _fmt_ep, _proto
+from .facts import ANY_LOCAL, Chain, Info, Scope, Table
+from .match import Flow
+from .model import (EXTERNAL_KINDS, Rule, Service, canon, distinct_addrs, ep_sort_key, fmt_ep,
+                    norm_proto)
 
 _STOP = frozenset({"accept", "drop", "reject"})
 _MAX_DEPTH = 32  # iptables refuses deeper jump nesting anyway
@@ -25,12 +26,12 @@ class ServiceMap:
     ``ignored`` counts the lines no parser understood; ``backends`` names the dump kinds.
     """
 
-    def __init__(self, infos: dict[str, _Info] | None = None, *, kp_rules=(), chains=(),
+    def __init__(self, infos: dict[str, Info] | None = None, *, kp_rules=(), chains=(),
                  ignored: int = 0, backends: tuple[str, ...] = (),
                  local_addrs: frozenset[str] | None = None, vip_only=()):
-        self._infos: dict[str, _Info] = dict(infos or {})
+        self._infos: dict[str, Info] = dict(infos or {})
         self._kp_rules: list[tuple[str, object, Rule]] = list(kp_rules)
-        self._chains: list[_Chain] = list(chains)
+        self._chains: list[Chain] = list(chains)
         self.ignored = ignored
         self.backends = tuple(backends)
         self.local_addrs = local_addrs
@@ -66,9 +67,9 @@ class ServiceMap:
         # set miss answers those before the address is parsed (a storm asks once a record)
         self._ports = frozenset([k[1] for k in vip] + [k[0] for k in nodeport] + list(hc) +
                                 [k[1] for k in ep])
-        self._cluster_addrs = frozenset(cluster_addrs)
+        self.cluster_addrs = frozenset(cluster_addrs)
         self._kp_dst: dict[tuple[str, int, str], list[Rule]] = {}
-        self._kp_port: dict[tuple[int, str], list[tuple[_Scope, Rule]]] = {}
+        self._kp_port: dict[tuple[int, str], list[tuple[Scope, Rule]]] = {}
         self._kp_ext: dict[str, list[Rule]] = {}
         self._kp_lb: dict[str, list[Rule]] = {}
         glob: list[Rule] = []
@@ -86,9 +87,9 @@ class ServiceMap:
                 glob.append(rule)
         glob.sort(key=lambda r: r.reason == "conntrack_invalid")
         self._kp_global = glob
-        tables: dict[tuple[int, str], _Table] = {}
+        tables: dict[tuple[int, str], Table] = {}
         for ch in self._chains:
-            tables.setdefault((ch.origin, ch.table), _Table()).chains.setdefault(ch.name, ch)
+            tables.setdefault((ch.origin, ch.table), Table()).chains.setdefault(ch.name, ch)
         for t in tables.values():
             called = {e.target for ch in t.chains.values() for e in ch.entries
                       if e.action in ("jump", "goto") and e.target in t.chains}
@@ -101,7 +102,7 @@ class ServiceMap:
 
     def with_local_addrs(self, addrs: Iterable[str]) -> "ServiceMap":
         """A copy that knows the node's own addresses (for ``--dst-type LOCAL`` NodePorts)."""
-        local = frozenset(a for a in (_canon(x) for x in addrs) if a)
+        local = frozenset(a for a in (canon(x) for x in addrs) if a)
         return ServiceMap(self._infos, kp_rules=self._kp_rules, chains=self._chains,
                           ignored=self.ignored, backends=self.backends, local_addrs=local,
                           vip_only=self._vip_only)
@@ -153,19 +154,19 @@ class ServiceMap:
         inf = self._infos[name]
         if kind == "clusterip":
             no_local = inf.int_no_local
-        elif kind in _EXTERNAL_KINDS:
+        elif kind in EXTERNAL_KINDS:
             no_local = inf.ext_no_local
         else:
             no_local = inf.ext_no_local or inf.int_no_local
         s = Service(
             name=name, kind=kind, etp_local=inf.etp_local,
-            endpoints=tuple(_fmt_ep(*e) for e in sorted(inf.endpoints, key=_ep_sort_key)),
-            local_endpoints=tuple(_fmt_ep(*e) for e in sorted(inf.local_eps, key=_ep_sort_key)),
+            endpoints=tuple(fmt_ep(*e) for e in sorted(inf.endpoints, key=ep_sort_key)),
+            local_endpoints=tuple(fmt_ep(*e) for e in sorted(inf.local_eps, key=ep_sort_key)),
             no_endpoints=inf.no_endpoints, no_local_endpoints=no_local,
             health_check_port=inf.hc_port, proto=inf.proto, node_port=inf.node_port,
-            cluster_ips=_addrs(inf.cluster),
-            external_ips=_addrs({**inf.external, **inf.ext_unknown}),
-            lb_ips=_addrs(inf.lb),
+            cluster_ips=distinct_addrs(inf.cluster),
+            external_ips=distinct_addrs({**inf.external, **inf.ext_unknown}),
+            lb_ips=distinct_addrs(inf.lb),
         )
         self._cache[(name, kind)] = s
         return s
@@ -185,10 +186,10 @@ class ServiceMap:
         """Every Service ``addr:port`` could mean, in :meth:`lookup` order."""
         if port not in self._ports and int(port) not in self._ports:
             return ()
-        a = _canon(addr) if addr else None
+        a = canon(addr) if addr else None
         if a is None:
             return ()
-        port, proto = int(port), _proto(proto)
+        port, proto = int(port), norm_proto(proto)
         out: list[Service] = []
         hit = self._vip.get((a, port, proto))
         if hit is not None:
@@ -196,14 +197,14 @@ class ServiceMap:
             if first:
                 return tuple(out)
         for name in self._nodeport.get((port, proto), ()):
-            if (self._infos[name].np_scope or _ANY_LOCAL).admits(a, self):
+            if (self._infos[name].np_scope or ANY_LOCAL).admits(a, self):
                 out.append(self._service(name, "nodeport"))
                 if first:
                     return tuple(out)
         if proto == "tcp":
             # the health server listens on 0.0.0.0 or on the --nodeport-addresses
             for name in self._hc.get(port, ()):
-                if (self._infos[name].np_scope or _ANY_LOCAL).admits(a, self):
+                if (self._infos[name].np_scope or ANY_LOCAL).admits(a, self):
                     out.append(self._service(name, "healthcheck"))
                     if first:
                         return tuple(out)
@@ -213,7 +214,7 @@ class ServiceMap:
                 return tuple(out)
         return tuple(out)
 
-    def _is_live_vip(self, addr: str, port: int, proto: str) -> bool:
+    def is_live_vip(self, addr: str, port: int, proto: str) -> bool:
         return (addr, port, proto) in self._vip or (addr, port, proto) in self._vip_only
 
     def verdict_rules(self, addr: str, port: int, proto="tcp", *, include_invalid: bool = True) -> list[Rule]:
@@ -226,11 +227,11 @@ class ServiceMap:
         depend on the source (LB source ranges) are included, since no source is given; check
         them with :meth:`matching_drop_rules`.
         """
-        a = _canon(addr) if addr else None
+        a = canon(addr) if addr else None
         if a is None:
             return []
-        port, proto = int(port), _proto(proto)
-        flow = _Flow(daddr=a, dport=port, proto=proto)
+        port, proto = int(port), norm_proto(proto)
+        flow = Flow(daddr=a, dport=port, proto=proto)
         out: list[Rule] = []
         seen: set[int] = set()
 
@@ -246,7 +247,7 @@ class ServiceMap:
                 add(r)
         if self._kp_ext or self._kp_lb:
             for s in self.lookup_all(a, port, proto):
-                for r in self._kp_ext.get(s.name, ()) if s.kind in _EXTERNAL_KINDS else ():
+                for r in self._kp_ext.get(s.name, ()) if s.kind in EXTERNAL_KINDS else ():
                     add(r)
                 for r in self._kp_lb.get(s.name, ()) if s.kind == "loadbalancer" else ():
                     add(r)
@@ -274,7 +275,7 @@ class ServiceMap:
         unknown value, or a match this module does not evaluate, makes a rule a *possible* match:
         it is included and does not stop the walk.
         """
-        flow = _Flow(saddr, daddr, sport, dport, proto, iif, oif, ctstate)
+        flow = Flow(saddr, daddr, sport, dport, proto, iif, oif, ctstate)
         out: list[Rule] = []
         for t in self._tables.values():
             for root in t.roots:
@@ -286,7 +287,7 @@ class ServiceMap:
                 self._walk(ch, t, flow, out, 0)
         return list({id(r): r for r in out}.values())
 
-    def _walk(self, ch: _Chain, t: _Table, flow: _Flow, out: list[Rule], depth: int) -> str:
+    def _walk(self, ch: Chain, t: Table, flow: Flow, out: list[Rule], depth: int) -> str:
         """Walk one chain: "stop" (a certain final verdict), or "end" (return to the caller)."""
         if depth > _MAX_DEPTH:
             return "end"
@@ -311,7 +312,7 @@ class ServiceMap:
 
 def merge(*maps: ServiceMap) -> ServiceMap:
     """One map from several (IPv4 + IPv6 dumps, several backends); the inputs are not changed."""
-    infos: dict[str, _Info] = {}
+    infos: dict[str, Info] = {}
     kp: list = []
     chains: list = []
     backends: list[str] = []

@@ -17,8 +17,21 @@ and every payload is a map with a `rec` key:
               (STYLE.md section 6), so `replay` re-runs the CURRENT classifier over it.
     names     {ifnames: {netns: {ifindex: name|None}}}: lookups the live classifier made
     services  {services: [[addr, port, name|None]]}: likewise for Service names
+    lookup    {name, key, value}: another Context lookup's answer (nf_rule, endpoint_of, ...)
     counters  {ts_ns, counts: [[type, hook, reason, ifindex, netns, n]], stats}: the exact
               in-kernel counts (cumulative since the probes loaded) and ring-buffer loss
+    stop      {why: stop|rotate, ts_ns, records, dropped}: the last frame of a file that was
+              closed on purpose. A file without one lost its end (a crash, a cut copy, or it is
+              still being written), even when the cut fell exactly between two frames.
+
+Each kind has one schema (SCHEMAS below); the reader checks every header and record against
+it, so what leaves this module has the types the readers expect: a record that fails is
+counted and skipped, never passed on. Only regular files are read (a FIFO or /dev/zero given
+as a session is refused, not waited on).
+
+Lookup answers are bounded (LOOKUP_CACHE per lookup, oldest written first out), so a scanner's
+ever-new client tuples cannot grow the recorder: an answer is written again when it was
+forgotten, and replay keeps twice as many, so it always holds what the recorder assumed.
 
 Why frames: a power loss can leave a partly written record or a tail of zeros (ext4 extends
 the size before the data lands). The reader stops at the first frame whose magic, length or
@@ -26,19 +39,27 @@ crc is wrong. If no valid frame follows, that is a torn tail (expected after a c
 not fatal); if one does, the file is corrupt in the middle (reported as an error, reading
 resumes at the next good frame).
 
-Files are mode 0600 and a created directory 0700: events hold client addresses. An existing
-directory's mode is left alone (`--record /tmp` must not chmod /tmp).
+Files are mode 0600 and the directory 0700: events hold client addresses. Written as root
+into a directory others may reach, so: files are created with O_NOFOLLOW|O_EXCL relative to
+the directory's fd (a planted link is refused, never followed); the directory must not be a
+link, must be ours and not writable by others (`--record /tmp` is refused, not chmodded; a
+0755 directory of ours, as the kubelet creates a hostPath, is tightened to 0700); and the size
+cap deletes only files that start with an nptrace session header, whatever their names.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import socket
+import stat
 import struct
 import sys
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
@@ -71,13 +92,218 @@ FLUSH_BYTES = 256 << 10
 RETRY_S = 10.0                  # after a write error (disk full), try a new file this late
 
 
-# Lookup answers repeated in each rotated file's header (the newest; older answers stay in
-# the files that recorded them): keyed by client address, they could otherwise grow forever.
-MAX_HEADER_LOOKUPS = 2048
+# Lookup answers the recorder keeps per lookup (and repeats in each rotated file's header):
+# keyed by client addresses, they would otherwise grow forever (2M distinct client tuples
+# measured +440 MB). Replay keeps REPLAY_FACTOR times as many (see LookupTables).
+LOOKUP_CACHE = 4096
+REPLAY_FACTOR = 2
 
 
 class SessionError(NptraceError):
     """A session cannot be written or read at all (not a session, unreadable, bad limits)."""
+
+
+# --- record schemas -----------------------------------------------------------------------
+# One schema per record kind, checked where records leave the reader (read_header,
+# read_session): replay, report, merge, events.decode and the classifier see only these
+# types. A checker takes a decoded value and returns it (normalised: tuples for fixed-length
+# keys) or raises Invalid naming the field. Unknown keys of a record are dropped (a newer
+# writer may add some); missing optional ones are absent.
+
+class Invalid(ValueError):
+    pass
+
+
+_I64, _U64 = (-(1 << 63), (1 << 63) - 1), (0, (1 << 64) - 1)
+MAX_TEXT = 4096           # a name, a rule's text; nothing we write is longer
+MAX_ITEMS = 1 << 20       # rows of a table in one record (a header with every name of a node)
+
+
+def Int(lo: int = _I64[0], hi: int = _U64[1]):
+    def check(v, where):
+        if type(v) is not int or not lo <= v <= hi:
+            raise Invalid(f"{where}: {_show(v)} is not an integer in [{lo}, {hi}]")
+        return v
+    return check
+
+
+def Str(max_len: int = MAX_TEXT):
+    def check(v, where):
+        if type(v) is not str or len(v) > max_len:
+            raise Invalid(f"{where}: {_show(v)} is not a string of at most {max_len} characters")
+        return v
+    return check
+
+
+def Bytes(max_len: int):
+    def check(v, where):
+        if type(v) is not bytes or len(v) > max_len:
+            raise Invalid(f"{where}: {_show(v)} is not bytes (at most {max_len})")
+        return v
+    return check
+
+
+def _bool(v, where):
+    if type(v) is not bool:
+        raise Invalid(f"{where}: {_show(v)} is not true/false")
+    return v
+
+
+def Opt(inner):
+    return lambda v, where: None if v is None else inner(v, where)
+
+
+def OneOf(*inner):
+    def check(v, where):
+        for c in inner:
+            try:
+                return c(v, where)
+            except Invalid:
+                continue
+        raise Invalid(f"{where}: {_show(v)} has the wrong type")
+    return check
+
+
+def Tuple(*items):
+    def check(v, where):
+        if type(v) not in (list, tuple) or len(v) != len(items):
+            raise Invalid(f"{where}: {_show(v)} is not a list of {len(items)}")
+        return [c(x, f"{where}[{i}]") for i, (c, x) in enumerate(zip(items, v))]
+    return check
+
+
+def ListOf(item, max_len: int = MAX_ITEMS):
+    def check(v, where):
+        if type(v) is not list or len(v) > max_len:
+            raise Invalid(f"{where}: {_show(v)} is not a list (at most {max_len})")
+        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return check
+
+
+def MapOf(key, value, max_len: int = MAX_ITEMS):
+    def check(v, where):
+        if type(v) is not dict or len(v) > max_len:
+            raise Invalid(f"{where}: {_show(v)} is not a map (at most {max_len})")
+        return {key(k, f"{where} key"): value(x, f"{where}[{_show(k)}]") for k, x in v.items()}
+    return check
+
+
+def Record(required: dict, optional: dict | None = None):
+    optional = optional or {}
+
+    def check(v, where):
+        if type(v) is not dict:
+            raise Invalid(f"{where}: {_show(v)} is not a map")
+        out = {}
+        for k, c in required.items():
+            if k not in v:
+                raise Invalid(f"{where}: {k} is missing")
+            out[k] = c(v[k], f"{where}.{k}")
+        for k, c in optional.items():
+            if k in v:
+                out[k] = c(v[k], f"{where}.{k}")
+        return out
+    return check
+
+
+def _plain(v, where, depth: int = 0):
+    """A msgpack value of bounded depth and size (features: shown, never computed with)."""
+    if v is None or type(v) in (bool, int, float):
+        return v
+    if type(v) in (str, bytes):
+        if len(v) > MAX_TEXT:
+            raise Invalid(f"{where}: too long")
+        return v
+    if depth < 4 and type(v) is list and len(v) <= 256:
+        return [_plain(x, where, depth + 1) for x in v]
+    if depth < 4 and type(v) is dict and len(v) <= 256:
+        return {_plain(k, where, 9): _plain(x, where, depth + 1) for k, x in v.items()}
+    raise Invalid(f"{where}: {_show(v)} is too deep or too big")
+
+
+def _show(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+U32, U16, PORT = Int(0, (1 << 32) - 1), Int(0, 0xFFFF), Int(0, 0xFFFF)
+NETNS = Int(*_U64)
+# Wall-clock and monotonic nanoseconds: inside +-146 years, so time.gmtime never overflows.
+NS = Int(-(1 << 62), 1 << 62)
+COUNT = Int(0, _U64[1])
+ADDR = Str(64)
+NAME = Str()
+IFNAMES = MapOf(NETNS, MapOf(U32, Opt(NAME)))
+SERVICES = ListOf(Tuple(ADDR, PORT, Opt(NAME)))
+_NF_RULE_KNOWN = Record({}, {"tag": Opt(NAME), "where": Opt(NAME), "text": Opt(NAME),
+                             "service": Opt(NAME), "to_pod": Opt(_bool), "source": Opt(NAME),
+                             "note": Opt(NAME)})
+_SCALAR = OneOf(Opt(NAME), _bool, Int())
+
+
+def NF_RULE(v, where):
+    """knowledge.nf_rule's answer: the fields the classifier reads typed, others scalars."""
+    out = MapOf(Str(64), _SCALAR, 64)(v, where)
+    out.update(_NF_RULE_KNOWN(v, where))
+    return out
+
+
+# (key, value) of each Context lookup the recorder records, as Context calls and answers it.
+LOOKUPS = {
+    "endpoint_of": (Tuple(ADDR, PORT), Opt(NAME)),
+    "route_iface": (Tuple(NETNS, ADDR), Opt(NAME)),
+    "nat_peer": (Tuple(ADDR, PORT, ADDR, PORT), Opt(Tuple(ADDR, PORT, ADDR, PORT))),
+    "nf_rule": (Tuple(NETNS, ADDR, ADDR, PORT, ADDR, PORT, _bool, _bool), Opt(NF_RULE)),
+}
+
+
+def lookup_row(name: str, key, value, where: str) -> tuple[tuple, object]:
+    """A lookup's (key, value) checked against its schema; an unknown lookup name (a newer
+    writer's) keeps plain scalars, and no reader of ours asks it."""
+    kc, vc = LOOKUPS.get(name, (ListOf(_SCALAR, 16), _plain))
+    return tuple(kc(key, f"{where} key")), vc(value, f"{where} value")
+
+
+def _lookup_tables(v, where):
+    tables = MapOf(Str(64), ListOf(Tuple(_any, _any)), 64)(v, where)
+    return {name: [lookup_row(name, k, x, f"{where}.{name}") for k, x in rows]
+            for name, rows in tables.items()}
+
+
+def _any(v, where):
+    return v
+
+
+HEADER = Record(
+    {"format": Str(64), "format_version": Int(0, 1 << 16)},
+    {"nptrace": Str(64), "abi": U16, "record_size": U32, "node": NAME, "kernel": NAME,
+     "features": MapOf(Str(256), _plain, 256), "epoch_offset_ns": NS,
+     "drop_reasons": MapOf(U32, Str(256)), "rst_reasons": MapOf(U32, Str(256)),
+     "ifnames": IFNAMES, "services": SERVICES, "lookups": _lookup_tables, "start_ns": NS,
+     "run_id": Str(64), "part": Int(0, 1 << 31), "run_start_ns": NS,
+     "lookup_cache": Int(1, 1 << 24), "stop_record": _bool})
+SCHEMAS = {
+    "event": Record({"raw": Bytes(1 << 16)}, {"abi": U16, "type": U16}),
+    "names": Record({"ifnames": IFNAMES}),
+    "services": Record({"services": SERVICES}),
+    "lookup": Record({"name": Str(64), "key": _any, "value": _any}),
+    "counters": Record({}, {"ts_ns": NS, "counts": ListOf(Tuple(U16, U16, U32, U32, NETNS, COUNT)),
+                            "stats": MapOf(Str(64), COUNT, 64)}),
+    "stop": Record({}, {"why": Str(16), "ts_ns": NS, "records": COUNT, "dropped": COUNT}),
+}
+
+
+def check_record(kind: str, rec: dict) -> dict:
+    """The record normalised by its kind's schema; Invalid if it does not fit. KeyError for
+    a kind this nptrace does not know."""
+    out = SCHEMAS[kind](rec, kind)
+    if kind == "lookup":
+        out["key"], out["value"] = lookup_row(out["name"], out["key"], out["value"], "lookup")
+    return out
+
+
+def check_header(rec: dict) -> dict:
+    return HEADER(rec, "header")
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -134,22 +360,116 @@ def session_files(directory: Path) -> list[Path]:
         return []
 
 
+class LookupTables:
+    """The answers a session holds, per lookup: {name: {key: value}}, bounded.
+
+    An absent key means the answer None (replay answers None for what it was never told), so
+    None answers of unknown keys are never stored or written. Each table keeps its newest
+    `cap` written answers; the oldest go when an event is written (trim(), between two
+    events' lookups, so a span of lookups for one event never loses what it just used).
+
+    The recorder's tables hold `cap`, replay's REPLAY_FACTOR * cap: both apply the same writes
+    in the same order, so replay's hold everything the recorder's do, whenever replay asks
+    (also for flows a live tick reported between two events). A key the recorder forgot
+    but replay may still hold is kept in `ghost` (keys only): its None answer is written, so
+    replay forgets it too.
+    """
+
+    def __init__(self, cap: int | None, ghost: bool = False):
+        self.cap = cap                       # None: unbounded (sessions of older writers)
+        self.tabs: dict[str, OrderedDict] = {}
+        self.ghosts: dict[str, OrderedDict] | None = {} if ghost else None
+
+    def get(self, name: str, key, default=None):
+        tab = self.tabs.get(name)
+        return default if tab is None else tab.get(key, default)
+
+    def table(self, name: str) -> OrderedDict:
+        tab = self.tabs.get(name)
+        if tab is None:
+            tab = self.tabs[name] = OrderedDict()
+        return tab
+
+    def needs_write(self, name: str, key, value) -> bool:
+        """Does the answer differ from what a replay of the session would answer?"""
+        tab = self.tabs.get(name)
+        if tab is not None and key in tab:
+            return tab[key] != value
+        if value is not None:
+            return True
+        g = self.ghosts.get(name) if self.ghosts is not None else None
+        return g is not None and key in g
+
+    def put(self, name: str, key, value) -> None:
+        tab = self.table(name)
+        if value is None:
+            tab.pop(key, None)
+        else:
+            tab[key] = value
+            tab.move_to_end(key)
+        if self.ghosts is not None and name in self.ghosts:
+            self.ghosts[name].pop(key, None)
+
+    def trim(self) -> None:
+        if self.cap is None:
+            return
+        for name, tab in self.tabs.items():
+            if len(tab) <= self.cap:
+                continue
+            g = None
+            if self.ghosts is not None:
+                g = self.ghosts.setdefault(name, OrderedDict())
+            while len(tab) > self.cap:
+                k, _v = tab.popitem(last=False)
+                if g is not None:
+                    g[k] = None
+            if g is not None:
+                while len(g) > self.cap * (REPLAY_FACTOR - 1):
+                    g.popitem(last=False)
+
+    def replace(self, name: str, rows) -> None:
+        """A header's copy of one table (in its order) becomes the table."""
+        tab = self.tabs[name] = OrderedDict()
+        for k, v in rows:
+            if v is not None:
+                tab[k] = v
+
+    def merge(self, name: str, rows) -> None:
+        tab = self.table(name)
+        for k, v in rows:
+            tab[k] = v
+
+    def size(self) -> int:
+        return sum(len(t) for t in self.tabs.values())
+
+
+# Table names of the two lookups that have record kinds of their own (names, services).
+IFACE, SERVICE = "iface_name", "service_of"
+
+
+def ifnames_rows(ifnames: dict) -> list:
+    """{netns: {ifindex: name}} as table rows ((netns, ifindex), name), in its order."""
+    return [((int(ns), int(i)), n) for ns, m in ifnames.items() for i, n in m.items()]
+
+
 class SessionWriter:
     """Appends framed records to a rotating set of files in `directory`.
 
     Records are buffered and reach the file at least every FLUSH_INTERVAL_S, provided
     `write_*` or `tick()` is called (the tracer's poll loop calls tick()); fsync at most once a
     second, and on rotate/close. A file is rotated when it would pass `max_file_bytes` or is
-    older than `max_age_s`; then the oldest files are deleted until the directory's session
-    files fit `max_total_bytes`. A write error (disk full) pauses recording, says so once on
-    stderr, and retries with a new file RETRY_S later; tracing goes on.
+    older than `max_age_s`; then the oldest session files are deleted until the directory's
+    session files fit `max_total_bytes`. A write error (disk full) pauses recording, says so
+    once on stderr, and retries with a new file RETRY_S later; tracing goes on. Every file
+    ends with a stop record (why: rotate or stop) when it is closed on purpose.
     """
 
     def __init__(self, directory, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  max_age_s: float = DEFAULT_MAX_AGE_S,
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, header: dict | None = None,
                  *, clock: Callable[[], float] = time.monotonic,
-                 wall_ns: Callable[[], int] = time.time_ns, log=None):
+                 wall_ns: Callable[[], int] = time.time_ns, log=None,
+                 lookup_cache: int = LOOKUP_CACHE):
         if max_file_bytes < 4096:
             raise SessionError(f"session file size limit {max_file_bytes} bytes is too small "
                                "(at least 4096)")
@@ -165,21 +485,26 @@ class SessionWriter:
         self.clock, self.wall_ns = clock, wall_ns
         self.log = log or (lambda msg: print(f"nptrace: {msg}", file=sys.stderr, flush=True))
         hdr = dict(header) if header is not None else make_header(epoch_offset_ns=0)
-        self.ifnames: dict[int, dict[int, str]] = {
-            int(ns): dict(m) for ns, m in hdr.pop("ifnames", {}).items()}
-        self.services: dict[tuple[str, int], str] = {
-            (a, int(p)): n for a, p, n in hdr.pop("services", []) if n is not None}
-        # other Context lookups the classifier made (rules, routes, endpoints): name -> {key: value}
-        self.lookups: dict[str, dict[tuple, object]] = {
-            name: {tuple(k): v for k, v in rows} for name, rows in hdr.pop("lookups", {}).items()}
+        self.known = LookupTables(int(lookup_cache), ghost=True)
+        for k, n in ifnames_rows(hdr.pop("ifnames", {})):
+            self.known.put(IFACE, k, n)
+        for a, p, n in hdr.pop("services", []):
+            self.known.put(SERVICE, (a, int(p)), n)
+        # other Context lookups the classifier made (rules, routes, endpoints): name -> rows
+        for name, rows in hdr.pop("lookups", {}).items():
+            for k, v in rows:
+                self.known.put(name, tuple(k), v)
+        self.known.trim()
         self.header = hdr
         self.run_id = uuid.uuid4().hex[:12]
         self.run_start_ns = int(hdr.get("start_ns") or wall_ns())
         self.part = 0
         self.fd: int | None = None
+        self.dir_fd: int | None = None
         self.path: Path | None = None
         self.buf = bytearray()
         self.buffered_records = 0
+        self.file_records = 0            # records in the current file
         self.size = 0                    # bytes written to the current file
         self.opened_at = 0.0
         self.buffered_since: float | None = None
@@ -189,33 +514,71 @@ class SessionWriter:
         self.records = 0
         self.dropped = 0                 # records lost to write errors
         self.deleted: list[Path] = []    # files removed by the total-size cap
-        self._make_dir()
+        self._open_dir()
         self._open()
 
+    # compatibility views of the tables (tests, snapshot readers)
+    @property
+    def ifnames(self) -> dict[int, dict[int, str]]:
+        out: dict[int, dict[int, str]] = {}
+        for (ns, i), n in self.known.table(IFACE).items():
+            out.setdefault(ns, {})[i] = n
+        return out
+
+    @property
+    def services(self) -> dict[tuple[str, int], str]:
+        return dict(self.known.table(SERVICE))
+
     # -- files ---------------------------------------------------------------------------
-    def _make_dir(self) -> None:
+    def _open_dir(self) -> None:
+        """Create (0700) or check the session directory and keep an fd of it: every file is
+        then created relative to that fd, so a directory swapped for a link later is not
+        followed either."""
+        d = self.dir
         try:
-            self.dir.mkdir(mode=0o700, parents=False, exist_ok=False)
+            d.mkdir(mode=0o700)
         except FileExistsError:
-            if not self.dir.is_dir():
-                raise SessionError(f"--record {self.dir}: exists and is not a directory") from None
+            pass
         except FileNotFoundError:
             try:   # parents get the default mode; the session directory itself is 0700
-                self.dir.parent.mkdir(parents=True, exist_ok=True)
-                self.dir.mkdir(mode=0o700)
+                d.parent.mkdir(parents=True, exist_ok=True)
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
             except OSError as e:
-                raise SessionError(f"cannot create session directory {self.dir}: {e.strerror}") from None
+                raise SessionError(f"cannot create session directory {d}: {e.strerror}") from None
         except OSError as e:
-            raise SessionError(f"cannot create session directory {self.dir}: {e.strerror}") from None
+            raise SessionError(f"cannot create session directory {d}: {e.strerror}") from None
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if os.path.islink(d):
+                raise SessionError(f"--record {d}: is a symbolic link; nptrace writes session "
+                                   "files only into a real directory (give its target)") from None
+            if e.errno == errno.ENOTDIR:
+                raise SessionError(f"--record {d}: exists and is not a directory") from None
+            raise SessionError(f"cannot open session directory {d}: {e.strerror}") from None
+        try:
+            check_session_dir(fd, d)
+        except SessionError:
+            os.close(fd)
+            raise
+        self.dir_fd = fd
 
     def _header_record(self) -> dict:
         rec = dict(self.header)
+        k = self.known
+        # The header's order becomes the tables' order (replay rebuilds them from it).
+        ifn: dict[int, dict[int, str]] = {}
+        for (ns, i), n in k.table(IFACE).items():
+            ifn.setdefault(ns, {})[i] = n
+        k.replace(IFACE, ifnames_rows(ifn))
         rec.update(run_id=self.run_id, part=self.part, run_start_ns=self.run_start_ns,
-                   start_ns=self.wall_ns(),
-                   ifnames={ns: dict(m) for ns, m in self.ifnames.items()},
-                   services=[[a, p, n] for (a, p), n in self.services.items()],
-                   lookups={name: [[list(k), v] for k, v in list(tab.items())[-MAX_HEADER_LOOKUPS:]]
-                            for name, tab in self.lookups.items()})
+                   start_ns=self.wall_ns(), ifnames=ifn,
+                   services=[[a, p, n] for (a, p), n in k.table(SERVICE).items()],
+                   lookups={name: [[list(key), v] for key, v in tab.items()]
+                            for name, tab in k.tabs.items() if name not in (IFACE, SERVICE)},
+                   lookup_cache=k.cap, stop_record=True)
         return rec
 
     def _open(self) -> None:
@@ -223,12 +586,18 @@ class SessionWriter:
         name = f"{PREFIX}{_utc_stamp(now_ns)}-{self.run_id}-{self.part:05d}{SUFFIX}"
         path = self.dir / name
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
             os.fchmod(fd, 0o600)   # whatever the umask: the file holds client addresses
         except OSError as e:
             raise SessionError(f"cannot create session file {path}: {e.strerror}") from None
+        try:      # held while the file is written: a reader then knows why it has no stop yet
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
         self.fd, self.path = fd, path
         self.size = 0
+        self.file_records = 0
         self.opened_at = self.clock()
         self.buf = bytearray(frame(_pack(self._header_record())))
         self.buffered_since = self.opened_at
@@ -236,40 +605,57 @@ class SessionWriter:
         self._enforce_total()
 
     def _enforce_total(self) -> None:
-        files = session_files(self.dir)
-        sizes = {}
-        for p in files:
+        """Delete the oldest session files until the directory's fit the total. Only files
+        that start with a session header count and are deleted, whatever their names: a
+        file someone else put there (or a link named like ours) is never touched."""
+        ours = []
+        try:
+            names = sorted(n for n in os.listdir(self.dir_fd)
+                           if n.startswith(PREFIX) and n.endswith(SUFFIX))
+        except OSError:
+            return
+        for n in names:
             try:
-                sizes[p] = p.stat().st_size
+                st = os.stat(n, dir_fd=self.dir_fd, follow_symlinks=False)
             except OSError:
-                sizes[p] = 0
-        total = sum(sizes.values())
-        for p in files:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if self.path is not None and n == self.path.name:
+                ours.append((n, st.st_size))
+                continue
+            if _starts_with_header(self.dir_fd, n):
+                ours.append((n, st.st_size))
+        total = sum(sz for _, sz in ours)
+        for n, sz in ours:
             if total <= self.max_total_bytes:
                 break
-            if p == self.path:
+            if self.path is not None and n == self.path.name:
                 continue
             try:
-                p.unlink()
-                self.deleted.append(p)
-                total -= sizes[p]
+                os.unlink(n, dir_fd=self.dir_fd)
+                self.deleted.append(self.dir / n)
+                total -= sz
             except OSError:
                 continue
 
-    def _close_file(self) -> None:
+    def _close_file(self, why: str = "stop") -> None:
         if self.fd is None:
             return
         try:
+            self.buf += frame(_pack({"rec": "stop", "why": why, "ts_ns": time.monotonic_ns(),
+                                     "records": self.file_records, "dropped": self.dropped}))
             self._flush(force_sync=True)
         finally:
             fd, self.fd = self.fd, None
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _rotate(self) -> None:
-        self._close_file()
+        self._close_file("rotate")
         self.part += 1
         try:
             self._open()
@@ -340,7 +726,7 @@ class SessionWriter:
             self.dropped += 1
             return
         data = frame(_pack(rec))
-        full = self.size + len(self.buf) + len(data) > self.max_file_bytes
+        full = self.size + len(self.buf) + len(data) > self.max_file_bytes - 64   # + stop
         if full or self.clock() - self.opened_at >= self.max_age_s:
             self._rotate()
             if self.fd is None:
@@ -348,6 +734,7 @@ class SessionWriter:
                 return
         self.buf += data
         self.buffered_records += 1
+        self.file_records += 1
         self.records += 1
         now = self.clock()
         if self.buffered_since is None:
@@ -358,20 +745,20 @@ class SessionWriter:
     # -- public --------------------------------------------------------------------------
     def write_event(self, raw: bytes) -> None:
         """One ring-buffer record, as received (at least ev.SIZE bytes)."""
+        self.known.trim()     # between two events' lookups (LookupTables)
         raw = bytes(raw[:ev.SIZE])
         typ, abi = _TYPE_ABI.unpack_from(raw, _TYPE_OFF) if len(raw) >= ev.SIZE else (0, 0)
         self._append({"rec": "event", "abi": abi, "type": typ, "raw": raw})
 
+    def needs_write(self, name: str, key, value) -> bool:
+        return self.known.needs_write(name, key, value)
+
     def write_names(self, ifnames: dict) -> None:
         """{netns: {ifindex: name or None}}: new or changed interface names."""
         clean = {}
-        for ns, m in ifnames.items():
-            for i, n in m.items():
-                clean.setdefault(int(ns), {})[int(i)] = n
-                if n is None:
-                    self.ifnames.get(int(ns), {}).pop(int(i), None)
-                else:
-                    self.ifnames.setdefault(int(ns), {})[int(i)] = n
+        for (ns, i), n in ifnames_rows(ifnames):
+            clean.setdefault(ns, {})[i] = n
+            self.known.put(IFACE, (ns, i), n)
         if clean:
             self._append({"rec": "names", "ifnames": clean})
 
@@ -380,16 +767,13 @@ class SessionWriter:
         clean = []
         for a, p, n in entries:
             clean.append([a, int(p), n])
-            if n is None:
-                self.services.pop((a, int(p)), None)
-            else:
-                self.services[(a, int(p))] = n
+            self.known.put(SERVICE, (a, int(p)), n)
         if clean:
             self._append({"rec": "services", "services": clean})
 
     def write_lookup(self, name: str, key: tuple, value) -> None:
         """A new or changed answer of a Context lookup (msgpack-able key and value)."""
-        self.lookups.setdefault(name, {})[tuple(key)] = value
+        self.known.put(name, tuple(key), value)
         self._append({"rec": "lookup", "name": name, "key": list(key), "value": value})
 
     def write_counters(self, counts: dict, stats: dict, ts_ns: int | None = None) -> None:
@@ -424,7 +808,56 @@ class SessionWriter:
         self._flush(force_sync=True)
 
     def close(self) -> None:
-        self._close_file()
+        """A clean stop: the file ends with a stop record (replay checks for it)."""
+        self._close_file("stop")
+        if self.dir_fd is not None:
+            try:
+                os.close(self.dir_fd)
+            except OSError:
+                pass
+            self.dir_fd = None
+
+
+def _starts_with_header(dir_fd: int, name: str) -> bool:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        buf = _read_head(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    got = _valid_frame(buf, 0, len(buf))
+    rec = _unpack(got[1]) if got else None
+    return rec is not None and rec.get("rec") == "header" and rec.get("format") == FORMAT
+
+
+def check_session_dir(fd: int, path: Path) -> None:
+    """The session directory must be ours and closed to others: files are written as root
+    and hold client addresses. Ours and open (0755, as the kubelet creates a hostPath): it
+    is tightened to 0700. Someone else's, or shared (world-writable or sticky, as /tmp):
+    refused, not chmodded."""
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise SessionError(f"--record {path}: owned by uid {st.st_uid}, not by nptrace's uid "
+                           f"{os.geteuid()}: give nptrace a directory of its own (it writes "
+                           "client addresses there)")
+    if mode & 0o002 or st.st_mode & stat.S_ISVTX:
+        raise SessionError(f"--record {path}: a shared directory, writable by every user "
+                           f"(mode {stat.S_IMODE(st.st_mode) | (st.st_mode & stat.S_ISVTX):04o}): "
+                           f"give nptrace a directory of its own, e.g. {path}/nptrace")
+    if mode & 0o077:
+        try:
+            os.fchmod(fd, mode & 0o700)
+        except OSError as e:
+            raise SessionError(f"--record {path}: mode {mode:04o} and cannot make it 0700: "
+                               f"{e.strerror}") from None
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -432,34 +865,46 @@ class SessionWriter:
 @dataclass(frozen=True)
 class Problem:
     path: str
-    kind: str           # torn_tail | corrupt | not_session | unreadable | abi
-    offset: int
-    dropped: int
+    kind: str           # torn_tail | no_stop | corrupt | invalid | unknown | not_session |
+    offset: int         # unreadable | abi | undecodable | recorder_dropped | ring_lost
+    dropped: int        # bytes (torn_tail, corrupt) or records (the others)
     message: str
 
     @property
     def serious(self) -> bool:
-        """A torn tail is what a crash leaves; everything else means data we cannot trust."""
-        return self.kind != "torn_tail"
+        """A torn tail or a missing stop record is what a crash leaves, records of a kind a
+        newer nptrace writes are skipped on purpose, and losses the live run counted are
+        facts; everything else means data we cannot trust."""
+        return self.kind not in ("torn_tail", "no_stop", "unknown", "recorder_dropped",
+                                 "ring_lost")
 
     def __str__(self) -> str:
         return self.message
 
 
 class Record(NamedTuple):
-    kind: str           # event | names | services | counters
+    kind: str           # event | names | services | lookup | counters
     data: dict
     header: dict        # the header of the file this record is in
     path: str
     offset: int
 
 
+def _frame_at(buf, off: int, end: int) -> tuple[int, int] | None:
+    """(payload length, crc) of a frame header at off whose payload fits before end."""
+    if end - off < FRAME.size or buf[off:off + 4] != MAGIC:
+        return None
+    _magic, n, crc = FRAME.unpack_from(buf, off)
+    if n > MAX_PAYLOAD or off + FRAME.size + n > end:
+        return None
+    return n, crc
+
+
 def _valid_frame(buf, off: int, end: int) -> tuple[int, bytes] | None:
-    if end - off < FRAME.size:
+    got = _frame_at(buf, off, end)
+    if got is None:
         return None
-    magic, n, crc = FRAME.unpack_from(buf, off)
-    if magic != MAGIC or n > MAX_PAYLOAD or off + FRAME.size + n > end:
-        return None
+    n, crc = got
     payload = bytes(buf[off + FRAME.size: off + FRAME.size + n])
     if zlib.crc32(payload) != crc:
         return None
@@ -474,73 +919,215 @@ def _unpack(payload: bytes) -> dict | None:
     return rec if isinstance(rec, dict) and isinstance(rec.get("rec"), str) else None
 
 
-def _next_valid(buf, start: int, end: int) -> int | None:
-    pos = start
-    while True:
-        pos = buf.find(MAGIC, pos, end)
-        if pos < 0:
-            return None
-        if _valid_frame(buf, pos, end) is not None:
-            return pos
-        pos += 1
+# What a payload of ours starts with: a msgpack map (fixmap, map16, map32).
+_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+# A resync checks the crc of candidate frames (a magic, a length that fits, a map after it);
+# a file full of fake frame headers, each claiming most of the file, would make that
+# quadratic. So the crc work of one file's resyncs is budgeted linearly in its size; past the
+# budget only record-sized candidates are checked (events are ~250 bytes), which stays linear.
+RESYNC_BUDGET_FACTOR = 4
+RESYNC_SMALL = 4096
+
+
+class _Resync:
+    def __init__(self, size: int):
+        self.budget = RESYNC_BUDGET_FACTOR * size + (1 << 20)
+        self.gave_up = 0          # candidates not checked once the budget was spent
+
+    def next_valid(self, buf, start: int, end: int) -> int | None:
+        pos = start
+        while True:
+            pos = buf.find(MAGIC, pos, end)
+            if pos < 0:
+                return None
+            got = _frame_at(buf, pos, end)
+            if got is not None and got[0] and buf[pos + FRAME.size] in _MAP_FIRST:
+                n, crc = got
+                if n <= RESYNC_SMALL or self.budget >= n:
+                    if n > RESYNC_SMALL:
+                        self.budget -= n
+                    if zlib.crc32(buf[pos + FRAME.size:pos + FRAME.size + n]) == crc:
+                        return pos
+                else:
+                    self.gave_up += 1
+            pos += 1
+
+
+def _open_regular(path: Path) -> int:
+    """An fd of path opened for reading, refusing what is not a regular file (a FIFO would
+    block the open and every read, /dev/zero never ends). O_NONBLOCK: opening a FIFO returns
+    at once, so it can be refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise SessionError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise SessionError(f"cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SessionError(f"{path}: not a regular file ({_file_type(st.st_mode)}): a session "
+                           "is a file nptrace run --record wrote")
+    return fd
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def _open_map(path: Path):
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
         if size == 0:
             return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _read_head(fd: int) -> bytes:
+    """The first frame's bytes (at most its claimed length), read from a regular file."""
+    head = os.pread(fd, FRAME.size, 0)
+    if len(head) < FRAME.size or head[:4] != MAGIC:
+        return head
+    n = FRAME.unpack(head)[1]
+    if n > MAX_PAYLOAD:
+        return head
+    return head + os.pread(fd, n, FRAME.size)
 
 
 def read_header(path) -> dict:
-    """The first record of a session file; SessionError if it is not one."""
+    """The first record of a session file, checked by its schema; SessionError if it is not
+    one."""
     path = Path(path)
+    fd = _open_regular(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(FRAME.size)
-            if len(head) < FRAME.size or head[:4] != MAGIC:
-                raise SessionError(f"{path}: not an nptrace session file")
-            n = FRAME.unpack(head)[1]
-            if n > MAX_PAYLOAD:
-                raise SessionError(f"{path}: not an nptrace session file")
-            buf = head + f.read(n)
+        buf = _read_head(fd)
     except OSError as e:
         raise SessionError(f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     got = _valid_frame(buf, 0, len(buf))
-    rec = _unpack(got[1]) if got else None
+    if got is None:
+        raise SessionError(f"{path}: not an nptrace session file")
+    rec = _unpack(got[1])
     if rec is None or rec.get("rec") != "header" or rec.get("format") != FORMAT:
         raise SessionError(f"{path}: not an nptrace session file (bad first record)")
-    if int(rec.get("format_version", 0)) > FORMAT_VERSION:
-        raise SessionError(f"{path}: session format {rec.get('format_version')} is newer than "
+    version = rec.get("format_version")
+    if type(version) is int and version > FORMAT_VERSION:
+        raise SessionError(f"{path}: session format {version} is newer than "
                            f"this nptrace reads ({FORMAT_VERSION}): upgrade nptrace")
+    try:
+        rec = check_header(rec)
+    except Invalid as e:
+        raise SessionError(f"{path}: not a valid nptrace session header ({e})") from None
     rec["_path"] = str(path)
     return rec
+
+
+def is_session_file(path) -> bool:
+    """Does path start with an nptrace session header (whatever its name)?"""
+    try:
+        read_header(path)
+        return True
+    except SessionError:
+        return False
 
 
 def _cut_at_birth(path: Path) -> bool:
     """Empty, or a first frame that starts right (magic) but is cut short."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(FRAME.size)
-            if not head:
-                return True
-            if head[:4] != MAGIC[:len(head[:4])]:
-                return False
-            if len(head) < FRAME.size:
-                return True
-            n = FRAME.unpack(head)[1]
-            return n <= MAX_PAYLOAD and len(f.read(n)) < n
+        fd = _open_regular(path)
+    except SessionError:
+        return False
+    try:
+        head = os.pread(fd, FRAME.size, 0)
+        if not head:
+            return True
+        if head[:4] != MAGIC[:len(head[:4])]:
+            return False
+        if len(head) < FRAME.size:
+            return True
+        n = FRAME.unpack(head)[1]
+        return n <= MAX_PAYLOAD and len(os.pread(fd, n, FRAME.size)) < n
     except OSError:
         return False
+    finally:
+        os.close(fd)
+
+
+def _being_written(path: Path) -> bool:
+    """Does a live recorder hold this file (SessionWriter locks the file it writes)?"""
+    try:
+        fd = _open_regular(path)
+    except SessionError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class _FileLoss:
+    """What one file lost, summed: one problem per kind and file, not one per frame (a file
+    of a million bad frames is one line)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.corrupt = []          # (offset, bytes skipped)
+        self.invalid = 0
+        self.first_invalid = ""
+        self.unknown: dict[str, int] = {}
+
+    def problems(self, resync: _Resync) -> list[Problem]:
+        p, out = self.path, []
+        if self.corrupt:
+            off, n = self.corrupt[0]
+            total = sum(x[1] for x in self.corrupt)
+            if len(self.corrupt) == 1:
+                msg = (f"{p}: corrupt record at byte {off}: {n} bytes skipped, "
+                       f"reading resumed at byte {off + n}")
+            else:
+                msg = (f"{p}: {len(self.corrupt)} corrupt regions, {total} bytes skipped "
+                       f"(the first at byte {off})")
+            if resync.gave_up:
+                msg += (f"; {resync.gave_up} long candidate frames were not checked (a file "
+                        "full of fake frame headers)")
+            out.append(Problem(p, "corrupt", off, total, msg))
+        if self.invalid:
+            out.append(Problem(p, "invalid", 0, self.invalid,
+                               f"{p}: {self.invalid} record{'s' if self.invalid > 1 else ''} "
+                               f"invalid and skipped (the first: {self.first_invalid})"))
+        if self.unknown:
+            kinds = ", ".join(f"{k} ({n})" for k, n in sorted(self.unknown.items())[:5])
+            out.append(Problem(p, "unknown", 0, sum(self.unknown.values()),
+                               f"{p}: skipped records of kinds this nptrace does not know: "
+                               f"{kinds} (written by a newer nptrace?)"))
+        return out
 
 
 def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
     try:
         buf = _open_map(path)
-    except OSError as e:
-        problems.append(Problem(str(path), "unreadable", 0, 0, f"cannot read {path}: {e.strerror}"))
+    except SessionError as e:
+        problems.append(Problem(str(path), "unreadable", 0, 0, str(e)))
         return
+    loss = _FileLoss(str(path))
+    size = len(buf)
+    resync = _Resync(size)
+    stopped: dict | None = None
+    torn = False
     try:
         end = len(buf)
         first = _valid_frame(buf, 0, end)
@@ -549,27 +1136,50 @@ def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
             got = _valid_frame(buf, off, end)
             rec = _unpack(got[1]) if got else None
             if rec is None:
-                nxt = _next_valid(buf, off + 1, end)
+                nxt = resync.next_valid(buf, off + 1, end)
                 if nxt is None:
                     problems.append(Problem(
                         str(path), "torn_tail", off, end - off,
                         f"{path}: torn tail at byte {off}: {end - off} bytes dropped "
                         "(the writer stopped mid-record: a crash or power loss)"))
-                    return
-                problems.append(Problem(
-                    str(path), "corrupt", off, nxt - off,
-                    f"{path}: corrupt record at byte {off}: {nxt - off} bytes skipped, "
-                    f"reading resumed at byte {nxt}"))
+                    torn = True
+                    break
+                loss.corrupt.append((off, nxt - off))
                 off = nxt
                 continue
+            at = off
             off += got[0]
             kind = rec.pop("rec")
             if kind == "header":
                 continue      # files are never concatenated by us; tolerate it if someone did
-            yield Record(kind, rec, header, str(path), off - got[0])
+            try:
+                data = check_record(kind, rec)
+            except KeyError:
+                loss.unknown[kind[:32]] = loss.unknown.get(kind[:32], 0) + 1
+                continue
+            except Invalid as e:
+                loss.invalid += 1
+                loss.first_invalid = loss.first_invalid or f"at byte {at}: {e}"
+                continue
+            if kind == "stop":
+                stopped = data
+                continue
+            stopped = None    # records after a stop: someone appended; the stop is not the end
+            yield Record(kind, data, header, str(path), at)
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
+    problems.extend(loss.problems(resync))
+    if stopped is None and not torn and header.get("stop_record") and not _being_written(path):
+        problems.append(Problem(
+            str(path), "no_stop", size, 0,
+            f"{path}: no stop record at its end: records may be missing there (the recorder "
+            "was killed, the file was cut, or it is still being written)"))
+    if stopped is not None and stopped.get("dropped"):
+        problems.append(Problem(
+            str(path), "recorder_dropped", 0, stopped["dropped"],
+            f"{path}: the recorder dropped {stopped['dropped']} records it could not write "
+            "(disk full or a write error; see the daemon's log)"))
 
 
 def _expand(paths) -> list[Path]:
@@ -577,15 +1187,19 @@ def _expand(paths) -> list[Path]:
         paths = [paths]
     files: list[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise SessionError(f"{p}: no such file or directory") from None
+        except OSError as e:
+            raise SessionError(f"cannot read {p}: {e.strerror}") from None
+        if stat.S_ISDIR(st.st_mode):
             found = session_files(p)
             if not found:
                 raise SessionError(f"{p}: no session files (nptrace-*.nps) in this directory")
             files += found
-        elif p.exists():
-            files.append(p)
         else:
-            raise SessionError(f"{p}: no such file or directory")
+            files.append(p)     # read_header refuses what is not a regular file
     return files
 
 
@@ -593,9 +1207,10 @@ def read_session(paths) -> tuple[list[dict], Iterator[Record], list[Problem]]:
     """(headers, records, problems) of one or more session files or directories.
 
     Headers are read up front (one per file, each with "_path"), and files are ordered by run
-    start and part. `records` is a lazy iterator; `problems` fills while it is consumed (torn
-    tails, corrupt middles) and already holds files that are not sessions. A missing path,
-    or a single named file that is not a session, raises SessionError.
+    start and part. `records` is a lazy iterator of records that passed their schema;
+    `problems` fills while it is consumed (torn tails, corrupt middles, invalid records, a
+    missing stop record) and already holds files that are not sessions. A missing path, or a
+    single named file that is not a session, raises SessionError.
     """
     files = _expand(paths)
     problems: list[Problem] = []
@@ -630,4 +1245,3 @@ def read_session(paths) -> tuple[list[dict], Iterator[Record], list[Problem]]:
                 continue
             yield from _records_of(Path(h["_path"]), h, problems)
     return headers, gen(), problems
-

@@ -117,3 +117,10 @@ class StormCollapse:
         self.lines += len(out)
         self.windows.clear()
         return out
+
+
+def storm_collapse(burst: int | None, as_json: bool):
+    """The StormCollapse for --collapse: a person reads the console, a program reads JSON."""
+    if burst is None:
+        burst = 0 if as_json else BURST
+    return StormCollapse(burst) if burst else None

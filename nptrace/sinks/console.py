@@ -1,4 +1,5 @@
-"""Readable lines for a person at a terminal (stdout), and the summary at exit. With a
+"""Readable lines for a person at a terminal (stdout), and the summary at exit. Every line
+goes through printable(): names come from the node and may hold terminal escapes. With a
 StormCollapse (sinks/collapse.py), a storm's alike incidents past the burst are printed as one
 `... and N more like this since HH:MM:SS` line per window; the summary counts every one."""
 from __future__ import annotations
@@ -10,6 +11,25 @@ from typing import TextIO
 
 from nptrace.classify import Verdict
 from nptrace.sinks.collapse import StormCollapse
+
+# C0 controls (ESC starts a terminal escape sequence), DEL and the C1 controls (0x9b is a
+# one-byte CSI on some terminals), and what str.isprintable() refuses besides: every one but
+# newline is shown as \xNN / \uNNNN. An interface name may hold ESC (IFNAMSIZ bytes,
+# anything but '/', NUL and whitespace), and so may a Service name, a rule's text or a path.
+_ESCAPES: dict[int, str] = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]
+                             if c != 0x0A}
+
+
+def printable(text) -> str:
+    """`text` safe for a terminal: control characters escaped (one helper for every text
+    output: the console sink, replay/report/merge and their warnings)."""
+    s = text if type(text) is str else str(text)
+    if s.isprintable():
+        return s
+    s = s.translate(_ESCAPES)
+    if s.replace("\n", "").isprintable():
+        return s
+    return "".join(c if c.isprintable() or c == "\n" else f"\\u{ord(c):04x}" for c in s)
 
 
 class Console:
@@ -35,9 +55,9 @@ class Console:
                 self._print(v)
             else:
                 ts = time.strftime("%H:%M:%S", time.localtime((since + self.offset) / 1e9))
-                self.stream.write(f"         ... and {repeat} more {v.cause} like this since "
-                                  f"{ts} (last: {v.event.saddr}:{v.event.sport} -> "
-                                  f"{v.event.daddr}:{v.event.dport})\n")
+                self.stream.write(printable(
+                    f"         ... and {repeat} more {v.cause} like this since {ts} (last: "
+                    f"{v.event.saddr}:{v.event.sport} -> {v.event.daddr}:{v.event.dport})") + "\n")
                 self.stream.flush()
 
     def tick(self, now_ns: int) -> None:
@@ -53,10 +73,10 @@ class Console:
             flow = (f"{nat.orig_src}:{nat.orig_sport} -> {nat.orig_dst}:{nat.orig_dport}"
                     f" -> {nat.reply_src}:{nat.reply_sport}")
         what = f"{v.kind}" + (f"/{v.direction}" if v.direction else "")
-        self.stream.write(f"{ts} {v.cause:<18} {what:<14} {flow}  {v.iface or '-'}"
-                          f"  [{v.hook} {v.reason}]"
-                          + (f" svc={v.service}" if v.service else "") + "\n")
-        self.stream.write(f"         hint: {v.hint}\n")
+        self.stream.write(printable(f"{ts} {v.cause:<18} {what:<14} {flow}  {v.iface or '-'}"
+                                    f"  [{v.hook} {v.reason}]"
+                                    + (f" svc={v.service}" if v.service else "")) + "\n")
+        self.stream.write(printable(f"         hint: {v.hint}") + "\n")
         self.stream.flush()
 
     def summary(self) -> str:
@@ -67,7 +87,7 @@ class Console:
         if any(s != "-" for s in self.by_service):
             lines += ["", "service             count"]
             lines += [f"{s:<18} {n:>6}" for s, n in self.by_service.most_common()]
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
     def close(self) -> None:
         if self.collapse is not None:

@@ -13,12 +13,14 @@ Written from the pcapng spec (draft-ietf-opsawg-pcapng): one Section Header Bloc
 Interface Description Block per interface name (written when the name first appears, which
 the spec allows anywhere before its first use), one Enhanced Packet Block per verdict, with
 nanosecond timestamps (if_tsresol 9). Little-endian throughout. Mode 0600: packets hold client
-addresses.
+addresses; written as root, so the file is opened without following links (open_output).
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 import struct
 
 from nptrace import __version__
@@ -137,17 +139,49 @@ def comment(v: Verdict) -> str:
     return "\n".join(lines)
 
 
+def open_output(path: str, what: str) -> int:
+    """A file nptrace writes as root at a path someone else may reach (/tmp): opened with
+    O_NOFOLLOW (a planted symbolic link is refused, never followed) and O_NONBLOCK (a planted
+    FIFO does not block the open), then refused unless it is a regular file of ours with one
+    link (a planted hard link or someone else's file would get our client addresses); only
+    then truncated and made 0600."""
+    from nptrace.errors import NptraceError
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC | os.O_NOCTTY, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NptraceError(f"cannot write {what} {path}: it is a symbolic link; nptrace "
+                               "does not follow links for files it writes (name the target)") from None
+        raise NptraceError(f"cannot write {what} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        why = None
+        if not stat.S_ISREG(st.st_mode):
+            why = "it is not a regular file"
+        elif st.st_uid != os.geteuid():
+            why = f"it exists and belongs to uid {st.st_uid}"
+        elif st.st_nlink > 1:
+            why = f"it has {st.st_nlink} hard links"
+        if why:
+            raise NptraceError(f"cannot write {what} {path}: {why}; remove it or name another file")
+        os.ftruncate(fd, 0)
+        os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except OSError as e:
+        os.close(fd)
+        raise NptraceError(f"cannot write {what} {path}: {e.strerror}") from None
+    except NptraceError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class PcapngSink:
     def __init__(self, path, epoch_offset_ns: int):
         self.path = str(path)
         self.offset = epoch_offset_ns     # replay sets it per recorded run
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            os.fchmod(fd, 0o600)
-        except OSError as e:
-            from nptrace.errors import NptraceError
-            raise NptraceError(f"cannot write --pcap {self.path}: {e.strerror}") from None
-        self.f = os.fdopen(fd, "wb")
+        self.f = os.fdopen(open_output(self.path, "--pcap"), "wb")
         self.ifaces: dict[str, int] = {}
         self.f.write(section_header())
         self.f.flush()

@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nptrace import events as ev
+from nptrace import names
 from nptrace.classify import Verdict
 from nptrace.errors import NptraceError
 
@@ -73,34 +73,6 @@ class BoundedLabels:
                 self.seen.add(name)
                 return name
         return OTHER
-
-
-def reason_label(typ: int, reason: int, drop_name, rst_name) -> str:
-    """The same reason text as classify.reason_name, from a count key instead of an Event."""
-    if typ == ev.EvType.DROP:
-        return drop_name(reason)
-    if typ == ev.EvType.RST_SENT:
-        return rst_name(reason)
-    if typ in (ev.EvType.ICMP_UNREACH, ev.EvType.WIRE_ICMP):
-        return f"ICMP_{reason >> 8}_{reason & 0xff}"
-    try:
-        return ev.EvType(typ).name
-    except ValueError:
-        return f"TYPE_{typ}"
-
-
-def _hook_label(hook: int) -> str:
-    try:
-        return ev.HOOK_NAMES[ev.Hook(hook)]
-    except (ValueError, KeyError):
-        return f"hook_{hook}"
-
-
-def _type_label(typ: int) -> str:
-    try:
-        return ev.EvType(typ).name
-    except ValueError:
-        return f"TYPE_{typ}"
 
 
 CountersFn = Callable[[], "tuple[Mapping[tuple, int], Mapping[str, int]]"]
@@ -157,8 +129,8 @@ class KernelCollector:
                 "are lost)", labels=["type", "hook", "reason", "iface"])
             agg: dict[tuple, int] = {}
             for (typ, hook, reason, ifindex, netns), n in counts.items():
-                k = (_type_label(typ), _hook_label(hook),
-                     reason_label(typ, reason, self.drop_name, self.rst_name),
+                k = (names.type_name(typ), names.hook_name(hook),
+                     names.reason_name(typ, reason, self.drop_name, self.rst_name),
                      self._iface(netns, ifindex))
                 agg[k] = agg.get(k, 0) + int(n)
             for k in sorted(agg):

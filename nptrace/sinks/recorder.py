@@ -6,19 +6,20 @@ classifier learned from the node while labeling it (interface and Service names)
 
 Names are recorded by wrapping the Context's lookups: a lookup whose answer differs from what
 the session already holds is written at once, i.e. after the event that needed it and before
-the next one; replay applies the records that follow an event before classifying it. Only
-answers that are names are kept (client address:port pairs never name a Service), so the
-tables stay as small as the node's interfaces and Services.
+the next one; replay applies the records that follow an event before classifying it. A None
+answer of a key the session never held costs nothing (replay answers None for it), and the
+answers held are bounded per lookup (format.LOOKUP_CACHE, oldest written first out), so a
+scanner's ever-new client tuples cannot grow the recorder: a forgotten answer is written
+again when it is asked again.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from nptrace.sessions.format import SessionWriter
+from nptrace.sessions.format import IFACE, SERVICE, SessionWriter
 
 CountersFn = Callable[[], "tuple[dict, dict]"]
-_MISSING = object()
 
 
 class Recorder:
@@ -33,35 +34,37 @@ class Recorder:
         self.last_counters = clock()
 
     # -- wrapped lookups (give these to classify.Context) -------------------------------
+    # Each answer that differs from what a replay of the session would answer is written at
+    # once (sessions/format.py LookupTables: bounded; None answers of unknown keys are free).
     def iface_name(self, lookup: Callable[[int, int], str | None]) -> Callable[[int, int], str | None]:
-        known = self.writer.ifnames
+        needs = self.writer.needs_write
 
         def recorded(netns: int, ifindex: int) -> str | None:
             name = lookup(netns, ifindex)
-            if known.get(netns, {}).get(ifindex) != name:
+            if needs(IFACE, (netns, ifindex), name):
                 self.writer.write_names({netns: {ifindex: name}})
             return name
         return recorded
 
     def service_of(self, lookup: Callable[[str, int], str | None]) -> Callable[[str, int], str | None]:
-        known = self.writer.services
+        needs = self.writer.needs_write
 
         def recorded(addr: str, port: int) -> str | None:
             name = lookup(addr, port)
-            if known.get((addr, port)) != name:
+            if needs(SERVICE, (addr, port), name):
                 self.writer.write_services([(addr, port, name)])
             return name
         return recorded
 
     def lookup(self, name: str, fn: Callable) -> Callable:
-        """Any other Context lookup (nf_rule, endpoint_of, route_iface): record each answer
-        that differs from what the session holds, keyed by the call's arguments."""
-        known = self.writer.lookups
+        """Any other Context lookup (nf_rule, endpoint_of, route_iface, nat_peer): record each
+        answer that differs from what the session holds, keyed by the call's arguments."""
+        needs = self.writer.needs_write
 
         def recorded(*args):
             value = fn(*args)
-            if known.get(name, {}).get(tuple(args), _MISSING) != value:
-                self.writer.write_lookup(name, tuple(args), value)
+            if needs(name, args, value):
+                self.writer.write_lookup(name, args, value)
             return value
         return recorded
 
@@ -107,10 +110,11 @@ def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
     the way nptrace.node.netns.Names.iface names them ("ns/ifname" in a named namespace). For the
     session header: a person reading it, and `report`; replay itself relies on the recorded
     lookups."""
+    from nptrace.kernel import nsenter
     from nptrace.node import netns
     out: dict[int, dict[int, str]] = {}
     try:
-        out[netns.host_inode()] = netns.link_names_or_none(None)
+        out[nsenter.host_inode()] = netns.link_names_or_none(None)
     except OSError:
         pass
     for i, (inode, name) in enumerate(sorted(netns.named_namespaces().items(), key=lambda x: x[1])):
@@ -118,5 +122,5 @@ def snapshot_ifnames(limit: int = 256) -> dict[int, dict[int, str]]:
             break
         if inode in out:
             continue
-        out[inode] = {idx: f"{name}/{ifn}" for idx, ifn in netns.link_names_or_none(str(netns.RUN_NETNS / name)).items()}
+        out[inode] = {idx: f"{name}/{ifn}" for idx, ifn in netns.link_names_or_none(str(nsenter.RUN_NETNS / name)).items()}
     return out

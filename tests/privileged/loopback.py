@@ -27,15 +27,21 @@ print(refused)
 """
 
 
-@contextlib.contextmanager
-def loopback_netns(prefix: str):
-    """(name, inode) of a new namespace `<prefix><pid>` with lo up; always deleted."""
+def need_root_and_bcc() -> None:
+    """Skip, with the reason, where BPF cannot be loaded from this process: not root, or bcc not
+    importable (it comes from Debian's python3-bpfcc: run in the project's venv)."""
     if os.geteuid() != 0:
         pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
     try:
         import bcc  # noqa: F401
     except ImportError:
         pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
+
+
+@contextlib.contextmanager
+def loopback_netns(prefix: str):
+    """(name, inode) of a new namespace `<prefix><pid>` with lo up; always deleted."""
+    need_root_and_bcc()
     name = f"{prefix}{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:

@@ -69,14 +69,6 @@ print(n, refused, flush=True)
 
 # --- helpers --------------------------------------------------------------------------------
 
-def _need_root_and_bcc():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -155,7 +147,7 @@ def tc_state(watch: list[str]) -> dict[str, tuple[list[str], list[str]]]:
     """{"ns/if": (qdisc kinds, names of npt_ filters on ingress and egress, then one
     "tcx:<hook>:<prog id>" per program linked there with tcx)}."""
     from nptrace.kernel import tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     out = {}
     for w in watch:
         ns, dev = w.split("/", 1)
@@ -228,9 +220,8 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def daemon_env(tmp_path_factory):
+def daemon_env(root_and_bcc, tmp_path_factory):
     """Environment of the nptrace runs: this module's own lock file and tc state directory."""
-    _need_root_and_bcc()
     tmp = tmp_path_factory.mktemp("daemon")
     state = tmp / "tc-state"
     state.mkdir()
@@ -521,8 +512,7 @@ def rss_kib(pid: int) -> int | None:
 
 
 @pytest.fixture
-def churn_ns():
-    _need_root_and_bcc()
+def churn_ns(root_and_bcc):
     with loopback_netns(f"{PREFIX}churn") as ns:
         yield ns
 

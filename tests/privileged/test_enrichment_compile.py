@@ -32,18 +32,10 @@ KPROBE_PROGRAMS = sorted((
     "npt_kp_ipvs_in_ret", "npt_kp_ipvs_out_entry", "npt_kp_ipvs_out_ret"))
 
 
-def _need_root_and_bcc():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
-
-
 def _base_cflags():
     from nptrace.kernel import btf, offsets
-    from nptrace.config import Config, build_cflags
+    from nptrace.config import Config
+    from nptrace.kernel.cflags import build_cflags
     b = btf.default()
     return b, build_cflags(Config(ringbuf_pages=64), set(), offsets.cflags(b))
 
@@ -62,7 +54,7 @@ def test_decode_aux_and_cflags():
 
 
 def test_loader_groups_name_every_kprobe_program():
-    text = (Path(rb.__file__).resolve().parent.parent / "bpf" / "kprobes.bpf.c").read_text()
+    text = (Path(rb.__file__).resolve().parents[2] / "bpf" / "kprobes.bpf.c").read_text()
     assert len(re.findall(r"^int npt_kp_\w+\(struct pt_regs \*ctx\)", text, re.M)) == \
         len(KPROBE_PROGRAMS)
     for prog in KPROBE_PROGRAMS:
@@ -70,11 +62,11 @@ def test_loader_groups_name_every_kprobe_program():
 
 
 # --- kprobes --------------------------------------------------------------------------------
+@pytest.mark.usefixtures("root_and_bcc")
 @privileged
 def test_kprobes_compile_and_verify():
     """Compiled and loaded through the verifier as BPF_PROG_TYPE_KPROBE, never attached:
     loading does not need CONFIG_KPROBES, attaching does."""
-    _need_root_and_bcc()
     from bcc import BPF
     from nptrace.kernel import loader
     _, flags = _base_cflags()
@@ -90,9 +82,9 @@ def test_kprobes_compile_and_verify():
         b.cleanup()
 
 
+@pytest.mark.usefixtures("root_and_bcc")
 @privileged
 def test_kprobes_attach_or_say_why_not():
-    _need_root_and_bcc()
     from nptrace.kernel import features, loader
     f = features.probe()
     r = f.result("kprobes")
@@ -126,8 +118,7 @@ def sh(*cmd: str) -> None:
 
 
 @pytest.fixture
-def dnat_lab():
-    _need_root_and_bcc()
+def dnat_lab(root_and_bcc):
     if shutil.which("iptables") is None:
         pytest.skip("iptables not installed (scripts/setup.sh)")
     pid = os.getpid()

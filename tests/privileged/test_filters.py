@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nptrace.lab.demo import wait_ready
+from nptrace.lab.harness import wait_ready
 
 pytestmark = pytest.mark.privileged
 NS = f"npt-flt{os.getpid() % 10000}"

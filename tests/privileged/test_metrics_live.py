@@ -49,7 +49,8 @@ def test_metrics_recording_and_pcap_on_the_real_kernel(netns, tmp_path):
 
     from nptrace import reasons
     from nptrace.kernel import btf, offsets
-    from nptrace.sessions import offline
+    from nptrace.sessions.replay import Replay
+    from nptrace.sessions.report import report
     from nptrace.classify import Classifier, Context
     from nptrace.config import Config
     from nptrace.kernel.loader import Probes
@@ -135,10 +136,10 @@ def test_metrics_recording_and_pcap_on_the_real_kernel(netns, tmp_path):
 
     # Replay: the same verdicts for this namespace's events, from the files alone.
     replayed = [verdict_dict(it.verdict, it.header["epoch_offset_ns"])
-                for it in offline.Replay(tmp_path / "rec").items()
+                for it in Replay(tmp_path / "rec").items()
                 if it.verdict.event.netns == inode]
     assert replayed == live
-    assert "kernel counts (exact" in offline.report(tmp_path / "rec")
+    assert "kernel counts (exact" in report(tmp_path / "rec")
 
     if shutil.which("tcpdump"):
         out = subprocess.run(["tcpdump", "-r", str(tmp_path / "out.pcapng"), "-nn"],

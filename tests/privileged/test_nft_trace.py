@@ -88,7 +88,7 @@ def _sources(events, cause):
      "table ip filter chain NETPOL-DEFAULT-WEB handle"),
 ])
 def test_run_names_the_traced_rule_from_the_second_attempt_on(scenario, backend, cause, traced_at):
-    from nptrace.lab.demo import trace_scenario
+    from nptrace.lab.harness import trace_scenario
     _, _, events, err = trace_scenario(scenario, 6, backend=backend, prefix=PREFIX, rounds=2)
     got = _sources(events, cause)
     assert got["ruleset"], f"no first-drop answer from the ruleset\n{err[-800:]}"
@@ -98,7 +98,7 @@ def test_run_names_the_traced_rule_from_the_second_attempt_on(scenario, backend,
 
 
 def test_run_says_legacy_rules_cannot_be_traced():
-    from nptrace.lab.demo import trace_scenario
+    from nptrace.lab.harness import trace_scenario
     _, _, events, err = trace_scenario("networkpolicy-drop", 4, backend="iptables-legacy",
                                        prefix=PREFIX, rounds=2)
     got = _sources(events, "policy_drop")

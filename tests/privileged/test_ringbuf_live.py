@@ -6,7 +6,6 @@ the reason table makes NO_SOCKET drops worth an event, skb:kfree_skb in that nam
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -19,15 +18,6 @@ from nptrace.kernel import ringbuf as rb
 pytestmark = pytest.mark.privileged
 
 from loopback import CLOSED_PORT, GENERATOR, TRACEPOINTS, loopback_netns  # noqa: E402
-
-
-def _need_root_and_bcc():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
 
 
 @pytest.fixture(scope="module")

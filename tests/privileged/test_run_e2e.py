@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from nptrace.lab.demo import trace_scenario
+from nptrace.lab.harness import trace_scenario
 
 pytestmark = pytest.mark.privileged
 PREFIX = f"npt-e2e{os.getpid() % 10000}-"

@@ -38,19 +38,9 @@ sys.stdin.read()
 """
 
 
-def _need_root_and_bcc():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
-
-
 @pytest.fixture
-def ns():
+def ns(root_and_bcc):
     """A namespace with a veth pair (v0, v1) in it."""
-    _need_root_and_bcc()
     name = f"npt-tc{os.getpid()}-cl"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
@@ -62,8 +52,7 @@ def ns():
 
 
 @pytest.fixture(scope="module")
-def fd():
-    _need_root_and_bcc()
+def fd(root_and_bcc):
     from bcc import BPF
     b = BPF(text=PROG, cflags=["-Wno-ignored-attributes"])
     yield b.load_func("npt_noop", BPF.SCHED_CLS).fd
@@ -171,7 +160,7 @@ def _ifindex(ns: str, dev: str) -> int:
 
 def _need_tcx(ns: str, fd: int) -> None:
     from nptrace.kernel import tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     try:
         os.close(tcx.link_create(fd, _ifindex(ns, "v1"), True, path_of(ns)))
     except OSError as e:
@@ -183,7 +172,7 @@ def _need_tcx(ns: str, fd: int) -> None:
 def tcx_progs(ns: str, dev: str) -> tuple[list[int], list[int]]:
     """(ingress, egress) program ids linked with tcx on dev, in run order."""
     from nptrace.kernel import tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     idx = _ifindex(ns, dev)
     return (tcx.prog_ids(idx, True, path_of(ns)), tcx.prog_ids(idx, False, path_of(ns)))
 
@@ -197,7 +186,7 @@ def _prog_id(fd: int) -> int:
 
 def test_tcx_links_first_and_unlinks_on_exit(ns, fd, tmp_path):
     from nptrace.kernel import tc, tcx
-    from nptrace.node.netns import path_of
+    from nptrace.kernel.nsenter import path_of
     _need_tcx(ns, fd)
     pid_ = _prog_id(fd)
     # a CNI's program already linked on v0's ingress: ours must run before it

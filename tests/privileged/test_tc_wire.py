@@ -52,15 +52,6 @@ def sh(*cmd: str) -> str:
     return r.stdout
 
 
-def _need_root_and_bcc():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        pytest.skip("bcc is not importable (python3-bpfcc; use the project venv)")
-
-
 class Lab:
     """Namespaces and listeners of one test; close() deletes them all."""
 
@@ -98,8 +89,7 @@ class Lab:
 
 
 @pytest.fixture
-def lab(request):
-    _need_root_and_bcc()
+def lab(root_and_bcc, request):
     lab = Lab(request.node.name.split("test_", 1)[-1][:4])
     try:
         yield lab
@@ -142,8 +132,7 @@ class Collector:
 
 
 @pytest.fixture(scope="module")
-def probes():
-    _need_root_and_bcc()
+def probes(root_and_bcc):
     from nptrace import reasons
     from nptrace.kernel import btf, loader, offsets, tc
     b = btf.default()

@@ -1,6 +1,7 @@
 import pytest
 
-from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, build_cflags, parse_hosts
+from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
+from nptrace.kernel.cflags import build_cflags
 
 
 def test_cflags_defaults_have_no_filters_and_no_tc():

@@ -1,4 +1,7 @@
 """Decoding from byte fixtures (no bcc, no root)."""
+import re
+from pathlib import Path
+
 import pytest
 
 from nptrace import events as ev
@@ -72,3 +75,44 @@ def test_unknown_hook_or_direction_is_an_error():
         ev.decode(ev.encode(type=1, hook=99))
     with pytest.raises(ev.DecodeError, match="Dir"):
         ev.decode(ev.encode(type=1, hook=1, dir=9))
+
+
+HEADER = Path(__file__).resolve().parents[2] / "bpf" / "nptrace_events.h"
+# a #define's value as the header writes flags: 0x10, 16, (1 << 5)
+_FLAG = re.compile(r"^#define NPT_((?:F|IPS)_\w+)\s+(0x[0-9a-fA-F]+|\d+|\(1 << \d+\))", re.M)
+
+
+def _header_flags() -> dict[str, int]:
+    out = {}
+    for name, val in _FLAG.findall(HEADER.read_text()):
+        shift = re.fullmatch(r"\(1 << (\d+)\)", val)
+        out[name] = 1 << int(shift.group(1)) if shift else int(val, 0)
+    return out
+
+
+def test_flag_constants_match_header():
+    """F_* (record flags) and IPS_* (conntrack status bits) have one home, the header."""
+    header = _header_flags()
+    mirror = {n: getattr(ev, n) for n in dir(ev) if re.fullmatch(r"(F|IPS)_[A-Z_]+", n)}
+    assert header and header == mirror
+
+
+def test_aux_fields_read_by_name_per_type():
+    def E(**kw):
+        return ev.decode(ev.encode(hook=ev.Hook.TC_EGRESS, **kw))
+    rst = ev.decode(ev.encode(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, aux=ev.TCP_SYN,
+                              tcpflags=ev.TCP_RST))
+    assert rst.answered_flags == ev.TCP_SYN
+    drop = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, tcpflags=ev.TCP_ACK))
+    assert drop.answered_flags == ev.TCP_ACK and drop.in_ifindex == 0
+    asym = E(type=ev.EvType.ASYM_IFACE, aux=3, aux2=4)
+    assert (asym.in_ifindex, asym.in_ifindex2, asym.syn_dport) == (3, 4, 0)
+    src = E(type=ev.EvType.ASYM_SRC, aux=3, aux2=30080)
+    assert (src.in_ifindex, src.in_ifindex2, src.syn_dport) == (3, 0, 30080)
+    retx = E(type=ev.EvType.SYN_RETX, aux=2, aux2=5)
+    assert (retx.syn_copies, retx.in_ifindex) == (2, 5)
+    view = ev.decode(ev.encode(type=ev.EvType.NF_VIEW, hook=ev.Hook.NF_HOOK, aux=2 << 24 | 1 << 16))
+    assert view.nf_hook_point == 2 << 24 | 1 << 16 and view.kfunc == 0
+    kp = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KPROBE, aux=ev.KFunc.NF_SEND_RESET,
+                             aux2=1))
+    assert (kp.kfunc, kp.kfunc_arg) == (ev.KFunc.NF_SEND_RESET, 1)

@@ -127,13 +127,14 @@ def test_missing_on_new_kernel_is_flagged_unexpected(tmp_path):
     assert r.status == "missing" and r.expected and "unexpected on kernel 6.18" in r.detail
 
 
-def test_kfree_skb_absent_falls_back_to_kprobes(tmp_path):
+def test_kfree_skb_absent_has_no_fallback(tmp_path):
+    # issue 15: the kprobe tcp_drop fallback this once claimed was never built (hooks.py:
+    # fallback "none"), so kprobes do not make a kernel without kfree_skb traceable
     root = copy_tree("kprobes-ipvs", tmp_path)
     shutil.rmtree(root / "sys/kernel/tracing/events/skb")
     feats = f.probe(root)
-    assert status(feats, "skb:kfree_skb") == "warn" and "kprobe tcp_drop" in \
-        feats.result("skb:kfree_skb").detail
-    assert feats.tracing_possible
+    assert feats.kprobes
+    assert status(feats, "skb:kfree_skb") == "fail" and not feats.tracing_possible
     shutil.rmtree(root / "sys/bus/event_source/devices/kprobe")
     (root / "sys/kernel/tracing/kprobe_events").unlink()
     cfg = root / "boot/config-5.15.0-91-generic"

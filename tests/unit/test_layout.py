@@ -1,4 +1,5 @@
-"""The Python mirrors in nptrace/events.py must equal bpf/nptrace_events.h, checked by clang."""
+"""The Python mirrors in nptrace/events.py and nptrace/kernel/natpeers.py (the NAT map) and
+the stat names of nptrace/kernel/loader.py must equal bpf/nptrace_events.h, checked by clang."""
 import ctypes as ct
 import re
 import shutil
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from nptrace import events
+from nptrace.kernel import loader, natpeers
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+LAYOUTS = {**events.LAYOUTS, **natpeers.LAYOUTS}
 PRELUDE = """
 typedef unsigned char __u8; typedef unsigned short __u16;
 typedef unsigned int __u32; typedef unsigned long long __u64;
@@ -26,27 +29,28 @@ def static_asserts(cname, py):
         yield f'_Static_assert(sizeof(((struct {cname} *)0)->{name}) == {f.size}, "{name} size");'
 
 
-@pytest.mark.parametrize("cname", sorted(events.LAYOUTS))
+@pytest.mark.parametrize("cname", sorted(LAYOUTS))
 def test_layout_matches_header(cname, tmp_path):
     clang = shutil.which("clang")
     if not clang:
         pytest.skip("clang not installed (scripts/setup.sh installs it)")
     src = tmp_path / "layout.c"
-    src.write_text(PRELUDE + "\n".join(static_asserts(cname, events.LAYOUTS[cname])) + "\n")
+    src.write_text(PRELUDE + "\n".join(static_asserts(cname, LAYOUTS[cname])) + "\n")
     r = subprocess.run([clang, "-target", "bpf", "-fsyntax-only", f"-I{BPF_DIR}", str(src)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("cname", sorted(events.LAYOUTS))
+@pytest.mark.parametrize("cname", sorted(LAYOUTS))
 def test_no_implicit_padding(cname):
-    py = events.LAYOUTS[cname]
+    py = LAYOUTS[cname]
     assert sum(getattr(py, n).size for n, *_ in py._fields_) == ct.sizeof(py)
 
 
 def test_struct_format_equals_ctypes():
     assert events.RECORD.size == ct.sizeof(events.RawEvent)
     assert events.COUNT_KEY.size == ct.sizeof(events.RawCountKey)
+    assert natpeers.NAT_KEY.size == ct.sizeof(natpeers.NatKey)
 
 
 def test_abi_version_matches_header():
@@ -57,7 +61,17 @@ def test_abi_version_matches_header():
 def test_enums_match_header():
     text = (BPF_DIR / "nptrace_events.h").read_text()
     for prefix, enum in (("NPT_T_", events.EvType), ("NPT_H_", events.Hook), ("NPT_D_", events.Dir),
-                         ("NPT_KF_", events.KFunc)):
+                         ("NPT_KF_", events.KFunc), ("NPT_S_", loader.Stat)):
         for member in enum:
             m = re.search(rf"\b{prefix}{member.name}\s*=\s*(\d+)", text)
             assert m and int(m.group(1)) == member.value, f"{prefix}{member.name}"
+
+
+def test_stat_names_cover_header():
+    """Every counter the kernel keeps has a name in Probes.stats() (NPT_S_MAX is the size)."""
+    text = (BPF_DIR / "nptrace_events.h").read_text()
+    body = re.search(r"enum npt_stat \{(.*?)\};", text, re.S).group(1)
+    names = set(re.findall(r"\bNPT_S_(\w+)\s*=", body)) - {"MAX"}
+    assert names == {s.name for s in loader.Stat}
+    size = int(re.search(r"\bNPT_S_MAX\s*=\s*(\d+)", body).group(1))
+    assert max(loader.Stat) < size

@@ -7,7 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from nptrace import events as ev
-from nptrace.sessions import offline
+from nptrace.sessions.commands import merge_command, replay_command, report_command
+from nptrace.sessions.merge import merge
+from nptrace.sessions.replay import Replay, replay
+from nptrace.sessions.report import report
 from nptrace.classify import Classifier, Context
 from nptrace.reasons import ReasonTable
 from nptrace.sessions.format import SessionWriter, make_header, read_session, session_files
@@ -98,16 +101,16 @@ def test_replay_equals_live_with_names_services_and_rotation(tmp_path):
     assert want[-1]["iface"] == "eth1-renamed"
     problems = []
     got = [verdict_dict(it.verdict, it.header["epoch_offset_ns"])
-           for it in offline.Replay(tmp_path / "a").items()]
+           for it in Replay(tmp_path / "a").items()]
     assert problems == []
     assert roundtrip(got) == roundtrip(want)
-    assert [v.cause for v in offline.replay(tmp_path / "a")] == [d["cause"] for d in want]
+    assert [v.cause for v in replay(tmp_path / "a")] == [d["cause"] for d in want]
 
 
 def test_received_reset_inherits_the_drop_cause_in_replay(tmp_path):
     out = live(tmp_path / "a", scenario_a())
     assert [d["cause"] for d in out[:2]] == ["rp_filter", "rp_filter"]
-    got = [v.cause for v in offline.replay(tmp_path / "a")]
+    got = [v.cause for v in replay(tmp_path / "a")]
     assert got[:2] == ["rp_filter", "rp_filter"]
 
 
@@ -115,7 +118,7 @@ def test_each_daemon_start_is_a_run_of_its_own(tmp_path):
     d = tmp_path / "a"
     live(d, [rp_drop(1_000)])
     live(d, [rst_recv(2_000)])                   # restarted daemon: no memory of the drop
-    causes = [v.cause for v in offline.replay(d)]
+    causes = [v.cause for v in replay(d)]
     assert causes == ["rp_filter", "peer_reset"]
 
 
@@ -125,7 +128,7 @@ def invoke(cmd, args):
 
 def test_replay_command_json_is_the_live_json(tmp_path):
     want = live(tmp_path / "a", scenario_a())
-    r = invoke(offline.replay_command, [tmp_path / "a", "--json"])
+    r = invoke(replay_command, [tmp_path / "a", "--json"])
     assert r.exit_code == 0, r.output
     got = [json.loads(x) for x in r.stdout.splitlines()]
     assert got == roundtrip(want)
@@ -134,7 +137,7 @@ def test_replay_command_json_is_the_live_json(tmp_path):
 
 def test_replay_command_text(tmp_path):
     live(tmp_path / "a", scenario_a())
-    r = invoke(offline.replay_command, [tmp_path / "a"])
+    r = invoke(replay_command, [tmp_path / "a"])
     assert r.exit_code == 0
     assert "rp_filter" in r.stdout and "hint:" in r.stdout and "svc=default/web:http" in r.stdout
     assert "summary" in r.stderr
@@ -144,9 +147,12 @@ def test_replay_torn_tail_prints_good_records_warns_exit_0(tmp_path):
     full = live(tmp_path / "a", scenario_a())
     [f] = session_files(tmp_path / "a")
     # The last record is the final counters snapshot; with no counters fn it is the last
-    # event (an incident of its own). Cut into it.
-    os.truncate(f, f.stat().st_size - 10)
-    r = invoke(offline.replay_command, [f, "--json"])
+    # event (an incident of its own), before the stop record a clean close writes. Cut into it.
+    data = f.read_bytes()
+    _, recs, _ = read_session(f)
+    last = list(recs)[-1].offset
+    os.truncate(f, last + (len(data) - last) // 3)
+    r = invoke(replay_command, [f, "--json"])
     assert r.exit_code == 0
     assert len(r.stdout.splitlines()) == len(full) - 1
     [line] = r.stderr.splitlines()[-1:]
@@ -162,15 +168,15 @@ def test_replay_corrupt_middle_prints_the_rest_and_exits_2(tmp_path):
     data = bytearray(f.read_bytes())
     data[off + 30] ^= 0x55
     f.write_bytes(bytes(data))
-    r = invoke(offline.replay_command, [f, "--json"])
+    r = invoke(replay_command, [f, "--json"])
     assert r.exit_code == 2
     # the corrupt record was the received RST, which joined the first rp_filter incident
     assert len(r.stdout.splitlines()) == 3
     assert "corrupt record at byte" in r.stderr and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("cmd", [offline.replay_command, offline.report_command,
-                                 offline.merge_command])
+@pytest.mark.parametrize("cmd", [replay_command, report_command,
+                                 merge_command])
 def test_not_a_session_is_one_line_exit_2(tmp_path, cmd):
     f = tmp_path / "notes.txt"
     f.write_text("not a session\n")
@@ -190,7 +196,7 @@ def test_replay_via_the_nptrace_entry_point(tmp_path):
     live(tmp_path / "a", scenario_a())
     f = tmp_path / "bad"
     f.write_text("x")
-    group = click.Group(commands={"replay": offline.replay_command})
+    group = click.Group(commands={"replay": replay_command})
     saved = cli.main_group
     cli.main_group = group
     try:
@@ -204,7 +210,7 @@ def test_replay_via_the_nptrace_entry_point(tmp_path):
 def test_replay_writes_pcap(tmp_path):
     live(tmp_path / "a", scenario_a())
     out = tmp_path / "x.pcapng"
-    r = invoke(offline.replay_command, [tmp_path / "a", "--json", "--pcap", out])
+    r = invoke(replay_command, [tmp_path / "a", "--json", "--pcap", out])
     assert r.exit_code == 0
     assert out.read_bytes()[:4] == b"\x0a\x0d\x0d\x0a"
     assert oct(out.stat().st_mode & 0o777) == "0o600"
@@ -214,7 +220,7 @@ def test_report(tmp_path):
     counts = ({(1, 1, 16, 3, HOST_NS): 9, (3, 3, 0, 3, HOST_NS): 2},
               {"emitted": 10, "lost": 1, "filtered": 4})
     live(tmp_path / "a", scenario_a(), counters=lambda: counts)
-    text = offline.report(tmp_path / "a")
+    text = report(tmp_path / "a")
     assert "4 events replayed, 3 labeled" in text
     assert "rp_filter" in text and "default/web:http" in text and "eth1" in text
     assert "top flows" in text and "192.168.2.10:5000 -> 10.0.0.2:30080" in text
@@ -223,13 +229,13 @@ def test_report(tmp_path):
     assert "2023-11-14 22:13" in text and "2023-11-14 22:14" in text
     assert "DROP           skb:kfree_skb            IP_RPFILTER" in text
     assert "1 lost" in text and "WARNING: 1 event records were lost" in text
-    r = invoke(offline.report_command, [tmp_path / "a", "--top", "1"])
+    r = invoke(report_command, [tmp_path / "a", "--top", "1"])
     assert r.exit_code == 0 and "top flows (1 of 3)" in r.stdout
 
 
 def test_report_of_a_quiet_session(tmp_path):
     live(tmp_path / "a", [])
-    text = offline.report(tmp_path / "a")
+    text = report(tmp_path / "a")
     assert "no resets or drops recorded" in text and "kernel counts: none recorded" in text
 
 
@@ -238,7 +244,7 @@ def test_merge_interleaves_nodes_and_joins_the_crossing_flow(tmp_path):
     live(tmp_path / "a", scenario_a(mono0=10 * 10**9), node="node-a", mono0=10 * 10**9)
     live(tmp_path / "b", [pod_no_listener(900 * 10**9 + 61_500_000_000)], node="node-b",
          mono0=900 * 10**9)
-    got = list(offline.merge([tmp_path / "a", tmp_path / "b"]))
+    got = list(merge([tmp_path / "a", tmp_path / "b"]))
     # the first rp_filter drop and the reset the client received are one incident
     assert [m.node for m in got] == ["node-a", "node-a", "node-b", "node-a"]
     times = [m.item.epoch_ns for m in got]
@@ -247,11 +253,11 @@ def test_merge_interleaves_nodes_and_joins_the_crossing_flow(tmp_path):
     assert story[ev.EvType.RST_SENT] == story[ev.EvType.WIRE_RST]        # one connection
     assert got[0].story != got[1].story != story[ev.EvType.RST_SENT]
 
-    r = invoke(offline.merge_command, [tmp_path / "a", tmp_path / "b"])
+    r = invoke(merge_command, [tmp_path / "a", tmp_path / "b"])
     assert r.exit_code == 0, r.output
     assert "stories across nodes (1)" in r.stdout
     assert "node-b -> node-a" in r.stdout and "no_listener" in r.stdout
-    r = invoke(offline.merge_command, [tmp_path / "a", tmp_path / "b", "--json"])
+    r = invoke(merge_command, [tmp_path / "a", tmp_path / "b", "--json"])
     rows = [json.loads(x) for x in r.stdout.splitlines()]
     assert {x["node"] for x in rows} == {"node-a", "node-b"}
     assert rows[2]["story"] == rows[3]["story"] and rows[2]["cause"] == "no_listener"
@@ -259,28 +265,28 @@ def test_merge_interleaves_nodes_and_joins_the_crossing_flow(tmp_path):
 
 def test_merge_window_keeps_reused_tuples_apart(tmp_path):
     live(tmp_path / "a", [rp_drop(0), rp_drop(100 * 10**9)])
-    got = list(offline.merge([tmp_path / "a"], window_s=30))
+    got = list(merge([tmp_path / "a"], window_s=30))
     assert got[0].story != got[1].story
-    got = list(offline.merge([tmp_path / "a"], window_s=1000))
+    got = list(merge([tmp_path / "a"], window_s=1000))
     assert got[0].story == got[1].story
 
 
 def test_replay_collapse_sums_to_every_incident(tmp_path):
     raws = [rp_drop(1_000_000 + i * 1000, sport=7000 + i) for i in range(50)]
     want = live(tmp_path / "a", raws)
-    r = invoke(offline.replay_command, [tmp_path / "a", "--json", "--collapse", "5"])
+    r = invoke(replay_command, [tmp_path / "a", "--json", "--collapse", "5"])
     assert r.exit_code == 0, r.output
     got = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(got) < len(want) and sum(d["repeat"] for d in got) == len(want)
     assert sum(d["events"] for d in got) == sum(d["events"] for d in want)
     assert any(d["repeat"] > 1 and "repeat_since" in d for d in got)
-    plain = invoke(offline.replay_command, [tmp_path / "a", "--json"])
+    plain = invoke(replay_command, [tmp_path / "a", "--json"])
     assert len(plain.stdout.splitlines()) == len(want)           # --json: off by default
-    text = invoke(offline.replay_command, [tmp_path / "a"])        # console: on by default
+    text = invoke(replay_command, [tmp_path / "a"])        # console: on by default
     assert "more rp_filter like this" in text.stdout
 
 
 def test_storm_collapse_defaults():
-    from nptrace.cli import storm_collapse
+    from nptrace.sinks.collapse import storm_collapse
     assert storm_collapse(None, True) is None and storm_collapse(0, False) is None
     assert storm_collapse(None, False).burst == 20 and storm_collapse(5, True).burst == 5

@@ -86,12 +86,43 @@ def test_modes_file_0600_created_dir_0700(tmp_path):
     assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
-def test_existing_directory_mode_is_left_alone(tmp_path):
+def test_existing_directory_of_ours_is_tightened_to_0700(tmp_path):
+    """Issue 18 item 5 changed this contract (it was: left alone). A 0755 directory of ours,
+    as the kubelet creates a hostPath, is tightened; a shared one (/tmp) is refused."""
     tmp_path.chmod(0o755)
     w = writer(tmp_path)
     w.close()
-    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in S.session_files(tmp_path))
+
+
+def test_shared_directory_is_refused_not_chmodded(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(S.SessionError, match="shared directory"):
+        writer(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert os.listdir(shared) == []
+
+
+def test_directory_that_is_a_link_is_refused(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(S.SessionError, match="symbolic link"):
+        writer(tmp_path / "link")
+    assert os.listdir(tmp_path / "real") == []
+
+
+def _stop_len(f) -> int:
+    """Bytes of the stop record a clean close ends a file with."""
+    data = f.read_bytes()
+    off = 0
+    while True:
+        n = S.FRAME.size + S.FRAME.unpack_from(data, off)[1]
+        if off + n == len(data):
+            return n
+        off += n
 
 
 def _one_file(d):
@@ -106,7 +137,7 @@ def test_torn_tail_loses_only_the_last_record(tmp_path, cut):
         w.write_event(raw(i))
     w.close()
     f = _one_file(tmp_path)
-    size = f.stat().st_size
+    size = f.stat().st_size - _stop_len(f)    # cut into the last event, behind the stop
     os.truncate(f, size - cut)
     _, recs, problems = records(f)
     assert [r.data["raw"] for r in recs] == [raw(i) for i in range(4)]

@@ -1,0 +1,210 @@
+"""The rules: one function per cause (or a family of causes decided on one lookup), each
+with its hint. A rule is (event, reason name, earlier events of the flow, ctx) -> (cause,
+confidence, hint) or None; RULES is ordered and the first match names the event's own label.
+
+Pure: what a rule knows about the node comes through the Context's lookups. The netfilter causes
+take one services query (Context.nf_rule, live nptrace.services.nf_rule on the namespace's
+Service map) and are decided here from the tag it answers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from nptrace.events import Event, F_ENCAP, F_HAS_SOCK, TCP_ACK, TCP_SYN
+
+from .verdict import (APP_RESETS, D_INGRESS, T_ASYM_IFACE, T_ASYM_SRC, T_DROP, T_ICMP,
+                      T_RST_RECV, T_RST_SENT, T_WIRE_ICMP, T_WIRE_RST, Context)
+
+Rule = Callable[[Event, str, list, Context], "tuple[str, float, str] | None"]
+UNKNOWN_HINT = "no rule explains this event; the evidence lists what the kernel showed"
+
+
+def applies_to(*types: int):
+    """Declare the event types a rule can match: the classifier then skips it for the others
+    (eight Python calls per record add up in a storm). A rule without it sees every event."""
+    def mark(rule):
+        rule.event_types = frozenset(int(t) for t in types)
+        return rule
+    return mark
+
+
+def rules_for(t: int) -> list:
+    return [r for r in RULES if t in getattr(r, "event_types", (t,))]
+
+
+SYNACK = TCP_SYN | TCP_ACK
+
+
+def _is_nf_reject(ev: Event, rname: str) -> bool:
+    return (ev.type == T_DROP and rname == "NETFILTER_DROP") or \
+        (ev.type in (T_ICMP, T_WIRE_ICMP) and ev.reason >> 8 == 3
+         and ev.reason & 0xff in (3, 9, 10, 13))
+
+
+def _orig_dst(ev: Event) -> tuple[str, int]:
+    if ev.ct is not None and ev.ct.dnat:
+        return ev.ct.orig_dst, ev.ct.orig_dport
+    return ev.daddr, ev.dport
+
+
+@applies_to(T_DROP)
+def rule_rp_filter(ev, rname, history, ctx):
+    if ev.type == T_DROP and rname == "IP_RPFILTER":
+        # an encapsulated packet is checked on its outer source (the sending node's VTEP)
+        src = ev.outer_saddr if ev.flags & F_ENCAP and ev.outer_saddr else ev.saddr
+        back = ctx.route_iface(ev.netns, src)
+        via = f" while the route back to {src} leaves by {back}" if back else ""
+        what = f"a VXLAN packet from {src} (inner {{saddr}})" if src != ev.saddr else "a packet from {saddr}"
+        return ("rp_filter", 0.95,
+                f"strict reverse-path filter dropped {what} arriving on {{iface}}"
+                + via + ": use loose mode (sysctl -w net.ipv4.conf.all.rp_filter=2 and "
+                "net.ipv4.conf.<iface>.rp_filter=2 for {iface}) or route replies back the way "
+                "requests came")
+    return None
+
+
+@applies_to(T_ASYM_SRC, T_RST_SENT, T_DROP)
+def rule_unexpected_reply(ev, rname, history, ctx):
+    """A SYN-ACK its receiver never asked for: the reply left with the pod's own source."""
+    if ev.type == T_ASYM_SRC:
+        return ("snat", 0.85,
+                "the reply from {saddr}:{sport} leaves without being translated back to the "
+                "address the client connected to: masquerade the forwarded traffic "
+                "(externalTrafficPolicy: Cluster) or keep replies on the node that DNATed them "
+                "(externalTrafficPolicy: Local)")
+    if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
+            and ev.answered_flags & SYNACK == SYNACK:
+        peer = (ev.daddr, ev.dport) if ev.type == T_RST_SENT else (ev.saddr, ev.sport)
+        return ("snat", 0.9,
+                f"{peer[0]}:{peer[1]} answered a connection the client made to another address: "
+                "the reply was not un-NATed (it left by another node or path than the DNAT); "
+                "the client reset it. Masquerade forwarded NodePort traffic "
+                "(externalTrafficPolicy: Cluster with KUBE-POSTROUTING MASQUERADE) or use "
+                "externalTrafficPolicy: Local, or the PROXY protocol to keep the client address")
+    return None
+
+
+@applies_to(T_ASYM_IFACE)
+def rule_wrong_iface(ev, rname, history, ctx):
+    if ev.type != T_ASYM_IFACE:
+        return None
+    back = ctx.iface_name(ev.netns, ev.in_ifindex) or f"ifindex {ev.in_ifindex}"
+    if ctx.endpoint_of(ev.saddr, ev.sport):
+        # The reply comes from a pod's own address: nothing un-DNATs it here, so the request
+        # was DNATed on another node and forwarded without masquerade.
+        return ("snat", 0.85,
+                f"the pod {{saddr}}:{{sport}} answers a client whose request arrived on {back} "
+                "(from another node, not masqueraded) and its reply leaves by {iface} with the "
+                "pod's own address: the client never connected to it and resets or drops it. "
+                "Masquerade forwarded NodePort traffic (KUBE-POSTROUTING MASQUERADE, "
+                "externalTrafficPolicy: Cluster) or use externalTrafficPolicy: Local")
+    return ("wrong_iface", 0.85,
+            f"the request came in on {back} but the reply leaves by {{iface}}: a stateful "
+            "middlebox or the peer on the other path will drop or reset it. Add policy "
+            "routing (ip rule from <secondary address> table N) so replies leave by the "
+            "interface the request came in on")
+
+
+TAG_CAUSES = {
+    "no_local_endpoint": ("no_local_endpoint", 0.95,
+                          "{service} has externalTrafficPolicy: Local and no ready endpoint on "
+                          "this node, so kube-proxy drops NodePort traffic here ({rule}). Let the "
+                          "load balancer use the Service's healthCheckNodePort so it skips this "
+                          "node, run the backend on every node (DaemonSet), or use "
+                          "externalTrafficPolicy: Cluster"),
+    "no_endpoints": ("no_endpoints", 0.95,
+                     "{service} has no ready endpoints: kube-proxy rejects with ICMP port "
+                     "unreachable ({rule}); the client sees connection refused. Check the "
+                     "Deployment's replicas and readiness probes (kubectl get endpointslices)"),
+    "lb_source_range": ("policy_drop", 0.85,
+                        "{saddr} is outside {service}'s loadBalancerSourceRanges ({rule}): add "
+                        "the client range to spec.loadBalancerSourceRanges"),
+    "conntrack_invalid": ("conntrack_invalid", 0.85,
+                          "conntrack marked a mid-connection packet INVALID (out of window, or "
+                          "its connection was already forgotten) and {rule} dropped it. Look for "
+                          "asymmetric paths, conntrack timeouts shorter than the app's idle time "
+                          "and table pressure; net.netfilter.nf_conntrack_tcp_be_liberal=1 makes "
+                          "conntrack accept such packets"),
+}
+
+
+@applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
+def rule_netfilter(ev, rname, history, ctx):
+    if not _is_nf_reject(ev, rname):
+        return None
+    odst, oport = _orig_dst(ev)
+    got = ctx.nf_rule(ev.netns, ev.saddr, ev.daddr, ev.dport, odst, oport,
+                      bool(ev.tcpflags & TCP_SYN), ev.ct is not None)
+    if got is None:
+        return ("netfilter_reject", 0.5,
+                "a netfilter rule dropped or rejected this packet; the rule could not be named "
+                "(no readable ruleset for this namespace): run `iptables-save -c` / "
+                "`nft list ruleset` in the namespace")
+    tag = got.get("tag")
+    rule = f"{got.get('where')}: `{got.get('text')}`"
+    if got.get("source"):
+        # nftrace_live: whether nf_tables tracing saw this rule drop the flow, or why not
+        rule += (", seen by nft trace" if got["source"] == "nft trace"
+                 else f", named from the ruleset; {got.get('note') or 'not traced'}")
+    if tag in TAG_CAUSES:
+        cause, conf, hint = TAG_CAUSES[tag]
+        return (cause, conf, hint.replace("{rule}", rule)
+                .replace("{service}", got.get("service") or "{service}"))
+    if tag == "other" and got.get("to_pod"):
+        return ("policy_drop", 0.85,
+                f"a netfilter rule dropped traffic from {{saddr}} to the pod {{daddr}}:{{port}} "
+                f"({rule}). If it is a NetworkPolicy, add an ingress rule with ipBlock "
+                f"{ev.saddr}/32 (or the client range) for port {ev.dport}")
+    if tag == "other":
+        return ("netfilter_reject", 0.75, f"netfilter dropped or rejected the packet at {rule}")
+    return ("netfilter_reject", 0.5,
+            "netfilter dropped or rejected this packet but no rule in the namespace's ruleset "
+            "matches it as far as nptrace evaluates rules, so the rule cannot be known from the "
+            "ruleset" + (f"; {got['note']}" if got.get("note") else
+                         ": trace it with `nft monitor trace` / `iptables -j TRACE`"))
+
+
+@applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
+def rule_stale_endpoint(ev, rname, history, ctx):
+    """DNAT to an address nobody answers for: the endpoint is gone, the rules are not."""
+    gone = (ev.type == T_DROP and rname in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")) \
+        or (ev.type in (T_ICMP, T_WIRE_ICMP) and ev.reason in (3 << 8 | 1, 3 << 8 | 0))
+    if gone and (ev.ct is not None and ev.ct.dnat or ctx.service_of(ev.daddr, ev.dport)):
+        return ("proxy", 0.8,
+                "the service proxy DNATs to {daddr}:{port}, which no longer exists on the "
+                "network: kube-proxy's rules are stale (endpoint deleted, sync failed or lagging). "
+                "Check kube-proxy's logs and sync metrics, and the EndpointSlice of {service}")
+    return None
+
+
+@applies_to(T_RST_SENT, T_DROP)
+def rule_no_listener(ev, rname, history, ctx):
+    if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
+            and ev.answered_flags & (TCP_SYN | TCP_ACK) == TCP_SYN:
+        host, port = (ev.saddr, ev.sport) if ev.type == T_RST_SENT else (ev.daddr, ev.dport)
+        return ("no_listener", 0.9,
+                f"nothing listens on {host}:{port}: compare {{service}}'s targetPort with the "
+                "port the container really listens on (ss -ltn in the pod)")
+    return None
+
+
+@applies_to(T_RST_SENT)
+def rule_app_reset(ev, rname, history, ctx):
+    if ev.type == T_RST_SENT and ev.flags & F_HAS_SOCK and rname in APP_RESETS:
+        return ("app_reset", 0.8,
+                "the application on {saddr}:{sport} aborted the connection itself (close with "
+                "unread data or SO_LINGER 0): not a network fault; look at the app's logs")
+    return None
+
+
+@applies_to(T_RST_RECV, T_WIRE_RST)
+def rule_peer_reset(ev, rname, history, ctx):
+    if ev.type == T_RST_RECV or (ev.type == T_WIRE_RST and ev.dir == D_INGRESS):
+        return ("peer_reset", 0.5,
+                "{saddr}:{sport} reset the connection and no local cause was seen on this node")
+    return None
+
+
+RULES: list[Rule] = [rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
+                     rule_netfilter, rule_stale_endpoint,
+                     rule_no_listener, rule_app_reset, rule_peer_reset]

@@ -1,0 +1,260 @@
+"""What `nptrace run` compiles and attaches on this kernel, and the doing of it.
+
+plan(features, cfg) is pure: from features.probe() and the hook table (kernel/hooks.py) it
+decides which tracepoints are compiled in, whether the kprobe enrichment, the tc programs and
+the netfilter-hook program are on, with one line per choice. `nptrace run` (tracer.py) logs
+those lines once and attaches what the plan says; `nptrace doctor` prints its hook rows from
+the same plan and `nptrace dump-bpf` prints the same cflags, so the three cannot disagree.
+
+The rest compiles (through loader.py, the only bcc importer), attaches and falls back at run
+time, where only a real load tells: tc programs the verifier refuses are rebuilt without kernel
+sk_buff reads, a netfilter program the kernel refuses is skipped, kprobe groups try their
+alternatives. An optional hook that cannot run is logged and skipped; a required one stops
+the run before the slow compile (Plan.require).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from nptrace.config import Config
+from nptrace.errors import FeatureMissing, LoadError
+from nptrace.kernel import hooks, loader
+
+__all__ = ["Choice", "Plan", "all_cflags", "attach_kprobes", "attach_netfilter", "attach_tc",
+           "load", "nf_cflags", "nf_namespaces", "plan", "tc_cflags"]
+
+Log = Callable[[str], None]
+
+NF_HOOK = hooks.by_name("netfilter:post_routing")
+TC_HOOKS = tuple(h for h in hooks.HOOKS if h.kind == "tc")
+KPROBE_HOOKS = tuple(h for h in hooks.HOOKS if h.kind == "kprobe")
+
+
+@dataclass(frozen=True)
+class Choice:
+    hook: str       # a hook name, or several of one kind ("tc:ingress, tc:egress")
+    row: str        # the features row it was decided from
+    on: bool
+    why: str
+
+    @property
+    def line(self) -> str:
+        return f"{self.hook}: {'on' if self.on else 'off'} ({self.why})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: Config                      # effective: kprobes set where the kernel has them
+    tracepoints: frozenset[str]      # "cat/name" compiled in
+    kprobes: bool
+    tc: bool
+    nf_hook: bool
+    choices: tuple[Choice, ...]
+    missing: tuple[tuple[hooks.Hook, str], ...] = ()   # required hooks that cannot run, why
+
+    def require(self) -> None:
+        """FeatureMissing for a required hook this kernel lacks (before the slow compile)."""
+        for h, why in self.missing:
+            raise FeatureMissing(f"{h.kind} {h.name}", h.min_kernel, why)
+
+    def lines(self) -> list[str]:
+        return [c.line for c in self.choices]
+
+    def decision(self, row: str) -> str:
+        """What `run` does about a features hook row, as doctor shows it ("" for a field row)."""
+        said = [c for c in self.choices if c.row == row]
+        parts = []
+        for c in said:
+            state = "on" if c.on else (c.why if c.why.startswith("only ") else "off")
+            parts.append(f"run: {state}" if c.hook == row else f"run: {c.hook} {state}")
+        return "; ".join(parts)
+
+    def detail(self, result) -> str:
+        """A features ProbeResult's detail with the plan's decision after it (doctor)."""
+        d = self.decision(result.name)
+        return f"{result.detail}; {d}" if result.detail and d else (result.detail or d)
+
+
+def _result(features, name: str):
+    try:
+        return features.result(name)
+    except KeyError:
+        return None
+
+
+def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
+    """Which hooks to compile and attach. `assume_unknown`: hooks whose presence cannot be
+    told (tracefs not readable: not root) count as present (dump-bpf without root)."""
+    choices: list[Choice] = []
+    missing: list[tuple[hooks.Hook, str]] = []
+    tracefs = features.tracefs is not None
+    tps: set[str] = set()
+    for h in hooks.HOOKS:
+        if h.kind != "tracepoint":
+            continue
+        r = _result(features, h.probe)
+        tp = h.tracepoint
+        wanted = cfg.tracepoints is None or tp in cfg.tracepoints
+        present = features.tracepoints.get(tp, False) if tracefs else (True if assume_unknown else None)
+        if not wanted:
+            choices.append(Choice(h.name, h.probe, False, "not asked for"))
+            continue
+        if present:
+            tps.add(tp)
+            choices.append(Choice(h.name, h.probe, True, f"{h.bpf_file}, -D{h.gate}=1"))
+            continue
+        why = (r.detail if r is not None and r.detail else "absent") if present is False \
+            else "cannot tell: tracefs not readable"
+        if h.required:
+            missing.append((h, why))
+            choices.append(Choice(h.name, h.probe, False, f"{why}; required, fallback: "
+                                                         f"{h.fallback}"))
+        else:
+            choices.append(Choice(h.name, h.probe, False, f"{why}; lost: {h.cost}"))
+
+    # kprobe enrichment: wherever the kernel has kprobes (or the config asks for it)
+    kp = _result(features, "kprobes")
+    kprobes = bool(cfg.kprobes or (kp is not None and kp.present))
+    if kprobes:
+        groups = ", ".join(h.group for h in KPROBE_HOOKS)
+        choices.append(Choice("kprobe:*", "kprobes", True, f"kprobes.bpf.c, -DNPT_WITH_KPROBES=1; "
+                                                           f"groups {groups}"))
+    else:
+        choices.append(Choice("kprobe:*", "kprobes", False,
+                              kp.detail if kp is not None and kp.detail else "no kprobes"))
+
+    # tc: only for --iface; tcx links or clsact filters are tc.py's choice at attach time
+    tc_names = "tc:" + "/".join(h.name.split(":", 1)[1] for h in TC_HOOKS)   # tc:ingress/egress
+    tc = bool(cfg.ifaces)
+    if tc:
+        tcx = _result(features, "tcx")
+        mode = cfg.tc_mode
+        if mode == "auto":
+            mode += ": tcx links" if tcx is not None and tcx.present else ": clsact filters"
+        choices.append(Choice(tc_names, "tc clsact", True,
+                              f"--iface {', '.join(map(str, cfg.ifaces))}; tc mode {mode}"))
+    else:
+        choices.append(Choice(tc_names, "tc clsact", False, "only with --iface"))
+
+    # the netfilter-hook view of NATed SYNs (Linux 6.4+)
+    nf = _result(features, NF_HOOK.probe)
+    if not cfg.nf_hook:
+        nf_hook, why = False, "turned off in the configuration"
+    elif nf is not None and nf.present is False:
+        nf_hook, why = False, f"{nf.detail or 'absent'}; fallback: {NF_HOOK.fallback}"
+    else:
+        nf_hook, why = True, f"{NF_HOOK.bpf_file}, linked at ipv4 POST_ROUTING@101 in " + \
+            ", ".join(ns or "the host namespace" for ns in nf_namespaces(cfg))
+    choices.append(Choice(NF_HOOK.name, NF_HOOK.probe, nf_hook, why))
+
+    eff = dataclasses.replace(cfg, kprobes=True) if kprobes and not cfg.kprobes else cfg
+    return Plan(eff, frozenset(tps), kprobes, tc, nf_hook, tuple(choices), tuple(missing))
+
+
+# --- compile ---------------------------------------------------------------------------------
+def nf_namespaces(cfg: Config) -> list[str | None]:
+    """Where NAT happens: the namespaces of the watched interfaces, else the host."""
+    spaces = {s.netns for s in cfg.ifaces}
+    return sorted(spaces, key=lambda n: n or "") or [None]
+
+
+def _nf_points():
+    from nptrace.kernel import nfhook
+    return (nfhook.AFTER_SNAT,)    # just after SNAT, where both NAT tuples are final
+
+
+def nf_cflags(p: Plan, kbtf, log: Log) -> list[str]:
+    """-D switches of the netfilter-hook program, [] when the plan has it off or BTF lacks
+    what it reads (then it is off, said once)."""
+    if not p.nf_hook:
+        return []
+    from nptrace.kernel import nfhook
+    try:
+        return nfhook.cflags(kbtf, points=_nf_points())
+    except Exception as e:
+        log(f"netfilter-hook view off: {e}")
+        return []
+
+
+def tc_cflags(p: Plan, kskb: bool = True) -> list[str]:
+    if not p.tc:
+        return []
+    try:
+        from nptrace.kernel.tc import tc_cflags as flags
+    except ImportError:
+        return []
+    out = flags(p.cfg)
+    if not kskb:
+        out = [f for f in out if not f.startswith("-DNPT_TC_KSKB=")] + ["-DNPT_TC_KSKB=0"]
+    return out
+
+
+def all_cflags(p: Plan, kernel_flags: list[str]) -> list[str]:
+    """Every cflag of the one bcc object (`nptrace dump-bpf` prints these). kernel_flags: BTF
+    offsets (offsets.cflags) and nf_cflags."""
+    return loader.all_cflags(p.cfg, p.tracepoints, kernel_flags + tc_cflags(p))
+
+
+def load(p: Plan, kernel_flags: list[str], drops, *, kskb: bool = True) -> loader.Probes:
+    """Compile and load the planned programs into one bcc object."""
+    return loader.Probes(p.cfg, kernel_flags + tc_cflags(p, kskb), drops, p.tracepoints)
+
+
+# --- attach, fall back -----------------------------------------------------------------------
+def attach_tc(p: Plan, probes, kernel_flags: list[str], drops, log: Log):
+    """(probes, tc attachments). Where the verifier refuses the tc programs, rebuild without
+    kernel sk_buff reads and try once more; the first probes are closed then."""
+    from nptrace.kernel import tc
+    try:
+        return probes, tc.attach(probes, p.cfg)
+    except LoadError as e:
+        # Reading the kernel sk_buff behind a tc context (netns, conntrack) needs
+        # CAP_PERFMON's probe_read in tc programs; where the verifier refuses it,
+        # fall back to the attach-time netns map and no conntrack on tc events.
+        log(f"tc programs refused ({e}); retrying without kernel sk_buff reads "
+            "(tc events carry no conntrack tuples)")
+        probes.close()
+    probes = load(p, kernel_flags, drops, kskb=False)
+    try:
+        return probes, tc.attach(probes, p.cfg)
+    except BaseException:
+        probes.close()
+        raise
+
+
+def attach_netfilter(p: Plan, probes, log: Log):
+    """Link the netfilter-hook program in every NAT namespace; its NfHookLinks, or None."""
+    if not any(f.startswith("-DNPT_WITH_NF_HOOK=1") for f in probes.cflags):
+        return None
+    from nptrace.kernel import nfhook
+    links = None
+    try:
+        fd = loader.load_netfilter_prog(probes.bpf)
+        links = nfhook.NfHookLinks(fd)
+        for ns in nf_namespaces(p.cfg):
+            links.attach(ns, points=_nf_points())
+        probes.attached.append("netfilter:post_routing@101")
+        return links
+    except Exception as e:
+        # Linux < 6.4 or CONFIG_NETFILTER_BPF_LINK off: NAT tuples still come from
+        # conntrack at the tracepoints and tc egress, only later in a flow.
+        log(f"netfilter-hook view not attached ({str(e).splitlines()[0]}): NAT "
+            "tuples come from tracepoints and tc egress only")
+        if links is not None:
+            links.close()
+        return None
+
+
+def attach_kprobes(p: Plan, probes, log: Log) -> None:
+    """Attach the enrichment kprobe groups the plan has on; a group none of whose
+    alternatives attaches is logged and skipped."""
+    if not p.cfg.kprobes:
+        return
+    got = loader.attach_kprobes(probes.bpf)
+    for group, what in got.items():
+        if what.startswith("skipped"):
+            log(f"kprobe {group} {what}")
+        else:
+            probes.attached.append(f"kprobe:{what}")

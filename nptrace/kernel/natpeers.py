@@ -1,0 +1,80 @@
+"""The NAT map's layout and hash, mirrored from bpf/nptrace_events.h (struct npt_nat_key,
+struct npt_nat_slot) and bpf/npt_common.h (npt_nat_set).
+
+The netfilter-hook program (bpf/nf_hook.bpf.c) writes both tuples of every NATed connection
+into `nat_peers`, a 2-way set-associative array that user space maps read-only
+(loader.Probes.nat_peer): a lookup is a hash, two slice compares and no syscall.
+tests/unit/test_layout.py checks NatKey/NatSlot against the header with clang;
+tests/unit/test_nat_slots.py the hash; tests/privileged/test_nat_tuples.py that user space
+finds the slot the kernel wrote.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import socket
+import struct
+from functools import lru_cache
+
+from nptrace import events as ev
+
+__all__ = ["LAYOUTS", "NAT_KEY", "NAT_SLOT", "NatKey", "NatSlot", "find", "nat_key", "nat_set"]
+
+
+class NatKey(ct.Structure):
+    """struct npt_nat_key: one side's tuple in its packet direction, ports host order."""
+    _fields_ = [
+        ("src", ct.c_uint8 * 16),
+        ("dst", ct.c_uint8 * 16),
+        ("sport", ct.c_uint16),
+        ("dport", ct.c_uint16),
+    ]
+
+
+class NatSlot(ct.Structure):
+    """struct npt_nat_slot: a key, the other side's tuple, when it was written (8-aligned)."""
+    _fields_ = [
+        ("key", NatKey),
+        ("peer", NatKey),
+        ("ns", ct.c_uint64),
+    ]
+
+
+LAYOUTS = {"npt_nat_key": NatKey, "npt_nat_slot": NatSlot}
+
+# The same key as one struct.pack: packing a key per lookup is the hot part, and a Struct is
+# several times cheaper than filling a ctypes object. test_layout checks the sizes agree.
+NAT_KEY = struct.Struct("=16s16sHH")
+NAT_SLOT = ct.sizeof(NatSlot)            # 80
+_NAT_WORDS = struct.Struct(f"={NAT_KEY.size // 4}I")    # npt_nat_set hashes 9 u32 words
+
+
+@lru_cache(maxsize=4096)
+def _addr16(addr: str) -> bytes:
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    return socket.inet_pton(fam, addr).ljust(16, b"\0")
+
+
+def nat_key(saddr: str, sport: int, daddr: str, dport: int) -> bytes:
+    return NAT_KEY.pack(_addr16(saddr), _addr16(daddr), sport, dport)
+
+
+def nat_set(key: bytes, slots: int, ways: int = 2) -> int:
+    """First slot of a key's set in nat_peers: npt_nat_set() in bpf/npt_common.h, exactly."""
+    h = 0
+    for w in _NAT_WORDS.unpack(key):
+        h = ((h ^ w) * 0x9E3779B1) & 0xFFFFFFFF
+    h ^= h >> 16
+    return (h % (slots // ways)) * ways
+
+
+def find(mem, size: int, saddr: str, sport: int, daddr: str, dport: int):
+    """The other side of a NATed connection from the slots in `mem` (`size` of them), as
+    (src, sport, dst, dport) in that side's packet direction, or None."""
+    key = nat_key(saddr, sport, daddr, dport)
+    off = nat_set(key, size) * NAT_SLOT
+    for o in (off, off + NAT_SLOT):     # the set's two ways
+        if mem[o:o + NAT_KEY.size] == key:
+            src, dst, sp, dp = NAT_KEY.unpack_from(mem, o + NAT_KEY.size)
+            fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
+            return (ev.ntop(fam, src), sp, ev.ntop(fam, dst), dp)
+    return None

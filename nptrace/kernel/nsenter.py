@@ -1,0 +1,70 @@
+"""Entering network namespaces: the nsfs file of a namespace name, and running a function in
+another namespace from a short-lived thread (setns(2) moves only the calling thread). tc, tcx,
+netfilter links and the node's netlink readers all work this way."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+_CLONE_NEWNET = 0x40000000
+
+RUN_NETNS = Path("/run/netns")
+
+
+def path_of(netns: str | None) -> str | None:
+    """The nsfs file of a --iface namespace: a name under /run/netns, or a path as given
+    (/proc/PID/ns/net, a CNI's /var/run/netns/cni-...); None (this namespace) stays None."""
+    if netns is None or "/" in netns:
+        return netns
+    return str(RUN_NETNS / netns)
+
+
+def inode_of(path: str | os.PathLike) -> int:
+    return os.stat(path).st_ino
+
+
+def host_inode() -> int:
+    return inode_of("/proc/1/ns/net")
+
+
+def setns_fd(fd: int) -> None:
+    """Move the calling thread into the network namespace open at fd."""
+    if hasattr(os, "setns"):  # Python 3.12+
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def run_in(path: str | None, fn, name: str = "npt-netns"):
+    """fn() run in the namespace at `path` (an nsfs file) by a short-lived thread: setns moves
+    only the calling thread (and needs CAP_SYS_ADMIN). None: here. OSError when the namespace
+    cannot be entered."""
+    if path is None:
+        return fn()
+    result: list = []
+
+    def worker() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                setns_fd(fd)
+            finally:
+                os.close(fd)
+            result.append((True, fn()))
+        except OSError as e:
+            result.append((False, e))
+
+    t = threading.Thread(target=worker, name=name, daemon=True)
+    t.start()
+    t.join(5.0)
+    if not result:
+        raise OSError(0, f"timed out entering the network namespace at {path}")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value

@@ -1,0 +1,105 @@
+"""Trace a lab scenario with the real `nptrace run --json` and pick out the incidents about
+the scenario's own connections: what `make demo`, the scorecard and the end-to-end tests share.
+
+A flow belongs to a scenario's trigger when one of its ports is a client port of an attempt
+(masquerade keeps the client's port; ephemeral ports are unique within one run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _nptrace_cmd() -> list[str]:
+    return [sys.executable, "-m", "nptrace.cli"]
+
+
+def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: Path | None = None) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            return
+        if proc.poll() is not None:
+            why = stderr.read_text().strip().splitlines()[-1:] if stderr else []
+            raise RuntimeError(f"nptrace run exited early with code {proc.returncode}"
+                               + (f": {why[0]}" if why else ""))
+        time.sleep(0.05)
+    raise RuntimeError("nptrace run did not attach in time")
+
+
+def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
+                   prefix: str | None = None, settle: float = 1.0, watch: bool = True,
+                   inode_sink: dict | None = None, variant: str | None = None,
+                   rounds: int = 1, pause: float = 1.5):
+    """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down.
+    Returns (lab info, attempts, JSON events, stderr)."""
+    from nptrace import lab
+    info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
+    if inode_sink is not None:   # netns inodes exist only while the lab is up
+        for ns in info.namespaces.values():
+            inode_sink[ns] = os.stat(f"/run/netns/{ns}").st_ino
+    try:
+        with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
+            ready = Path(tmp) / "ready"
+            out = Path(tmp) / "events.json"
+            err = Path(tmp) / "stderr"
+            ifaces = []
+            for w in (info.watch if watch else ()):
+                ifaces += ["--iface", w]
+            with open(out, "w") as fo, open(err, "w") as fe:
+                proc = subprocess.Popen(_nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
+                                                          *ifaces, *extra_args],
+                                        stdout=fo, stderr=fe)
+                try:
+                    wait_ready(ready, proc, stderr=err)
+                    attempts = lab.trigger(name, count=count, prefix=prefix)
+                    for _ in range(rounds - 1):
+                        time.sleep(pause)
+                        attempts += lab.trigger(name, count=count, prefix=prefix)
+                    time.sleep(settle)   # let the last records reach user space
+                finally:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+            events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
+            return info, attempts, events, err.read_text()
+    finally:
+        lab.down(name, prefix=prefix)
+
+
+def _ports_of(detail: str) -> set[int]:
+    out = set()
+    for part in detail.replace("(", " ").replace(")", " ").split():
+        host, sep, port = part.rpartition(":")
+        if sep and port.isdigit():
+            out.add(int(port))
+    return out
+
+
+def scenario_events(attempts, events, netns: set | None = None) -> list[dict]:
+    """Incidents about the trigger's connections: a client port appears in the incident's own
+    tuple, its conntrack entry or any of its evidence (masquerade may pick another port on the
+    pod side, the client side keeps it); with `netns` (the lab's namespace inodes), only
+    incidents whose primary event happened there (other traffic on the machine may reuse a
+    port)."""
+    ports = {a.sport for a in attempts}
+
+    def mine(e):
+        if netns is not None and e.get("netns") not in netns:
+            return False
+        if e["sport"] in ports or e["dport"] in ports:
+            return True
+        if e.get("conntrack") and e["conntrack"]["orig"][1] in ports:
+            return True
+        return any(_ports_of(x.get("detail", "")) & ports for x in e.get("evidence", ()))
+    return [e for e in events if mine(e)]

@@ -1,0 +1,43 @@
+"""The one netfilter question the classifier asks: which rule dropped or rejected this packet,
+and what kind of drop is it (its cause tag)?
+
+``nf_cause`` is pure over a ServiceMap and answers plain data, so a recording keeps the answer
+and a replay needs no rules: None is for "no ruleset" and is the caller's to say (the map is
+None); ``{"tag": None}`` when the ruleset has no rule for the packet; else ``{"tag", "where",
+"text", "service", "to_pod"}``. Tags are ``model.REASONS``; classify/rules.py turns a tag into a
+cause and its hint, and nothing else decides a netfilter cause.
+"""
+
+from __future__ import annotations
+
+from .servicemap import ServiceMap
+
+
+def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, oport: int,
+             syn: bool, has_ct: bool) -> dict:
+    """The rule behind a drop or reject of saddr -> daddr:dport, whose connection was made to
+    odst:oport (the address before DNAT, else daddr:dport). `syn`: the packet opens a
+    connection; `has_ct`: it carried a conntrack entry.
+
+    Order: kube-proxy's own verdict for the address the client used (no endpoints, no local
+    endpoint, source ranges); a mid-connection packet without conntrack against the
+    conntrack-INVALID drop; then the firewall rules that match the packet, "other" (not
+    kube-proxy's) first. `to_pod`: the packet was headed to a Service's endpoint."""
+    def out(r, tag=None, to_pod=False):
+        return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
+                "service": r.service, "to_pod": to_pod}
+    for r in smap.verdict_rules(odst, oport, include_invalid=False):
+        if r.reason != "other":
+            return out(r)
+    if not syn and not has_ct:
+        # conntrack clears skb->_nfct for a packet it deems INVALID
+        for r in smap.verdict_rules(daddr, dport):
+            if r.reason == "conntrack_invalid":
+                return out(r)
+    rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate="NEW" if syn else None)
+    rules = [r for r in rules if r.reason == "other"] or rules
+    if not rules:
+        return {"tag": None}
+    ep = smap.lookup(daddr, dport)
+    to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
+    return out(rules[0], to_pod=to_pod)

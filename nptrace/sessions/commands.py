@@ -1,0 +1,212 @@
+"""The offline commands over recorded sessions, `replay`, `report` and `merge` (registered by
+nptrace.cli). No root, no bcc."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+
+import click
+
+from nptrace.errors import NptraceError, one_line_errors
+from nptrace.sessions.format import Problem, SessionError
+from nptrace.sessions.merge import merge
+from nptrace.sessions.replay import Replay
+from nptrace.sessions.report import flow_text, build_report
+from nptrace.sinks.console import printable
+
+
+def _warn_and_fail(problems: list[Problem]) -> None:
+    """Each problem one line on stderr; the last serious one is the error (exit 2), the others
+    warnings before it, so an exit 2 ends with ONE error line."""
+    serious = [p for p in problems if p.serious]
+    last = serious[-1] if serious else None
+    for p in problems:
+        if p is not last:
+            click.echo(f"nptrace: warning: {printable(p)}", err=True)
+    if last is not None:
+        more = f" ({len(serious) - 1} more problems above)" if len(serious) > 1 else ""
+        raise SessionError(printable(last) + more)
+
+
+def loss_line(p: Problem) -> str:
+    """The JSON stream's loss marker (README "Output"): a line of kind "loss" says records are
+    missing or were skipped there, so a consumer counting verdicts knows its count is short.
+    {"kind": "loss", "loss": <problem kind>, "records": n or null, "bytes": n or null,
+     "path": file or null, "offset": byte or null, "message": text}"""
+    in_records = p.kind not in ("torn_tail", "corrupt", "no_stop")
+    return json.dumps({"kind": "loss", "loss": p.kind,
+                       "records": p.dropped if in_records else None,
+                       "bytes": None if in_records else p.dropped,
+                       "path": p.path or None, "offset": p.offset if p.path else None,
+                       "message": p.message}, separators=(",", ":"))
+
+
+class _LossLines:
+    """Writes a loss line for each problem found since the last call (problems fill while
+    the records are read, so the line lands near where the loss is)."""
+
+    def __init__(self, problems: list, out):
+        self.problems, self.out, self.seen = problems, out, 0
+
+    def __call__(self) -> None:
+        while self.seen < len(self.problems):
+            self.out.write(loss_line(self.problems[self.seen]) + "\n")
+            self.seen += 1
+
+
+def _terminal_safe(fn):
+    """Messages of expected errors escaped before they reach the terminal (a path or a name
+    in them may hold control characters)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except NptraceError as e:
+            raise type(e)(printable(e)) if type(e) in (SessionError, NptraceError) else e
+    return wrapper
+
+
+_PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
+                        type=click.Path(dir_okay=True, file_okay=True))
+
+
+@click.command("replay")
+@_PATHS
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line, as `run --json`.")
+@click.option("--output-pcap", "--pcap", "pcap", metavar="FILE",
+              help="Also write the verdicts as reconstructed packets to a pcapng FILE.")
+@click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
+              help="As `run --collapse`: at most N alike incidents a second, the rest as one "
+                   "line with `repeat` (default 20 on the console, 0 with --json).")
+@one_line_errors
+@_terminal_safe
+def replay_command(paths, as_json, pcap, collapse):
+    """Label a recorded session again with this nptrace's classifier (no root needed).
+
+    \b
+    Prints what `nptrace run` would have printed. A torn tail or a missing stop record (the
+    recorder was killed or the node lost power) is a warning; a file that is not a session,
+    is corrupt in the middle or holds invalid records, is an error (exit 2) after every
+    readable record was printed. With --json, each loss is also a line {"kind": "loss", ...}.
+
+    \b
+    Examples:
+      nptrace replay /var/lib/nptrace
+      nptrace replay /var/lib/nptrace --json | jq -r .cause | sort | uniq -c
+      nptrace replay nptrace-20260101T120000Z-....nps --pcap resets.pcapng
+    """
+    from nptrace.sinks.collapse import storm_collapse
+    from nptrace.sinks.console import Console
+    from nptrace.sinks.jsonl import JsonLines
+    r = Replay(paths)
+    out = sys.stdout
+    storm = storm_collapse(collapse, as_json)
+    lines = JsonLines(0, out, collapse=storm) if as_json else Console(0, out, collapse=storm)
+    console = None if as_json else lines
+    sink = None
+    if pcap:
+        from nptrace.sinks.pcapng import PcapngSink
+        sink = PcapngSink(pcap, 0)
+    loss = _LossLines(r.problems, out) if as_json else (lambda: None)
+    try:
+        for it in r.items():
+            off = int(it.header.get("epoch_offset_ns", 0))
+            lines.offset = off
+            lines.write(it.verdict)
+            if sink is not None:
+                sink.offset = off
+                sink.write(it.verdict)
+            loss()
+        lines.close()      # the summary lines of storm windows still open
+        loss()
+        out.flush()
+    finally:
+        if sink is not None:
+            sink.close()
+    if console is not None:
+        click.echo("nptrace: summary:\n" + console.summary(), err=True)
+    _warn_and_fail(r.problems)
+
+
+@click.command("report")
+@_PATHS
+@click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True,
+              help="How many flows to list.")
+@one_line_errors
+@_terminal_safe
+def report_command(paths, top):
+    """Summarize recorded sessions: causes, Services, interfaces, top flows, a timeline, and
+    the exact kernel counts with ring-buffer loss.
+
+    \b
+    Examples:
+      nptrace report /var/lib/nptrace
+      nptrace report node-a/ node-b/ --top 20
+    """
+    r = Replay(paths)
+    click.echo(printable(build_report(r, top=top)))
+    _warn_and_fail(r.problems)
+
+
+@click.command("merge")
+@_PATHS
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line: `run --json`'s keys plus node and story.")
+@click.option("--window", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
+              metavar="SECONDS", help="How far apart two sightings of a tuple still join.")
+@one_line_errors
+@_terminal_safe
+def merge_command(paths, as_json, window):
+    """Interleave several nodes' sessions by wall time; one connection is one story.
+
+    \b
+    Copy each node's --record directory (or files) somewhere and name them all. Stories
+    that crossed nodes are listed at the end.
+
+    \b
+    Examples:
+      nptrace merge node-a/ node-b/ node-c/
+      nptrace merge node-*/ --json | jq 'select(.story == 7)'
+    """
+    from nptrace.sinks.jsonl import verdict_dict
+    problems: list = []
+    stories: dict[int, dict] = {}
+    out = sys.stdout
+    for m in merge(paths, problems, window_s=window):
+        v, it = m.verdict, m.item
+        off = int(it.header.get("epoch_offset_ns", 0))
+        if as_json:
+            d = verdict_dict(v, off)
+            d["node"], d["story"] = m.node, m.story
+            out.write(json.dumps(d, separators=(",", ":")) + "\n")
+        else:
+            e = v.event
+            ts = time.strftime("%H:%M:%S", time.gmtime(it.epoch_ns / 1e9)) + f".{it.epoch_ns // 1_000_000 % 1000:03d}"
+            what = v.kind + (f"/{v.direction}" if v.direction else "")
+            out.write(printable(f"{ts} {m.node:<14} #{m.story:<5} {v.cause:<18} {what:<14} "
+                                f"{e.saddr}:{e.sport} -> {e.daddr}:{e.dport}  {v.iface or '-'}  "
+                                f"[{v.hook} {v.reason}]" + (f" svc={v.service}" if v.service else ""))
+                      + "\n")
+        s = stories.setdefault(m.story, {"nodes": [], "causes": Counter(), "n": 0, "flow": flow_text(v)})
+        if m.node not in s["nodes"]:
+            s["nodes"].append(m.node)
+        s["causes"][v.cause] += 1
+        s["n"] += 1
+    out.flush()
+    if not as_json:
+        crossed = {k: s for k, s in stories.items() if len(s["nodes"]) > 1}
+        if crossed:
+            out.write(f"\nstories across nodes ({len(crossed)}):\n")
+            for k, s in sorted(crossed.items()):
+                out.write(printable(f"  #{k}: {' -> '.join(s['nodes'])}: {s['n']} events, "
+                                    + ", ".join(f"{c} {n}" for c, n in s["causes"].most_common())
+                                    + f"  ({s['flow']})") + "\n")
+        elif not stories:
+            out.write("no resets or drops recorded\n")
+    else:
+        _LossLines(problems, out)()
+    _warn_and_fail(problems)

@@ -1,0 +1,63 @@
+"""Where labeled events go besides stdout: session files (the recorder), the metrics endpoint
+and a pcapng file, opened for `nptrace run` before the slow compile so that a bad path fails
+fast (tracer.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["Opened", "Outputs", "open_outputs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """Where labeled events go besides stdout."""
+    record_dir: str | None = None
+    record_max_file_bytes: int = 64 << 20
+    record_max_age_s: float = 3600.0
+    record_max_total_bytes: int = 1 << 30
+    metrics_addr: str | None = None
+    pcap: str | None = None
+
+
+@dataclasses.dataclass
+class Opened:
+    """What open_outputs made: sinks to add after the tracer's own (metrics, then pcapng), the
+    session recorder (it gets every raw record), the metrics sink and its HTTP server."""
+    sinks: list = dataclasses.field(default_factory=list)
+    recorder: object | None = None
+    metrics: object | None = None
+    metrics_server: object | None = None
+
+
+def open_outputs(o: Outputs, *, epoch_offset_ns: int, drops, rsts, features: dict,
+                 counters: Callable[[], tuple], log: Callable[[str], None]) -> Opened:
+    """`features`: what the session header says was attached ({"tracepoints", "ifaces",
+    "kprobes"}); `counters()`: (counts, stats) from the live maps, for the recorder."""
+    out = Opened()
+    try:
+        if o.metrics_addr:
+            from prometheus_client import CollectorRegistry
+            from nptrace.sinks import prometheus
+            reg = CollectorRegistry()
+            out.metrics_server = prometheus.serve(o.metrics_addr, reg)
+            out.metrics = prometheus.MetricsSink(reg)
+            out.sinks.append(out.metrics)
+            log(f"metrics on http://{o.metrics_addr}/metrics")
+        if o.record_dir:
+            from nptrace.sessions import format as session
+            from nptrace.sinks.recorder import Recorder, snapshot_ifnames
+            hdr = session.make_header(
+                epoch_offset_ns=epoch_offset_ns, drops=drops, resets=rsts,
+                features=features, ifnames=snapshot_ifnames())
+            writer = session.SessionWriter(o.record_dir, o.record_max_file_bytes,
+                                           o.record_max_age_s, o.record_max_total_bytes, hdr)
+            out.recorder = Recorder(writer, counters=counters)
+        if o.pcap:
+            from nptrace.sinks.pcapng import PcapngSink
+            out.sinks.append(PcapngSink(o.pcap, epoch_offset_ns))
+    except BaseException:
+        if out.metrics_server is not None:      # the tracer never learns of it: close it here
+            out.metrics_server.close()
+        raise
+    return out

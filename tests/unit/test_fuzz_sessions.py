@@ -1,0 +1,537 @@
+"""Hostile session files never crash and never hang `replay`, `report` or `merge`.
+
+A seeded mutation fuzzer (pure Python, deterministic: a failure names its seed and replays
+with NPTRACE_FUZZ_SEED). It starts from a real session written by the live pipeline (every
+record kind, the Context's lookups recorded) and damages it at three levels:
+
+  bytes     flips, cuts, zeroed and duplicated spans, inserted fake frame headers
+  frames    a well-framed record (right magic, length and crc) whose msgpack payload has a
+            field of the wrong type, a huge int, nested garbage, a missing or extra key
+  files     FIFOs, /dev/zero, directories of mixed files, 1 MiB of fake frame headers
+
+Every run must end with exit 0 (warnings allowed), or exit 2 with ONE error line; never a
+traceback, never past the time limit, and nothing but printable text on a terminal.
+
+`make test` runs a fixed few hundred cases (a few seconds); `make fuzz` sets
+NPTRACE_FUZZ_SECONDS and runs new seeds for that long.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import msgpack
+import pytest
+from click.testing import CliRunner
+
+from nptrace import events as ev
+from nptrace.classify import Classifier, Context
+from nptrace.reasons import ReasonTable
+from nptrace.sessions import format as S
+from nptrace.sessions.commands import merge_command, replay_command, report_command
+from nptrace.sinks.jsonl import JsonLines
+from nptrace.sinks.recorder import Recorder
+
+E0 = 1_700_000_000 * 10**9
+HOST_NS = 4026531840
+DROPS = ReasonTable({3: "SKB_DROP_REASON_NO_SOCKET", 12: "SKB_DROP_REASON_NETFILTER_DROP",
+                     16: "SKB_DROP_REASON_IP_RPFILTER"}, "SKB_DROP_REASON_")
+RSTS = ReasonTable({0: "SK_RST_REASON_NOT_SPECIFIED", 1: "SK_RST_REASON_NO_SOCKET"},
+                   "SK_RST_REASON_")
+CASES = int(os.environ.get("NPTRACE_FUZZ_CASES", "240"))
+SECONDS = float(os.environ.get("NPTRACE_FUZZ_SECONDS", "0"))
+SEED = os.environ.get("NPTRACE_FUZZ_SEED")
+CASE_TIMEOUT_S = 10
+
+
+# --- the seed: a session as the live pipeline writes it ----------------------------------
+
+def seed_events():
+    t = 1_000_000
+    out = []
+    for i in range(4):
+        out.append(ev.encode(ts_ns=t + i * 10**6, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB,
+                             reason=16, ifindex=3, netns=HOST_NS, saddr=f"192.168.2.{10 + i}",
+                             sport=5000 + i, daddr="10.0.0.2", dport=30080, l4proto=6,
+                             tcpflags=ev.TCP_SYN))
+    out.append(ev.encode(ts_ns=t + 5 * 10**6, type=ev.EvType.RST_RECV, hook=ev.Hook.TCP_RECV_RST,
+                         ifindex=3, netns=HOST_NS, saddr="10.0.0.2", sport=30080,
+                         daddr="192.168.2.10", dport=5000, flags=ev.F_HAS_SOCK,
+                         tcpflags=ev.TCP_RST))
+    out.append(ev.encode(ts_ns=t + 6 * 10**6, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB,
+                         reason=12, ifindex=5, netns=HOST_NS, saddr="192.168.2.50", sport=6000,
+                         daddr="10.244.2.5", dport=8080, l4proto=6, tcpflags=ev.TCP_SYN))
+    out.append(ev.encode(ts_ns=t + 62 * 10**9, type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS,
+                         ifindex=3, netns=HOST_NS, saddr="10.244.2.5", sport=8080,
+                         daddr="10.0.0.2", dport=40001, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                         flags=ev.F_HAS_CT, ct_osrc="192.0.2.10", ct_osport=50000,
+                         ct_odst="10.0.0.2", ct_odport=30080, ct_rsrc="10.244.2.5",
+                         ct_rsport=8080, ct_rdst="10.0.0.2", ct_rdport=40001,
+                         ct_status=ev.IPS_DST_NAT | ev.IPS_SRC_NAT))
+    out.append(ev.encode(ts_ns=t + 63 * 10**9, type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST,
+                         reason=1, ifindex=5, netns=HOST_NS, saddr="10.244.2.5", sport=8080,
+                         daddr="10.0.0.9", dport=40002, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                         aux=ev.TCP_SYN))
+    return out
+
+
+def write_seed(d: Path, node: str = "node-a") -> None:
+    """The live pipeline as tracer.py wires it, every lookup recorded."""
+    w = S.SessionWriter(d, header=S.make_header(epoch_offset_ns=E0, drops=DROPS, resets=RSTS,
+                                                node=node, kernel="6.18.0",
+                                                ifnames={HOST_NS: {2: "eth0"}}),
+                        log=lambda m: None)
+    counts = ({(1, 1, 16, 3, HOST_NS): 9}, {"emitted": 10, "lost": 1, "filtered": 0})
+    rec = Recorder(w, counters=lambda: counts)
+    names = {3: "eth1", 5: "cni0"}
+    rule = {"tag": "other", "where": "filter/KUBE-FW rule 3", "text": "-j REJECT",
+            "service": "default/web:http", "to_pod": True, "source": "ruleset", "note": "x"}
+    ctx = Context(drop_name=DROPS.name, rst_name=RSTS.name,
+                  iface_name=rec.iface_name(lambda ns, i: names.get(i)),
+                  service_of=rec.service_of(lambda a, p: "default/web:http"
+                                            if p in (30080, 8080) else None),
+                  endpoint_of=rec.lookup("endpoint_of", lambda a, p: "default/web:http"
+                                         if a.startswith("10.244.") else None),
+                  nf_rule=rec.lookup("nf_rule", lambda *a: rule),
+                  route_iface=rec.lookup("route_iface", lambda ns, a: "eth0"),
+                  nat_peer=rec.lookup("nat_peer", lambda s, sp, d, dp:
+                                      ["192.0.2.7", 1, "10.0.0.2", 2] if dp == 40002 else None))
+    c = Classifier(ctx)
+    sink = JsonLines(E0, open(os.devnull, "w"))
+    for raw in seed_events():
+        rec.on_raw(raw)
+        for v in c.feed(ev.decode(raw)):
+            sink.write(v)
+        rec.snapshot_counters()
+    for v in c.flush():
+        sink.write(v)
+    rec.close()
+
+
+def frames_of(data: bytes) -> list[tuple[int, int]]:
+    """(offset, total length) of each frame of a well-formed file."""
+    out, off = [], 0
+    while off + S.FRAME.size <= len(data):
+        _m, n, _c = S.FRAME.unpack_from(data, off)
+        if off + S.FRAME.size + n > len(data):
+            break
+        out.append((off, S.FRAME.size + n))
+        off += S.FRAME.size + n
+    return out
+
+
+# --- hostile values -------------------------------------------------------------------------
+
+def hostile(rng: random.Random, depth: int = 0):
+    pick = rng.randrange(22)
+    if pick == 0:
+        return None
+    if pick == 1:
+        return rng.choice([True, False])
+    if pick == 2:
+        return rng.choice([-1, 0, 1, 2**31, 2**32, 2**63 - 1, -2**63, 2**64 - 1])
+    if pick == 3:
+        return rng.choice([float("nan"), float("inf"), -float("inf"), 1e308, -0.0, 0.5])
+    if pick == 4:
+        return rng.choice(["", "x", "\x1b[2J\x1b]0;pwn\x07", "é" * 40, "\0\n\r\t",
+                           "A" * 5000, "١٢٣", "-1", "None"])
+    if pick == 5:
+        return rng.choice([b"", b"\xff" * 7, bytes(216), rng.randbytes(216), b"\x00" * 300])
+    if pick == 6 and depth < 4:
+        return [hostile(rng, depth + 1) for _ in range(rng.randrange(5))]
+    if pick == 7 and depth < 4:
+        return {hostile_key(rng): hostile(rng, depth + 1) for _ in range(rng.randrange(5))}
+    if pick == 8:
+        return [[[[[[[[[[[]]]]]]]]]]]
+    if pick == 9:
+        return {"rec": "header"}
+    if pick == 10:
+        return list(range(rng.randrange(1, 5)))
+    if pick == 11:
+        return ["10.0.0.2", 30080, "default/web:http"]
+    if pick == 12:
+        return {HOST_NS: {3: hostile(rng, depth + 1)}}
+    if pick == 13:
+        return [[hostile(rng, depth + 1), hostile(rng, depth + 1)]]
+    if pick == 14:
+        return msgpack.ExtType(5, b"xx")
+    if pick == 15:
+        return {1: 2, "a": None}
+    return rng.choice([0, "eth1", 3, "nptrace-session", 1, -5])
+
+
+def hostile_key(rng: random.Random):
+    return rng.choice([0, -1, 2**64 - 1, "x", "", "3", b"k", None, True, 1.5, "\x1b"])
+
+
+def mutate_record(rng: random.Random, rec) -> object:
+    """A damaged copy of one decoded record."""
+    if not isinstance(rec, dict) or rng.random() < 0.05:
+        return hostile(rng)
+    rec = dict(rec)
+    keys = list(rec)
+    for _ in range(rng.randrange(1, 4)):
+        op = rng.randrange(6)
+        if op == 0 and keys:
+            rec.pop(rng.choice(keys), None)
+        elif op == 1:
+            rec[hostile_key(rng)] = hostile(rng)
+        elif op <= 3 and keys:
+            k = rng.choice(keys)
+            rec[k] = _mutate_inside(rng, rec.get(k))
+        else:
+            if keys:
+                rec[rng.choice(keys)] = hostile(rng)
+    return rec
+
+
+def _mutate_inside(rng, v, depth=0):
+    """Damage deep inside a value, keeping its outer shape (what passes a shallow check)."""
+    if depth > 5 or rng.random() < 0.3:
+        return hostile(rng)
+    if isinstance(v, dict) and v:
+        v = dict(v)
+        k = rng.choice(list(v))
+        if rng.random() < 0.3:
+            v[hostile_key(rng)] = v.pop(k)
+        else:
+            v[k] = _mutate_inside(rng, v[k], depth + 1)
+        return v
+    if isinstance(v, list) and v:
+        v = list(v)
+        i = rng.randrange(len(v))
+        v[i] = _mutate_inside(rng, v[i], depth + 1)
+        return v
+    if isinstance(v, bytes) and v:
+        b = bytearray(v)
+        b[rng.randrange(len(b))] = rng.randrange(256)
+        return bytes(b)
+    return hostile(rng)
+
+
+def pack(obj) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError):
+        return msgpack.packb(str(obj), use_bin_type=True)
+
+
+def fake_frame(n: int, crc: int = 0) -> bytes:
+    return S.FRAME.pack(S.MAGIC, n, crc)
+
+
+def mutate_file(rng: random.Random, data: bytes) -> bytes:
+    if not data:
+        return rng.randbytes(rng.randrange(64))
+    fr = frames_of(data)
+    op = rng.randrange(12)
+    if op <= 4 and fr:
+        # a well-framed hostile payload: the crc is right, so only the schema can refuse it
+        i = 0 if op == 0 else rng.randrange(len(fr))
+        off, n = fr[i]
+        try:
+            rec = msgpack.unpackb(data[off + S.FRAME.size:off + n], raw=False,
+                                  strict_map_key=False)
+        except Exception:    # an earlier mutation broke this frame
+            rec = {"rec": "event"}
+        payload = pack(mutate_record(rng, rec))
+        return data[:off] + S.frame(payload) + data[off + n:]
+    b = bytearray(data)
+    if op == 5:
+        for _ in range(rng.randrange(1, 8)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif op == 6:
+        del b[rng.randrange(len(b)):]
+    elif op == 7:
+        at = rng.choice([o for o, _ in fr]) if fr else 0
+        del b[at:]                                   # cut exactly at a frame boundary
+    elif op == 8:
+        at, n = rng.randrange(len(b)), rng.randrange(1, 600)
+        b[at:at + n] = bytes(min(n, len(b) - at))
+    elif op == 9:
+        at = rng.randrange(len(b))
+        b[at:at] = fake_frame(rng.choice([0, 1, 16, 2**31, S.MAX_PAYLOAD, 2**32 - 1])) \
+            * rng.randrange(1, 50)
+    elif op == 10 and fr:
+        off, n = rng.choice(fr)
+        b[off:off] = data[off:off + n]                # a duplicated frame
+    else:
+        at = rng.randrange(len(b))
+        b[at:at] = rng.randbytes(rng.randrange(1, 200))
+    return bytes(b)
+
+
+# --- running and judging ----------------------------------------------------------------------
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(_sig, _frm):
+    raise Hang()
+
+
+COMMANDS = [(replay_command, []), (replay_command, ["--json"]), (report_command, []),
+            (merge_command, []), (merge_command, ["--json"])]
+
+
+def run(cmd, args, timeout=CASE_TIMEOUT_S):
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return CliRunner().invoke(cmd, [str(a) for a in args])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _printable(text: str) -> bool:
+    return all(c in "\n" or (c.isprintable()) for c in text)
+
+
+def verdict_of(r) -> str | None:
+    """None when the run kept the contract, else what broke it."""
+    if isinstance(r.exception, Hang):
+        return "hang"
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        import traceback
+        tb = traceback.extract_tb(r.exc_info[2])[-1]
+        return f"{type(r.exception).__name__} at {Path(tb.filename).name}:{tb.lineno}"
+    if "Traceback" in r.output:
+        return "traceback printed"
+    if r.exit_code not in (0, 2):
+        return f"exit {r.exit_code}"
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    if r.exit_code == 2 and len(errors) != 1:
+        return f"exit 2 with {len(errors)} error lines"
+    if r.exit_code == 0 and errors:
+        return "exit 0 with an error line"
+    if not _printable(r.stdout) or not _printable(r.stderr):
+        return "control characters on the terminal"
+    return None
+
+
+def check_case(paths) -> list[str]:
+    bad = []
+    for cmd, extra in COMMANDS:
+        why = verdict_of(run(cmd, [*paths, *extra]))
+        if why is not None:
+            bad.append(f"{cmd.name} {' '.join(extra)}: {why}".replace("  ", " "))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def seed_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("seed") / "rec"
+    write_seed(d)
+    return d
+
+
+def _seed_file(seed_dir) -> tuple[Path, bytes]:
+    [f] = S.session_files(seed_dir)
+    return f, f.read_bytes()
+
+
+def fuzz(seed_dir, tmp: Path, seeds) -> dict[str, list[int]]:
+    f, data = _seed_file(seed_dir)
+    failures: dict[str, list[int]] = {}
+    for s in seeds:
+        rng = random.Random(s)
+        case = tmp / f"case-{s}"
+        case.mkdir()
+        out = case / f.name
+        blob = data
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            blob = mutate_file(rng, blob)
+        out.write_bytes(blob)
+        if rng.random() < 0.2:   # a second, intact file beside it: a directory of mixed files
+            (case / f.name.replace("-00000", "-00001")).write_bytes(data)
+            target = [case]
+        else:
+            target = [out]
+        for why in check_case(target):
+            failures.setdefault(why, []).append(s)
+        for p in case.iterdir():
+            p.unlink()
+        case.rmdir()
+    return failures
+
+
+def _report(failures) -> str:
+    return "\n".join(f"{why}: seeds {seeds[:5]} ({len(seeds)} cases)"
+                     for why, seeds in sorted(failures.items()))
+
+
+def test_seed_session_replays_clean(seed_dir):
+    assert check_case([seed_dir]) == []
+    r = run(replay_command, [seed_dir, "--json"])
+    assert r.exit_code == 0 and len(r.stdout.splitlines()) >= 4, r.output
+
+
+def test_fuzz_deterministic_subset(seed_dir, tmp_path):
+    """The fast subset `make test` runs: fixed seeds."""
+    seeds = [int(SEED)] if SEED else range(CASES)
+    failures = fuzz(seed_dir, tmp_path, seeds)
+    assert not failures, _report(failures)
+
+
+@pytest.mark.skipif(not SECONDS, reason="the long fuzz: make fuzz (NPTRACE_FUZZ_SECONDS)")
+def test_fuzz_long(seed_dir, tmp_path):
+    rng = random.Random()
+    start = rng.randrange(10**6, 10**9)
+    failures: dict = {}
+    n = 0
+    deadline = time.monotonic() + SECONDS
+    while time.monotonic() < deadline:
+        got = fuzz(seed_dir, tmp_path, range(start + n, start + n + 50))
+        for k, v in got.items():
+            failures.setdefault(k, []).extend(v)
+        n += 50
+    print(f"\nfuzzed {n} cases from seed {start}")
+    assert not failures, _report(failures)
+
+
+# --- crafted files ---------------------------------------------------------------------------
+
+def _hdr_bytes(**kw) -> bytes:
+    h = S.make_header(epoch_offset_ns=E0, node="n", kernel="k")
+    h.update(kw)
+    return S.frame(pack(h))
+
+
+def test_fake_frame_headers_resync_in_linear_time(tmp_path, seed_dir):
+    """1 MiB of fake frame headers (each claims a payload that is never there): the reader
+    must skip it in linear time (it took 20 s, quadratic)."""
+    _f, data = _seed_file(seed_dir)
+    fr = frames_of(data)
+    junk = fake_frame(S.MAX_PAYLOAD) * ((1 << 20) // S.FRAME.size)
+    f = tmp_path / "nptrace-x.nps"
+    f.write_bytes(data[:fr[1][0]] + junk + data[fr[1][0]:])
+    t0 = time.monotonic()
+    r = run(replay_command, [f, "--json"])
+    assert time.monotonic() - t0 < 3, "resync is not linear"
+    assert verdict_of(r) is None and r.exit_code == 2
+    assert "corrupt" in r.stderr
+    assert len(r.stdout.splitlines()) >= 4      # every record after the junk still replays
+
+
+@pytest.mark.parametrize("cmd", [replay_command, report_command, merge_command])
+def test_fifo_is_refused_not_waited_on(tmp_path, cmd):
+    fifo = tmp_path / "nptrace-fifo.nps"
+    os.mkfifo(fifo)
+    r = run(cmd, [fifo], timeout=5)
+    assert verdict_of(r) is None and r.exit_code == 2
+    assert "not a regular file" in r.stderr
+    d = tmp_path / "d"
+    d.mkdir()
+    os.mkfifo(d / "nptrace-20260101T000000Z-x-00000.nps")
+    r = run(cmd, [d], timeout=5)
+    assert verdict_of(r) is None and r.exit_code == 2
+
+
+def test_dev_zero_is_refused(tmp_path):
+    for cmd in (replay_command, report_command, merge_command):
+        r = run(cmd, ["/dev/zero"], timeout=5)
+        assert verdict_of(r) is None and r.exit_code == 2, r.output
+        assert "not a regular file" in r.stderr
+
+
+def test_fifo_through_the_entry_point_under_timeout(tmp_path):
+    """Out of process, as a person runs it: one line, exit 2, well inside the timeout."""
+    fifo = tmp_path / "s.nps"
+    os.mkfifo(fifo)
+    p = subprocess.run(["timeout", "20", sys.executable, "-c",
+                        "import sys; from nptrace.cli import main; main(sys.argv[1:])",
+                        "replay", str(fifo)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_cut_at_a_frame_boundary_says_records_may_be_missing(tmp_path, seed_dir):
+    """A clean stop writes a stop record; a file that ends without one lost its tail even
+    when the cut fell exactly between two frames."""
+    _f, data = _seed_file(seed_dir)
+    fr = frames_of(data)
+    assert msgpack.unpackb(data[fr[-1][0] + S.FRAME.size:], raw=False)["rec"] == "stop"
+    f = tmp_path / "nptrace-cut.nps"
+    f.write_bytes(data[:fr[-3][0]])
+    r = run(replay_command, [f, "--json"])
+    assert r.exit_code == 0 and verdict_of(r) is None
+    assert "no stop record" in r.stderr and "may be missing" in r.stderr
+    assert '"kind":"loss"' in r.stdout
+
+
+def test_well_framed_wrong_types_are_counted_not_fatal_to_the_rest(tmp_path, seed_dir):
+    _f, data = _seed_file(seed_dir)
+    fr = frames_of(data)
+    off, n = fr[1]
+    bad = S.frame(pack({"rec": "event", "abi": "x", "type": [], "raw": "not bytes"}))
+    f = tmp_path / "nptrace-bad.nps"
+    f.write_bytes(data[:off] + bad + data[off:])
+    r = run(replay_command, [f, "--json"])
+    assert verdict_of(r) is None and r.exit_code == 2
+    assert "1 record" in r.stderr and "invalid" in r.stderr
+    assert len([x for x in r.stdout.splitlines() if '"kind":"loss"' not in x]) >= 4
+
+
+def test_hostile_header_fields_are_one_line(tmp_path):
+    for i, kw in enumerate([dict(epoch_offset_ns="x"), dict(epoch_offset_ns=2**63 - 1),
+                            dict(drop_reasons={"a": 1}), dict(ifnames=[1, 2]),
+                            dict(services={"x": 1}), dict(node=["a"]), dict(run_id=5),
+                            dict(part="0"), dict(lookups={"nf_rule": [[1, 2, 3]]}),
+                            dict(abi="1"), dict(format_version="2"),
+                            dict(format_version=2**63), dict(start_ns=-2**63)]):
+        f = tmp_path / f"nptrace-h{i}.nps"
+        f.write_bytes(_hdr_bytes(**kw) + S.frame(pack({"rec": "event", "abi": ev.ABI_VERSION,
+                                                       "type": 1, "raw": seed_events()[0]})))
+        for why in check_case([f]):
+            pytest.fail(f"{kw}: {why}")
+
+
+def test_escape_sequences_in_names_never_reach_the_terminal(tmp_path):
+    d = tmp_path / "rec"
+    w = S.SessionWriter(d, header=S.make_header(epoch_offset_ns=E0, drops=DROPS, resets=RSTS,
+                                                node="n\x1b[31m", kernel="k"),
+                        log=lambda m: None)
+    rec = Recorder(w)
+    ctx = Context(drop_name=DROPS.name, rst_name=RSTS.name,
+                  iface_name=rec.iface_name(lambda ns, i: "eth\x1b]0;owned\x07"),
+                  service_of=rec.service_of(lambda a, p: "ns/\x1b[2Jsvc:http"))
+    c = Classifier(ctx)
+    for raw in seed_events()[:2]:
+        rec.on_raw(raw)
+        list(c.feed(ev.decode(raw)))
+    list(c.flush())
+    rec.close()
+    for cmd, extra in COMMANDS:
+        r = run(cmd, [d, *extra])
+        assert r.exit_code == 0, r.output
+        assert "\x1b" not in r.stdout and "\x1b" not in r.stderr, (cmd.name, extra)
+    r = run(replay_command, [d])
+    assert "eth\\x1b]0;owned\\x07" in r.stdout
+
+
+@pytest.mark.parametrize("claim", [0, 4096, 1 << 19, 1 << 20])
+def test_crafted_fake_frames_that_fit_resync_in_linear_time(tmp_path, seed_dir, claim):
+    """The worst case for a crc resync: every fake header claims a payload that fits, and
+    the byte after it starts a msgpack map, so each one is a candidate worth checking."""
+    _f, data = _seed_file(seed_dir)
+    fr = frames_of(data)
+    unit = fake_frame(claim) + b"\x85"
+    junk = unit * ((1 << 20) // len(unit))
+    f = tmp_path / "nptrace-x.nps"
+    f.write_bytes(data[:fr[1][0]] + junk + data[fr[1][0]:] + bytes(2 << 20))
+    t0 = time.monotonic()
+    r = run(replay_command, [f, "--json"])
+    assert time.monotonic() - t0 < 5, "resync is not linear"
+    assert verdict_of(r) is None and r.exit_code == 2
+    assert len(r.stderr.splitlines()) <= 4         # one line per kind of loss, not per frame
