@@ -142,21 +142,6 @@ def sample(text: str, name: str, **labels) -> float:
     return total
 
 
-def test_podman_command_is_the_manifest(spec, tmp_path):
-    argv = daemonset.podman_run_args(spec, "img", {"status.hostIP": NODE_IP}, name="x",
-                                     scratch=tmp_path)
-    sc = spec.container["securityContext"]
-    assert "--cap-drop=all" in argv
-    assert {a.split("=", 1)[1] for a in argv if a.startswith("--cap-add=")} == \
-        {"CAP_" + c for c in sc["capabilities"]["add"]}
-    assert "--read-only" in argv and "--read-only-tmpfs=false" in argv
-    assert "seccomp=unconfined" in argv and "no-new-privileges" in argv
-    assert "--network=host" in argv and "--pid=host" in argv
-    assert "/run/netns:/run/netns:ro,rslave" in argv
-    assert argv[argv.index("img") + 1:] == ["run", "--record", "/var/lib/nptrace",
-                                            "--metrics-addr", f"{NODE_IP}:9464"]
-
-
 def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
     info = lab_up("no-listener")
     c = start()
