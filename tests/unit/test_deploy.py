@@ -77,7 +77,9 @@ def unit_values(key):
 def test_unit_runs_the_daemon_with_the_documented_flags():
     [cmd] = unit_values("ExecStart")
     assert cmd == "/usr/local/bin/nptrace run --record /var/lib/nptrace --metrics-addr 127.0.0.1:9464"
-    assert unit_values("Type") == ["simple"] and unit_values("Restart") == ["on-failure"]
+    assert unit_values("Type") == ["notify"] and unit_values("Restart") == ["on-failure"]
+    assert unit_values("RestartPreventExitStatus") == ["2"] and unit_values("WatchdogSec")
+    assert unit_values("RuntimeDirectory") == ["nptrace"]
     [caps] = unit_values("CapabilityBoundingSet")
     assert set(caps.split()) == {"CAP_" + c for c in CAPS}
     assert unit_values("ProtectSystem") == ["strict"]
