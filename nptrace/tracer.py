@@ -99,8 +99,13 @@ class InstanceLock:
 
     def acquire(self) -> None:
         import fcntl
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise LockError(f"cannot open the instance lock {self.path}: {e.strerror} (its directory "
+                            "must be writable: RuntimeDirectory=nptrace in the unit, a /run/nptrace "
+                            "volume in the pod, or NPTRACE_LOCK_FILE elsewhere)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -145,6 +150,8 @@ class Tracer:
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
         self.classifier = None
+        from nptrace.sdnotify import Notifier
+        self.notify = Notifier.from_env()   # Type=notify: READY=1 after attach, WATCHDOG=1 per loop
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -209,6 +216,7 @@ class Tracer:
         log(f"attached {what} in {elapsed:.2f}s (kprobes: {'yes' if plan.kprobes else 'absent'})")
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
+        self.notify.ready(f"attached {what}")
         return elapsed
 
     def _nat_peer(self, saddr, sport, daddr, dport):
@@ -305,6 +313,7 @@ class Tracer:
         last_decoded = 0
         try:
             while not self.stop_requested:
+                self.notify.tick()
                 if self.status_every and time.monotonic() >= next_status:
                     # the 3 a.m. view: is it attached, how busy, is anything being lost
                     st = self.probes.stats()
@@ -348,6 +357,7 @@ class Tracer:
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> dict:
+        self.notify.stopping()
         if self.probes is None and self.tc is None:
             self.lock.release()
             return {}    # never started: nothing to detach or report

@@ -77,7 +77,9 @@ def unit_values(key):
 def test_unit_runs_the_daemon_with_the_documented_flags():
     [cmd] = unit_values("ExecStart")
     assert cmd == "/usr/local/bin/nptrace run --record /var/lib/nptrace --metrics-addr 127.0.0.1:9464"
-    assert unit_values("Type") == ["simple"] and unit_values("Restart") == ["on-failure"]
+    assert unit_values("Type") == ["notify"] and unit_values("Restart") == ["on-failure"]
+    assert unit_values("RestartPreventExitStatus") == ["2"] and unit_values("WatchdogSec")
+    assert unit_values("RuntimeDirectory") == ["nptrace"]
     [caps] = unit_values("CapabilityBoundingSet")
     assert set(caps.split()) == {"CAP_" + c for c in CAPS}
     assert unit_values("ProtectSystem") == ["strict"]
@@ -131,6 +133,24 @@ def test_dashboard_queries_only_metrics_that_exist():
 
 def test_containerfile_is_debian_12_with_bcc():
     text = (DEPLOY / "Containerfile").read_text()
-    assert re.search(r"^FROM debian:12", text, re.M)
+    # FROM the debootstrapped Debian 12 base scripts/build-image.sh passes in
+    assert re.search(r"^ARG BASE_IMAGE=\S*bookworm\S*$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     assert "python3-bpfcc" in text and "--system-site-packages" in text
     assert "NPTRACE_BPF_DIR" in text
+
+
+def test_image_python_dependencies_are_pinned_with_hashes():
+    """deploy/requirements.txt pins every runtime dependency of pyproject.toml exactly."""
+    import tomllib
+    deps = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ]", d)[0].lower().replace("_", "-") for d in deps}
+    text = (DEPLOY / "requirements.txt").read_text().replace("\\\n", " ")
+    pins = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            m = re.match(r"([A-Za-z0-9_.-]+)==(\S+)\s+--hash=sha256:[0-9a-f]{64}", line.strip())
+            assert m, line
+            pins[m.group(1).lower()] = m.group(2)
+    assert set(pins) == names
+    assert "--require-hashes" in (DEPLOY / "Containerfile").read_text()
