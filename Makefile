@@ -22,6 +22,16 @@ test-unit: setup
 test-privileged: setup
 	$(PYTEST) -ra tests/privileged
 
+## The long fuzz (issue 18): hostile session files through replay/report/merge, and truncated
+## netlink datagrams through the nf-trace and link decoders, with new seeds for FUZZ_SECONDS
+## each (make test runs their fixed-seed subset). A failure names its seed:
+## NPTRACE_FUZZ_SEED=<seed> replays it.
+FUZZ_SECONDS ?= 300
+.PHONY: fuzz
+fuzz: setup
+	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PYTEST) -q -s -p no:cacheprovider \
+		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py
+
 bench: setup
 	$(PY) -m nptrace.bench
 

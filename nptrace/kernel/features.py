@@ -165,7 +165,7 @@ assert set(HOOK_ROWS) <= set(PROBES), set(HOOK_ROWS) - set(PROBES)
 
 # --- small readers ------------------------------------------------------------------------
 
-def _read(path: Path) -> str | None:
+def read_text(path: Path) -> str | None:
     try:
         return path.read_text(errors="replace")
     except (OSError, ValueError):
@@ -183,7 +183,7 @@ def _exists(path: Path) -> bool | None:
     return True
 
 
-def _int(text: str | None) -> int | None:
+def parse_int(text: str | None) -> int | None:
     try:
         return int(text.strip()) if text is not None else None
     except ValueError:
@@ -236,7 +236,7 @@ def _config_on(cfg: dict[str, str], sym: str) -> bool | None:
 def _module(root: Path, release: str, name: str) -> tuple[bool | None, str]:
     """Is module `name` loaded, built in or installed? (evidence, where it was seen)."""
     looked = False
-    mods = _read(root / "proc/modules")
+    mods = read_text(root / "proc/modules")
     if mods is not None:
         looked = True
         if any(line.split(" ", 1)[0] == name for line in mods.splitlines()):
@@ -246,7 +246,7 @@ def _module(root: Path, release: str, name: str) -> tuple[bool | None, str]:
     if release:
         pattern = re.compile(rf"(^|/){re.escape(name)}\.ko(\.[a-z]+)?(:|$)", re.M)
         for fname, how in (("modules.builtin", "built in"), ("modules.dep", "module available")):
-            text = _read(root / "lib/modules" / release / fname)
+            text = read_text(root / "lib/modules" / release / fname)
             if text is not None:
                 looked = True
                 if pattern.search(text):
@@ -255,7 +255,7 @@ def _module(root: Path, release: str, name: str) -> tuple[bool | None, str]:
 
 
 def _cap_eff(root: Path) -> int | None:
-    text = _read(root / "proc/self/status")
+    text = read_text(root / "proc/self/status")
     if text is None:
         return None
     m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)\s*$", text, re.M)
@@ -276,7 +276,7 @@ def _caps_ok(cap_eff: int | None, version: tuple[int, int, int] | None) -> bool:
 def has_bpf_caps(root: Path = Path("/")) -> bool:
     """CapEff of this process allows loading and attaching our programs."""
     root = Path(root)
-    return _caps_ok(_cap_eff(root), kernel_version(_read(root / "proc/sys/kernel/osrelease") or ""))
+    return _caps_ok(_cap_eff(root), kernel_version(read_text(root / "proc/sys/kernel/osrelease") or ""))
 
 
 def _caps_detail(cap_eff: int | None) -> str:
@@ -288,7 +288,7 @@ def _caps_detail(cap_eff: int | None) -> str:
 
 def tracepoint_fields(tracefs: Path, tp: str) -> tuple[str, ...]:
     """Field names of tracepoint 'cat/name' from its format file, without common_* fields."""
-    text = _read(Path(tracefs) / "events" / tp / "format")
+    text = read_text(Path(tracefs) / "events" / tp / "format")
     if text is None:
         return ()
     names = []
@@ -474,7 +474,7 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     """Probe the kernel under `root`. `trials(kind)` (kinds: fentry, clsact, nf_prog) does real
     loads; without it those probes fall back to file evidence or report "not tried"."""
     root = Path(root)
-    release = (_read(root / "proc/sys/kernel/osrelease") or "").strip()
+    release = (read_text(root / "proc/sys/kernel/osrelease") or "").strip()
     version = kernel_version(release)
     cfg = kernel_config(root, release)
     b = _Builder(version)
@@ -597,8 +597,8 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     b.add("netfilter backend", *_netfilter_backend(root, release, cfg))
     b.add("ipvs", *_ipvs(root, release, cfg))
 
-    count = _int(_read(root / "proc/sys/net/netfilter/nf_conntrack_count"))
-    cmax = _int(_read(root / "proc/sys/net/netfilter/nf_conntrack_max"))
+    count = parse_int(read_text(root / "proc/sys/net/netfilter/nf_conntrack_count"))
+    cmax = parse_int(read_text(root / "proc/sys/net/netfilter/nf_conntrack_max"))
     if count is not None and cmax is not None:
         b.add("conntrack", True, f"{count}/{cmax} entries")
     else:
@@ -660,7 +660,7 @@ def _netfilter_backend(root: Path, release: str, cfg: dict[str, str]) -> tuple[b
         on = _config_on(cfg, "CONFIG_NF_TABLES")
         if on is not None:
             nft, where = on, "CONFIG_NF_TABLES"
-    names = _read(root / "proc/net/ip_tables_names")
+    names = read_text(root / "proc/net/ip_tables_names")
     legacy = names.split() if names else []
     # nftrace_live names the rule behind a drop with nf_tables tracing; legacy rules log TRACE
     # through nf_log instead, so with them the rule is named from iptables-save alone
@@ -679,7 +679,7 @@ def _netfilter_backend(root: Path, release: str, cfg: dict[str, str]) -> tuple[b
 
 
 def _ipvs(root: Path, release: str, cfg: dict[str, str]) -> tuple[bool, str]:
-    table = _read(root / "proc/net/ip_vs")
+    table = read_text(root / "proc/net/ip_vs")
     if table is not None:
         services = sum(1 for line in table.splitlines() if line.startswith(("TCP ", "UDP ", "SCTP ")))
         return True, f"/proc/net/ip_vs: {services} virtual services"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from nptrace.errors import NptraceError
+from nptrace.kernel.features import parse_int, read_text
 
 __all__ = ["Finding", "Interface", "NodeChecks", "NodeError", "check", "netns_names"]
 
@@ -100,24 +101,10 @@ class NodeChecks:
                       "findings": tuple(Finding(**f) for f in d["findings"])})
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(errors="replace")
-    except (OSError, ValueError):
-        return None
-
-
-def _int(text: str | None) -> int | None:
-    try:
-        return int(text.strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
 def _routes(root: Path) -> tuple[set[str], set[str]]:
     """(interfaces with any IPv4 route, interfaces with a default route) from /proc/net/route."""
     routed, default = set(), set()
-    text = _read(root / "proc/net/route") or ""
+    text = read_text(root / "proc/net/route") or ""
     for line in text.splitlines()[1:]:
         f = line.split()
         if len(f) < 8:
@@ -130,8 +117,8 @@ def _routes(root: Path) -> tuple[set[str], set[str]]:
 
 def _kind(root: Path, name: str, routed: bool) -> str:
     sysdir = root / "sys/class/net" / name
-    dtype = _int(_read(sysdir / "type"))
-    uevent = _read(sysdir / "uevent") or ""
+    dtype = parse_int(read_text(sysdir / "type"))
+    uevent = read_text(sysdir / "uevent") or ""
     m = re.search(r"^DEVTYPE=(\S+)", uevent, re.M)
     devtype = m.group(1) if m else ""
     if name == "lo" or dtype == _ARPHRD_LOOPBACK:
@@ -248,7 +235,7 @@ def check(root: Path = Path("/"), netns: str | None = None,
         detect_backend = _default_backend if root == Path("/") else None
 
     conf = root / "proc/sys/net/ipv4/conf"
-    all_value = _int(_read(conf / "all/rp_filter"))
+    all_value = parse_int(read_text(conf / "all/rp_filter"))
     routed, default = _routes(root)
     try:
         names = sorted(p.name for p in conf.iterdir() if p.name not in ("all", "default"))
@@ -256,7 +243,7 @@ def check(root: Path = Path("/"), netns: str | None = None,
         names = []
     ifaces = []
     for name in names:
-        value = _int(_read(conf / name / "rp_filter"))
+        value = parse_int(read_text(conf / name / "rp_filter"))
         eff = max(value, all_value) if value is not None and all_value is not None else value
         ifaces.append(Interface(name, _kind(root, name, name in routed), value, eff,
                                 name in routed, name in default))
@@ -265,9 +252,9 @@ def check(root: Path = Path("/"), netns: str | None = None,
     overlays = [i.name for i in ifaces if i.kind in ("overlay", "cni")]
 
     ct = root / "proc/sys/net/netfilter"
-    count, cmax = _int(_read(ct / "nf_conntrack_count")), _int(_read(ct / "nf_conntrack_max"))
+    count, cmax = parse_int(read_text(ct / "nf_conntrack_count")), parse_int(read_text(ct / "nf_conntrack_max"))
 
-    ipvs_text = _read(root / "proc/net/ip_vs")
+    ipvs_text = read_text(root / "proc/net/ip_vs")
     ipvs_services = None if ipvs_text is None else sum(
         1 for line in ipvs_text.splitlines() if line.startswith(("TCP ", "UDP ", "SCTP ", "FWM ")))
     backend, why = _kube_proxy(detect_backend, None)

@@ -122,6 +122,11 @@ def test_each_daemon_start_is_a_run_of_its_own(tmp_path):
     assert causes == ["rp_filter", "peer_reset"]
 
 
+def verdict_lines(r) -> list[str]:
+    """stdout of --json without its loss lines ({"kind":"loss",...})."""
+    return [x for x in r.stdout.splitlines() if '"kind":"loss"' not in x]
+
+
 def invoke(cmd, args):
     return CliRunner().invoke(cmd, [str(a) for a in args])
 
@@ -154,7 +159,9 @@ def test_replay_torn_tail_prints_good_records_warns_exit_0(tmp_path):
     os.truncate(f, last + (len(data) - last) // 3)
     r = invoke(replay_command, [f, "--json"])
     assert r.exit_code == 0
-    assert len(r.stdout.splitlines()) == len(full) - 1
+    assert len(verdict_lines(r)) == len(full) - 1
+    assert [json.loads(x)["loss"] for x in r.stdout.splitlines() if '"kind":"loss"' in x] \
+        == ["torn_tail"]
     [line] = r.stderr.splitlines()[-1:]
     assert line.startswith("nptrace: warning: ") and "torn tail at byte" in line
     assert "Traceback" not in r.output
@@ -171,7 +178,7 @@ def test_replay_corrupt_middle_prints_the_rest_and_exits_2(tmp_path):
     r = invoke(replay_command, [f, "--json"])
     assert r.exit_code == 2
     # the corrupt record was the received RST, which joined the first rp_filter incident
-    assert len(r.stdout.splitlines()) == 3
+    assert len(verdict_lines(r)) == 3
     assert "corrupt record at byte" in r.stderr and "Traceback" not in r.output
 
 
@@ -290,3 +297,98 @@ def test_storm_collapse_defaults():
     from nptrace.sinks.collapse import storm_collapse
     assert storm_collapse(None, True) is None and storm_collapse(0, False) is None
     assert storm_collapse(None, False).burst == 20 and storm_collapse(5, True).burst == 5
+
+
+def _live_with_routes(d, raws, answer, **wkw):
+    """live(), with route_iface recorded too (rp_filter hints name the route back)."""
+    offset = E0
+    w = SessionWriter(d, header=make_header(epoch_offset_ns=offset, drops=DROPS, resets=RSTS,
+                                            node="node-a", kernel="6.18.0"), **wkw)
+    rec = Recorder(w)
+    clock = {"i": 0}
+    ctx = Context(drop_name=DROPS.name, rst_name=RSTS.name,
+                  iface_name=rec.iface_name(lambda ns, i: {3: "eth1"}.get(i)),
+                  service_of=rec.service_of(lambda a, p: SVC.get((a, p))),
+                  route_iface=rec.lookup("route_iface", lambda ns, a: answer(a, clock["i"])),
+                  nat_peer=rec.lookup("nat_peer", lambda *a: None))
+    c = Classifier(ctx)
+    out = []
+    for i, raw in enumerate(raws):
+        clock["i"] = i
+        rec.on_raw(raw)
+        out += [verdict_dict(v, offset) for v in c.feed(ev.decode(raw))]
+        rec.tick()
+    out += [verdict_dict(v, offset) for v in c.flush()]
+    rec.close()
+    return out, w
+
+
+def _scanner(n, sources):
+    return [ev.encode(ts_ns=10**9 * i, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16,
+                      ifindex=3, netns=HOST_NS, saddr=f"192.168.{(i % sources) // 250}.{(i % sources) % 250 + 1}",
+                      sport=10000 + i, daddr="10.0.0.2", dport=30080, l4proto=6,
+                      tcpflags=ev.TCP_SYN) for i in range(n)]
+
+
+@pytest.mark.parametrize("cap", [1, 3, 16])
+def test_replay_equals_live_with_bounded_lookup_tables(tmp_path, cap):
+    """The recorder keeps `cap` answers per lookup: sources come back after they were
+    forgotten, with the same answer, another one, or None (the case a forgetful replay would
+    get wrong); rotation replays each file from its header."""
+    def answer(addr, i):
+        last = int(addr.rsplit(".", 1)[1])
+        if last % 5 == 0:
+            return None
+        if last % 7 == 0 and i > 150:
+            return None if i % 2 else f"eth{i % 3}"     # changes, and goes away
+        return f"eth{last % 3}"
+    raws = _scanner(300, 40)
+    want, w = _live_with_routes(tmp_path / "a", raws, answer, lookup_cache=cap,
+                                max_file_bytes=4096 * 3)
+    assert len(session_files(tmp_path / "a")) > 1
+    assert w.known.size() <= 3 * (cap + 2)         # bounded, whatever came by
+    got = [verdict_dict(it.verdict, it.header["epoch_offset_ns"])
+           for it in Replay(tmp_path / "a").items()]
+    assert roundtrip(got) == roundtrip(want)
+    assert any("leaves by eth" in d["hint"] for d in want)
+    assert any("leaves by" not in d["hint"] for d in want)
+    # the newest file alone (older ones deleted) replays its own events alike
+    newest = session_files(tmp_path / "a")[-1]
+    alone = [verdict_dict(it.verdict, it.header["epoch_offset_ns"]) for it in Replay(newest).items()]
+    tail = roundtrip(want)[-len(alone):] if alone else []
+    assert roundtrip(alone)[1:] == tail[1:]
+
+
+def test_none_answers_of_unknown_keys_cost_nothing(tmp_path):
+    raws = _scanner(200, 200)
+    _out, w = _live_with_routes(tmp_path / "a", raws, lambda a, i: None)
+    kinds = [r.kind for r in read_session(tmp_path / "a")[1]]
+    assert kinds.count("lookup") == 0 and kinds.count("event") == 200
+
+
+def test_replay_json_has_a_loss_line_for_a_cut_session(tmp_path):
+    live(tmp_path / "a", scenario_a())
+    [f] = session_files(tmp_path / "a")
+    _, recs, _ = read_session(f)
+    cut = list(recs)[-1].offset           # exactly at a frame boundary: no torn tail
+    os.truncate(f, cut)
+    r = invoke(replay_command, [f, "--json"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    [loss] = [x for x in rows if x["kind"] == "loss"]
+    assert loss["loss"] == "no_stop" and loss["path"] == str(f)
+    assert "records may be missing" in r.stderr
+
+
+def test_recorder_drops_are_shown_in_replay(tmp_path, monkeypatch):
+    d = tmp_path / "a"
+    w = SessionWriter(d, header=make_header(epoch_offset_ns=E0, drops=DROPS, resets=RSTS,
+                                            node="n", kernel="k"), log=lambda m: None)
+    w.write_event(rp_drop(1))
+    w.dropped = 7                       # as _pause() counts records it could not write
+    w.close()
+    r = invoke(replay_command, [d, "--json"])
+    assert r.exit_code == 0, r.output
+    assert "dropped 7 records" in r.stderr
+    [loss] = [json.loads(x) for x in r.stdout.splitlines() if '"loss"' in x]
+    assert loss["loss"] == "recorder_dropped" and loss["records"] == 7
