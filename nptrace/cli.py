@@ -166,6 +166,8 @@ def _register_optional():
         main_group.add_command(lab, "lab")
     except ImportError:
         pass
+    from nptrace.explain.command import explain_command
+    main_group.add_command(explain_command, "explain")
     from nptrace.sessions.commands import merge_command, replay_command, report_command
     main_group.add_command(replay_command, "replay")
     main_group.add_command(report_command, "report")
