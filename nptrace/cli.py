@@ -10,6 +10,7 @@ import click
 from nptrace import __version__
 from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
 from nptrace.errors import EXIT_USAGE, one_line_errors
+from nptrace.sessions.filteropts import FilteredSink, filter_options, live_filter
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
                                "auto_envvar_prefix": "NPTRACE"})
@@ -98,9 +99,11 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 
 @main_group.command()
 @_run_options
+@filter_options(offline=False)
 @one_line_errors
 def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
-        nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
+        nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
+        **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -122,6 +125,9 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
                       metrics_addr=metrics_addr, pcap=pcap)
+    flt = live_filter(filters, cfg)
+    if flt is None:
+        return
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
@@ -130,6 +136,8 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
     tracer.sinks.append(sink)
     try:
         tracer.start()
+        if flt:   # printed lines and the pcap; metrics keep every incident
+            tracer.sinks[:] = [s if s is tracer.metrics else FilteredSink(s, flt) for s in tracer.sinks]
         tracer.run(duration)
     finally:
         tracer.stop()
