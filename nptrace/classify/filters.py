@@ -258,5 +258,9 @@ class FilteredSink:
         if self.flt.matches(v):
             self.sink.write(v)
 
+    def write_many(self, verdicts) -> None:
+        for v in verdicts:
+            self.write(v)
+
     def __getattr__(self, name):
         return getattr(self.sink, name)

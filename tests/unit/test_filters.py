@@ -134,3 +134,15 @@ def test_offline_bad_input_is_one_line_exit_2(cmd, args, msg, tmp_path):
     r = CliRunner().invoke(main_group, [cmd, str(tmp_path), *args])
     assert r.exit_code == 2, r.output
     assert msg in r.output and "Traceback" not in r.output
+
+
+def test_filtered_sink_filters_batches_too():
+    got = []
+
+    class S:
+        def write(self, v):
+            got.append(v)
+        def write_many(self, vs):
+            got.extend(vs)
+    FilteredSink(S(), build(causes=["snat"])).write_many([V(cause="rp_filter"), V(cause="snat")])
+    assert [v.cause for v in got] == ["snat"]
