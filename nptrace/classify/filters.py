@@ -264,3 +264,18 @@ class FilteredSink:
 
     def __getattr__(self, name):
         return getattr(self.sink, name)
+
+
+class StopAfter:
+    """`run -c N`: the last sink; after N incidents it asks the tracer to stop."""
+
+    def __init__(self, n: int, tracer):
+        self.left, self.tracer = int(n), tracer
+
+    def write(self, v) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.tracer.stop_requested = True
+
+    def close(self) -> None:
+        pass

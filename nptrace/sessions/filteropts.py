@@ -87,4 +87,4 @@ def live_filter(kw: dict, cfg):
     return flt
 
 
-from nptrace.classify.filters import FilteredSink  # noqa: E402  (re-exported for cli.py)
+from nptrace.classify.filters import FilteredSink, StopAfter  # noqa: E402  (re-exported for cli.py)

@@ -37,13 +37,14 @@ def two_faults():
 
 @pytest.mark.parametrize("flt,want,other", [
     (["--service", "default/web"], "no_endpoints", "no_listener"),
-    (["--cause", "no_listener"], "no_listener", "no_endpoints"),
+    (["--cause", "no_listener", "-o", "json", "-c", "5"], "no_listener", "no_endpoints"),
 ])
 def test_filter_selects_one_of_two_faults(two_faults, root_and_bcc, tmp_path, flt, want, other):
     ready = tmp_path / "ready"
     env = dict(os.environ, NPTRACE_LOCK_FILE=str(tmp_path / "lock"))
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run", "--json",
+        p = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run",
+                              *([] if "-o" in flt else ["--json"]),
                               "--iface", "npt-node1/eth0", "--ready-file", str(ready), *flt],
                              stdout=out, stderr=err, env=env)
         try:
@@ -53,9 +54,12 @@ def test_filter_selects_one_of_two_faults(two_faults, root_and_bcc, tmp_path, fl
             assert {a.outcome for a in attempts} == {"refused"}
             assert len(_closed_port_connects(5)) == 5        # both faults happened
             time.sleep(2.0)
+            if "-c" in flt:       # -c 5: it stopped by itself after the 5 incidents
+                assert p.wait(timeout=10) == 0
         finally:
-            p.send_signal(signal.SIGINT)
-            p.wait(timeout=30)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                p.wait(timeout=30)
     assert p.returncode == 0, (tmp_path / "err").read_text()
     causes = [json.loads(l).get("cause") for l in (tmp_path / "out").read_text().splitlines()]
     assert want in causes, (causes, (tmp_path / "err").read_text()[-2000:])
