@@ -10,6 +10,7 @@ import click
 from nptrace import __version__
 from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
 from nptrace.errors import EXIT_USAGE, one_line_errors
+from nptrace.sessions.filteropts import FilteredSink, StopAfter, filter_options, live_filter
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
                                "auto_envvar_prefix": "NPTRACE"})
@@ -29,11 +30,15 @@ def main_group():
 
 def _run_options(fn):
     opts = [
-        click.option("--json", "as_json", is_flag=True,
-                     help="One JSON object per line per event on stdout (status goes to stderr)."),
+        click.option("--json", "as_json", is_flag=True, help="Alias of -o json."),
+        click.option("-o", "--output", "output", type=click.Choice(["text", "json"]),
+                     default=None, help="text: readable lines; json: one JSON object per "
+                     "incident per line on stdout (status goes to stderr)."),
+        click.option("-c", "--count", "count", type=click.IntRange(1), default=None,
+                     metavar="N", help="Exit after N incidents (after the filters)."),
         click.option("--duration", type=float, metavar="SECONDS",
                      help="Stop by itself after SECONDS."),
-        click.option("--iface", "ifaces", multiple=True, metavar="[NETNS/]IFNAME",
+        click.option("-i", "--iface", "ifaces", multiple=True, metavar="[NETNS/]IFNAME",
                      help="Also watch this interface's packets with tc (repeatable)."),
         click.option("--port", "ports", multiple=True, metavar="N[-M]",
                      help="Only flows with this port on either side (repeatable; default all)."),
@@ -79,7 +84,7 @@ def _run_options(fn):
         click.option("--metrics-addr", metavar="[HOST:]PORT",
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
-        click.option("--pcap", "--output-pcap", "pcap", metavar="FILE",
+        click.option("-w", "--pcap", "--output-pcap", "pcap", metavar="FILE",
                      help="Write the packets behind labeled events as pcapng (0600), with cause "
                           "and evidence as packet comments."),
     ]
@@ -98,9 +103,11 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 
 @main_group.command()
 @_run_options
+@filter_options(offline=False)
 @one_line_errors
-def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
-        nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap):
+def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
+        nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
+        **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -122,6 +129,11 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
                       metrics_addr=metrics_addr, pcap=pcap)
+    from nptrace.sinks.fmt import output_mode
+    as_json = output_mode(output, as_json) == "json"
+    flt = live_filter(filters, cfg)
+    if flt is None:
+        return
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
@@ -130,6 +142,11 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
     tracer.sinks.append(sink)
     try:
         tracer.start()
+        if flt:   # printed lines and the pcap; metrics keep every incident
+            tracer.sinks[:] = [s if s is tracer.metrics else FilteredSink(s, flt) for s in tracer.sinks]
+        if count:
+            stop = StopAfter(count, tracer)
+            tracer.sinks.append(FilteredSink(stop, flt) if flt else stop)
         tracer.run(duration)
     finally:
         tracer.stop()
@@ -140,7 +157,7 @@ def run(as_json, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst
 @main_group.command("dump-bpf")
 @_run_options
 @one_line_errors
-def dump_bpf(as_json, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
+def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
              **_outputs):
     """Print the BPF source and cflags `run` would compile (no root needed)."""
     from nptrace.kernel import attach, btf, features, loader, offsets
@@ -166,6 +183,8 @@ def _register_optional():
         main_group.add_command(lab, "lab")
     except ImportError:
         pass
+    from nptrace.explain.command import explain_command
+    main_group.add_command(explain_command, "explain")
     from nptrace.sessions.commands import merge_command, replay_command, report_command
     main_group.add_command(replay_command, "replay")
     main_group.add_command(report_command, "report")

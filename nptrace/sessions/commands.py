@@ -10,6 +10,7 @@ from collections import Counter
 import click
 
 from nptrace.errors import NptraceError, one_line_errors
+from nptrace.sessions.filteropts import OnlyMatching, filter_from, filter_options
 from nptrace.sessions.format import Problem, SessionError
 from nptrace.sessions.merge import merge
 from nptrace.sessions.replay import Replay
@@ -82,9 +83,10 @@ _PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
 @click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
               help="As `run --collapse`: at most N alike incidents a second, the rest as one "
                    "line with `repeat` (default 20 on the console, 0 with --json).")
+@filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def replay_command(paths, as_json, pcap, collapse):
+def replay_command(paths, as_json, pcap, collapse, **filters):
     """Label a recorded session again with this nptrace's classifier (no root needed).
 
     \b
@@ -102,7 +104,8 @@ def replay_command(paths, as_json, pcap, collapse):
     from nptrace.sinks.collapse import storm_collapse
     from nptrace.sinks.console import Console
     from nptrace.sinks.jsonl import JsonLines
-    r = Replay(paths)
+    flt = filter_from(filters)     # bad filter values before the files are read
+    r = OnlyMatching(Replay(paths), flt)
     out = sys.stdout
     storm = storm_collapse(collapse, as_json)
     lines = JsonLines(0, out, collapse=storm) if as_json else Console(0, out, collapse=storm)
@@ -136,9 +139,10 @@ def replay_command(paths, as_json, pcap, collapse):
 @_PATHS
 @click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True,
               help="How many flows to list.")
+@filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def report_command(paths, top):
+def report_command(paths, top, **filters):
     """Summarize recorded sessions: causes, Services, interfaces, top flows, a timeline, and
     the exact kernel counts with ring-buffer loss.
 
@@ -147,7 +151,8 @@ def report_command(paths, top):
       nptrace report /var/lib/nptrace
       nptrace report node-a/ node-b/ --top 20
     """
-    r = Replay(paths)
+    flt = filter_from(filters)
+    r = OnlyMatching(Replay(paths), flt)
     click.echo(printable(build_report(r, top=top)))
     _warn_and_fail(r.problems)
 
@@ -158,9 +163,10 @@ def report_command(paths, top):
               help="One JSON object per line: `run --json`'s keys plus node and story.")
 @click.option("--window", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
               metavar="SECONDS", help="How far apart two sightings of a tuple still join.")
+@filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def merge_command(paths, as_json, window):
+def merge_command(paths, as_json, window, **filters):
     """Interleave several nodes' sessions by wall time; one connection is one story.
 
     \b
@@ -176,8 +182,11 @@ def merge_command(paths, as_json, window):
     problems: list = []
     stories: dict[int, dict] = {}
     out = sys.stdout
+    flt = filter_from(filters)
     for m in merge(paths, problems, window_s=window):
         v, it = m.verdict, m.item
+        if flt and not flt.matches(v, it.epoch_ns, m.node, it.header.get("services", [])):
+            continue
         off = int(it.header.get("epoch_offset_ns", 0))
         if as_json:
             d = verdict_dict(v, off)

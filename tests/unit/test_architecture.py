@@ -28,7 +28,7 @@ LAYERS = (
     ("sinks", ("nptrace.sinks",)),
     ("sessions", ("nptrace.sessions",)),
     ("lab", ("nptrace.lab",)),
-    ("entry", ("nptrace.tracer", "nptrace.doctor", "nptrace.cli")),
+    ("entry", ("nptrace.tracer", "nptrace.doctor", "nptrace.explain", "nptrace.cli")),
     ("bench", ("nptrace.bench",)),
 )
 # the only importers of bcc and pyroute2 (STYLE.md 1)

@@ -1,0 +1,213 @@
+"""Read what `explain` needs from the node, in its network namespace: addresses, rp_filter and
+conntrack sysctls, `ip route get` for the SYN (with its ingress interface) and for the reply,
+the netfilter rules (node/rules_source.py), the local pods (the namespaces at the other end of
+the node's veths) with their listening sockets, and one probe connection from the node to each
+endpoint (`probe=False` skips it).
+
+Needs root (reading rules and entering namespaces). Each step is one `ip`/`ss` call or a short
+thread in the namespace (kernel/nsenter.py); a probe costs at most PROBE_TIMEOUT_S twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+from nptrace.errors import NptraceError
+from nptrace.kernel import nsenter
+from nptrace.services.model import fmt_ep, split_hostport
+
+from .facts import Facts, Route
+
+PROBE_TIMEOUT_S = 1.0
+PROBE_PAYLOAD = b"HEAD / HTTP/1.0\r\n\r\n"
+_NETNS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SYSCTLS = ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_loose",
+            "nf_conntrack_tcp_be_liberal")
+
+
+class ExplainError(NptraceError):
+    pass
+
+
+def _ip(netns: str | None, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    argv = ["ip", *(["-n", netns] if netns else []), *args]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ExplainError(f"cannot run {' '.join(argv)}: {e}: install iproute2") from None
+    if check and r.returncode != 0:
+        raise ExplainError(f"{' '.join(argv)} failed: {r.stderr.strip() or r.returncode}")
+    return r
+
+
+def _exec(netns: str | None, argv: list[str]) -> str:
+    full = (["ip", "netns", "exec", netns] if netns else []) + argv
+    try:
+        r = subprocess.run(full, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout
+
+
+def route_get(netns: str | None, dst: str, src: str | None = None, iif: str | None = None) -> Route:
+    args = ["route", "get", dst] + (["from", src] if src else []) + (["iif", iif] if iif else [])
+    cmd = "ip " + " ".join(args)
+    r = _ip(netns, "-j", *args, check=False)
+    if r.returncode != 0:
+        return Route(cmd, type="error", error=(r.stderr.strip().splitlines() or ["failed"])[-1]
+                     .replace("RTNETLINK answers: ", ""))
+    try:
+        d = json.loads(r.stdout)[0]
+    except (ValueError, IndexError, KeyError):
+        return Route(cmd, type="error", error="unreadable answer")
+    return Route(cmd, dev=d.get("dev"), via=d.get("gateway"), type=d.get("type", "unicast"))
+
+
+def addresses(netns: str | None) -> dict:
+    out: dict = {}
+    for link in json.loads(_ip(netns, "-j", "addr").stdout or "[]"):
+        out[link["ifname"]] = [a["local"] for a in link.get("addr_info", []) if "local" in a]
+    return out
+
+
+def sysctls(netns: str | None, ifaces) -> tuple[dict, dict]:
+    paths = ["/proc/sys/net/ipv4/conf/all/rp_filter"] + \
+        [f"/proc/sys/net/ipv4/conf/{i}/rp_filter" for i in ifaces] + \
+        [f"/proc/sys/net/netfilter/{k}" for k in _SYSCTLS]
+    text = _exec(netns, ["grep", "-H", ".", *paths])
+    rp, ct = {}, {}
+    for line in text.splitlines():
+        path, _, value = line.partition(":")
+        if not value.strip().lstrip("-").isdigit():
+            continue
+        parts = path.split("/")
+        if parts[-1] == "rp_filter":
+            rp[parts[-2]] = int(value)
+        else:
+            ct[parts[-1]] = int(value)
+    return rp, ct
+
+
+def local_pods(netns: str | None) -> dict:
+    """Pods of this node: the named namespaces at the far end of its veths, with their
+    addresses and TCP listening ports."""
+    ids = _ip(netns, "netns", "list-id", check=False).stdout
+    names = re.findall(r"nsid \d+ \(iproute2 netns name: (\S+)\)", ids)
+    pods: dict = {}
+    for name in names:
+        if name == netns:
+            continue
+        try:
+            addrs = addresses(name)
+        except ExplainError:
+            continue
+        listen = sorted({int(m) for m in re.findall(r"\S+:(\d+)\s+\S+:\*",
+                                                       _exec(name, ["ss", "-Htln"]))})
+        for ifname, lst in addrs.items():
+            if ifname == "lo":
+                continue
+            for a in lst:
+                pods[a] = {"netns": name, "listen": listen}
+    return pods
+
+
+def _probe_one(ep: str) -> dict:
+    host, port = split_hostport(ep)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(PROBE_TIMEOUT_S)
+    try:
+        try:
+            s.connect((host, port))
+        except socket.timeout:
+            return {"outcome": "timeout", "error": f"no answer in {PROBE_TIMEOUT_S:g} s"}
+        except OSError as e:
+            name = {111: "refused", 113: "unreachable", 101: "unreachable",
+                    104: "reset"}.get(e.errno, "error")
+            return {"outcome": name, "error": os.strerror(e.errno) if e.errno else str(e)}
+        try:
+            s.sendall(PROBE_PAYLOAD)
+            data = s.recv(64)
+            return {"outcome": "ok" if data else "connected", "error": ""}
+        except socket.timeout:
+            return {"outcome": "connected", "error": ""}
+        except (ConnectionResetError, BrokenPipeError) as e:
+            return {"outcome": "reset", "error": os.strerror(e.errno)}
+    finally:
+        s.close()
+
+
+def probe(netns: str | None, endpoints) -> dict:
+    path = nsenter.path_of(netns)
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(endpoints)))) as pool:
+        futs = {ep: pool.submit(nsenter.run_in, path, lambda ep=ep: _probe_one(ep))
+                for ep in endpoints}
+    out = {}
+    for ep, f in futs.items():
+        try:
+            out[ep] = f.result()
+        except OSError as e:
+            out[ep] = {"outcome": "error", "error": str(e)}
+    return out
+
+
+def rules(netns: str | None) -> list:
+    from nptrace.node.rules_source import RulesSourceError, read_all
+    try:
+        return [(d.backend, d.text) for d in read_all(netns)]
+    except RulesSourceError as e:
+        raise ExplainError(f"cannot read the netfilter rules: {e}") from None
+
+
+def check_netns(netns: str | None) -> None:
+    if netns is None:
+        return
+    if not _NETNS_RE.match(netns) or netns in (".", ".."):
+        raise ExplainError(f"bad network namespace name {netns!r}")
+    if not os.path.exists(f"/run/netns/{netns}"):
+        raise ExplainError(f"no network namespace {netns!r} (see `ip netns list`)")
+
+
+def gather(client: str, dst: str, port: int, *, netns: str | None = None, iif: str | None = None,
+           do_probe: bool = True) -> Facts:
+    """The Facts for client -> dst:port as the node in `netns` sees it."""
+    from .predict import service_map
+    check_netns(netns)
+    if shutil.which("ip") is None:
+        raise ExplainError("ip not found: install the Debian package iproute2")
+    if os.geteuid() != 0:
+        raise ExplainError("explain reads netfilter rules and enters namespaces: run as root")
+    addrs = addresses(netns)
+    if iif is not None and iif not in addrs:
+        raise ExplainError(f"no interface {iif!r} in {'netns ' + netns if netns else 'this namespace'} "
+                           f"(interfaces: {', '.join(sorted(addrs))})")
+    back = route_get(netns, client)
+    source = "given"
+    if iif is None:
+        owner = [i for i, lst in addrs.items() if dst in lst and i != "lo"]
+        if owner:
+            iif, source = owner[0], "address"
+        elif back.ok and back.dev:
+            iif, source = back.dev, "route"
+    rp, ct = sysctls(netns, [i for i in addrs if i != "lo"])
+    facts = Facts(client=client, dst=dst, port=port, netns=netns, iif=iif, iif_source=source,
+                  addrs=addrs, rp_filter=rp, route_to_client=back, sysctl=ct,
+                  rules=rules(netns), local_pods=local_pods(netns))
+    smap = service_map(facts)
+    svc = smap.lookup(dst, port)
+    eps = list(svc.endpoints) if svc is not None else []
+    for ep in eps:
+        hp = split_hostport(ep)
+        if hp:
+            facts.syn_routes[hp[0]] = route_get(netns, hp[0], client, iif)
+    if do_probe and eps:
+        facts.probes = probe(netns, eps)
+    return facts
+
+
+__all__ = ["ExplainError", "fmt_ep", "gather", "route_get"]

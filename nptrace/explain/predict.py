@@ -1,0 +1,280 @@
+"""The predictor: Facts -> what happens to the SYN and its reply, step by step, ending in the
+cause nptrace would label (classify.verdict.CAUSES), or None when the connection should work.
+
+Pure. The order follows the packet: kube-proxy's verdict on the address the client used (no
+endpoints, no local endpoint, source ranges), the ingress reverse-path check (done after nat
+PREROUTING, so on the DNATed packet), the forward filter per endpoint (NetworkPolicy-style
+drops), the endpoint's answer (local pods' listening sockets, the node's probe connection), the
+reply's source NAT and the interface the reply leaves by, then idle-connection conntrack
+timeouts. A prediction's cause is the one of highest classify.verdict.PRIORITY among the steps,
+which is also how an incident's cause is chosen from its events.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from nptrace.classify.rules import TAG_CAUSES
+from nptrace.classify.verdict import RANK
+from nptrace.services import ServiceMap
+from nptrace.services.model import canon, fmt_ep, split_hostport
+
+from .facts import Facts, Route
+
+# kube-proxy sets nf_conntrack_tcp_timeout_established to 86400 s; a value this short forgets
+# idle connections that applications commonly keep (keep-alive pools, long polls).
+SHORT_CT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Step:
+    stage: str                 # ingress | service | rp_filter | forward | endpoint | snat | reply | conntrack
+    text: str                  # one evidence line
+    cause: str | None = None   # the cause this step predicts (None: passes)
+    endpoint: str | None = None
+
+
+@dataclass
+class Prediction:
+    cause: str | None          # None: the connection should work
+    summary: str
+    steps: list = field(default_factory=list)
+    endpoints: dict = field(default_factory=dict)   # "ip:port" -> cause or None
+    service: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"cause": self.cause, "ok": self.cause is None, "summary": self.summary,
+                "service": self.service, "endpoints": self.endpoints,
+                "steps": [s.__dict__ for s in self.steps]}
+
+
+# -- kube-proxy's masquerade, from rule text ------------------------------------------------
+
+_IPT_RULE = re.compile(r"^-A (\S+) .*?-[jg] (\S+)")
+_NFT_TABLE = re.compile(r"^\s*table (\S+) (\S+) \{")
+_NFT_CHAIN = re.compile(r"^\s*chain (\S+) \{")
+_NFT_JUMP = re.compile(r"\b(?:jump|goto) (\S+)")
+
+
+def _reaches(edges: dict, roots, goal) -> bool:
+    seen, todo = set(), list(roots)
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if c in goal:
+            return True
+        todo.extend(edges.get(c, ()))
+    return False
+
+
+def kube_masquerade(rules) -> tuple[bool | None, str]:
+    """Whether nat POSTROUTING reaches kube-proxy's MASQUERADE (iptables KUBE-POSTROUTING, nft
+    table kube-proxy chain masquerading): (True/False, evidence), (None, why) when no dump holds
+    kube-proxy's masquerade chain."""
+    for backend, text in rules:
+        if backend.startswith("iptables"):
+            edges, masq, table = {}, set(), None
+            for line in text.splitlines():
+                if line.startswith("*"):
+                    table = line[1:].strip()
+                    continue
+                if table != "nat":
+                    continue
+                m = _IPT_RULE.match(line)
+                if m:
+                    edges.setdefault(m.group(1), []).append(m.group(2))
+                    if m.group(2) == "MASQUERADE" and m.group(1) == "KUBE-POSTROUTING":
+                        masq.add("KUBE-POSTROUTING")
+            if masq:
+                ok = _reaches(edges, ["POSTROUTING"], masq)
+                return ok, (f"{backend} nat POSTROUTING "
+                            + ("-> KUBE-POSTROUTING -> MASQUERADE" if ok else
+                               "does not reach KUBE-POSTROUTING's MASQUERADE (jump missing)"))
+        else:
+            edges, masq, roots, table, chain = {}, set(), [], None, None
+            for line in text.splitlines():
+                m = _NFT_TABLE.match(line)
+                if m:
+                    table, chain = f"{m.group(1)} {m.group(2)}", None
+                    continue
+                m = _NFT_CHAIN.match(line)
+                if m:
+                    chain = (table, m.group(1))
+                    continue
+                if chain is None:
+                    continue
+                if "hook postrouting" in line:
+                    roots.append(chain)
+                for j in _NFT_JUMP.findall(line):
+                    edges.setdefault(chain, []).append((table, j))
+                if re.search(r"\bmasquerade\b", line) and table and table.endswith(" kube-proxy") \
+                        and chain[1] == "masquerading":
+                    masq.add(chain)
+            if masq:
+                ok = _reaches(edges, roots, masq)
+                return ok, ("nft " + ("postrouting -> kube-proxy masquerading -> masquerade" if ok
+                                      else "no postrouting chain jumps to kube-proxy's masquerading chain"))
+    return None, "no kube-proxy masquerade chain in the rules"
+
+
+def service_map(facts: Facts) -> ServiceMap:
+    from nptrace.services import merge, parse_iptables_save, parse_nft
+    maps = [parse_nft(t, backend=b) if b == "nft" else parse_iptables_save(t, backend=b)
+            for b, t in facts.rules]
+    return merge(*maps).with_local_addrs(facts.local_addrs())
+
+
+# -- the prediction -------------------------------------------------------------------------
+
+def _best(causes) -> str | None:
+    causes = [c for c in causes if c]
+    return min(causes, key=lambda c: RANK.get(c, 99)) if causes else None
+
+
+def _rp_effective(facts: Facts, iface: str | None) -> int | None:
+    a, i = facts.rp_filter.get("all"), facts.rp_filter.get(iface) if iface else None
+    vals = [v for v in (a, i) if v is not None]
+    return max(vals) if vals else None
+
+
+def _route_text(r: Route | None) -> str:
+    if r is None:
+        return "not looked up"
+    if not r.ok:
+        return f"`{r.cmd}`: {r.error}"
+    return f"`{r.cmd}` -> {r.type + ' ' if r.type != 'unicast' else ''}dev {r.dev}" + \
+        (f" via {r.via}" if r.via else "")
+
+
+def predict(facts: Facts, smap: ServiceMap | None = None) -> Prediction:
+    smap = smap if smap is not None else service_map(facts)
+    steps: list[Step] = []
+    add = steps.append
+    client, dst, port, iif = facts.client, facts.dst, facts.port, facts.iif
+    how = {"given": "as given", "address": f"it holds {dst}",
+           "route": f"the route toward {client} leaves by it"}.get(facts.iif_source, "")
+    add(Step("ingress", f"SYN {fmt_ep(client, 0)[:-2]} > {fmt_ep(dst, port)} arrives on "
+                        f"{iif or '?'}" + (f" ({how})" if how else "")))
+
+    svc = smap.lookup(dst, port) if smap else None
+    if svc is None:
+        add(Step("service", f"no kube-proxy Service answers on {fmt_ep(dst, port)} in this "
+                            f"namespace's rules ({len(smap)} Service ports known)"))
+    else:
+        add(Step("service", f"{fmt_ep(dst, port)} is {svc.name} ({svc.kind}), "
+                            f"externalTrafficPolicy {'Local' if svc.etp_local else 'Cluster'}; "
+                            f"endpoints {', '.join(svc.endpoints) or 'none'}"
+                            + (f"; local {', '.join(svc.local_endpoints)}" if svc.etp_local else "")))
+
+    # kube-proxy's own verdict for the address the client used
+    if smap:
+        for r in smap.verdict_rules(dst, port, include_invalid=False):
+            if r.reason in TAG_CAUSES:
+                cause = TAG_CAUSES[r.reason][0]
+                add(Step("service", f"kube-proxy drops or rejects it: {r.where()}: `{r.text}`", cause))
+                return _finish(steps, {}, svc)
+
+    # reverse-path filter on the ingress interface (ip_rcv_finish, after nat PREROUTING)
+    back = facts.route_to_client
+    rp = _rp_effective(facts, iif)
+    back_dev = back.dev if back is not None and back.ok else None
+    if rp in (1, 2) and iif:
+        mode = "strict" if rp == 1 else "loose"
+        if (rp == 1 and back_dev is not None and back_dev != iif) or (back is not None and not back.ok):
+            add(Step("rp_filter", f"rp_filter {rp} ({mode}, max of conf/all and conf/{iif}) on {iif}; "
+                                  f"route back to {client}: {_route_text(back)}: the SYN is dropped "
+                                  f"(IP_RPFILTER)", "rp_filter"))
+            return _finish(steps, {}, svc)
+        add(Step("rp_filter", f"rp_filter {rp} ({mode}) on {iif}; route back: {_route_text(back)}: passes"))
+    elif iif:
+        add(Step("rp_filter", f"rp_filter {rp if rp is not None else '?'} on {iif}: no reverse-path check"))
+
+    global_causes: list[str | None] = []
+    if back_dev is not None and iif and back_dev != iif:
+        add(Step("reply", f"the reply to {client} leaves by {back_dev}, not {iif} where the SYN came "
+                          f"in ({_route_text(back)}): a stateful device on the {iif} path never sees "
+                          f"it", "wrong_iface"))
+        global_causes.append("wrong_iface")
+    elif back_dev is not None:
+        add(Step("reply", f"the reply to {client} leaves by {back_dev}, the interface the SYN came in on"))
+
+    ct_to = facts.sysctl.get("nf_conntrack_tcp_timeout_established")
+    if svc is not None and ct_to is not None and ct_to < SHORT_CT_TIMEOUT_S:
+        loose = facts.sysctl.get("nf_conntrack_tcp_loose")
+        add(Step("conntrack", f"nf_conntrack_tcp_timeout_established = {ct_to} s"
+                              + (f", nf_conntrack_tcp_loose = {loose}" if loose is not None else "")
+                              + f": a connection idle longer than {ct_to} s loses its entry and its "
+                                f"next packets are INVALID (dropped, not un-NATed)", "conntrack_invalid"))
+        global_causes.append("conntrack_invalid")
+
+    per_ep: dict[str, str | None] = {}
+    if svc is not None:
+        eps = svc.local_endpoints if svc.etp_local and svc.kind != "clusterip" else svc.endpoints
+        masq, masq_why = kube_masquerade(facts.rules)
+        for ep in eps:
+            per_ep[ep] = _endpoint(facts, smap, svc, ep, masq, masq_why, add)
+    return _finish(steps, per_ep, svc, global_causes)
+
+
+def _endpoint(facts, smap, svc, ep, masq, masq_why, add) -> str | None:
+    hp = split_hostport(ep)
+    if hp is None:
+        return None
+    ip, eport = hp
+    causes = []
+    r = facts.syn_routes.get(ip)
+    pod = facts.local_pods.get(ip)
+    add(Step("forward", f"DNAT to {ep}: {_route_text(r)}" + (f" (local pod, netns {pod['netns']})"
+                                                            if pod else " (on another node)"), None, ep))
+    oif = r.dev if r is not None and r.ok else None
+    drops = [d for d in smap.matching_drop_rules(facts.client, ip, eport, hook="forward",
+                                                 iif=facts.iif, oif=oif) if d.reason == "other"]
+    if drops:
+        d = drops[0]
+        add(Step("forward", f"a filter rule drops {facts.client} > {ep}: {d.where()}: `{d.text}`",
+                 "policy_drop", ep))
+        return "policy_drop"
+    if pod is not None and eport not in pod.get("listen", []):
+        ports = ", ".join(str(p) for p in pod.get("listen", [])) or "none"
+        add(Step("endpoint", f"nothing listens on {ep} in {pod['netns']} (TCP listening ports: "
+                             f"{ports}): the pod answers the SYN with a RST", "no_listener", ep))
+        causes.append("no_listener")
+    pr = facts.probes.get(ep)
+    if pr is not None:
+        outcome = pr.get("outcome")
+        cause = {"refused": "no_listener", "timeout": "proxy", "unreachable": "proxy",
+                 "reset": "app_reset"}.get(outcome)
+        what = {"refused": "refused (RST): nothing listens there",
+                "timeout": "no answer: a stale endpoint (deleted pod), or a drop on its node",
+                "unreachable": "host unreachable: the endpoint is gone",
+                "reset": "connected, then reset by the application",
+                "ok": "connected and answered", "connected": "connected (no reply in time)"}.get(
+                    outcome, outcome)
+        if cause != "no_listener" or "no_listener" not in causes:
+            add(Step("endpoint", f"probe from the node to {ep}: {what}"
+                                 + (f" ({pr['error']})" if pr.get("error") else ""), cause, ep))
+        if cause and cause not in causes:
+            causes.append(cause)
+    if not svc.etp_local:
+        if masq is False and pod is None:
+            add(Step("snat", f"not masqueraded ({masq_why}): {ep} answers {facts.client} directly "
+                             f"from its node, un-NATed, and the client resets the unknown reply",
+                     "snat", ep))
+            causes.append("snat")
+        elif masq:
+            add(Step("snat", f"masqueraded to the node's address ({masq_why})", None, ep))
+    return _best(causes)
+
+
+def _finish(steps, per_ep, svc, global_causes=()) -> Prediction:
+    cause = _best([*global_causes, *per_ep.values(), *(s.cause for s in steps)])
+    if cause is None:
+        summary = "predicted: the connection works"
+    else:
+        bad = [e for e, c in per_ep.items() if c]
+        where = f" ({len(bad)} of {len(per_ep)} endpoints)" if per_ep and bad and \
+            any(s.cause == cause and s.endpoint for s in steps) else ""
+        summary = f"predicted: {cause}{where}"
+    return Prediction(cause, summary, steps, per_ep, svc.name if svc is not None else None)

@@ -1,0 +1,115 @@
+"""`nptrace explain`'s predictor over facts captured from the lab (tests/fixtures/explain: one
+file per scenario trigger, gathered by nptrace.explain.gather on the scenario's node), and its
+bad input. The privileged twin, tests/privileged/test_explain.py, gathers them live."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nptrace.classify.verdict import CAUSES
+from nptrace.explain import Facts, Route, predict
+from nptrace.explain.predict import kube_masquerade
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "explain"
+CASES = sorted(FIX.glob("*.json"))
+
+
+def load(path):
+    d = json.loads(path.read_text())
+    return d, Facts.from_dict(d["facts"])
+
+
+@pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
+def test_predicts_the_scenario_cause(path):
+    d, facts = load(path)
+    p = predict(facts)
+    assert p.cause == d["cause"], "\n".join(s.text for s in p.steps)
+    assert p.cause is None or p.cause in CAUSES
+    assert any(s.cause == p.cause for s in p.steps) or p.cause is None
+    assert p.summary.startswith("predicted: ")
+
+
+def test_every_scenario_has_a_fixture():
+    from nptrace import lab
+    have = {json.loads(p.read_text())["scenario"] for p in CASES}
+    assert have == {s.name for s in lab.scenarios()}
+
+
+def test_facts_round_trip():
+    _, facts = load(FIX / "missing-snat-0.json")
+    again = Facts.from_dict(json.loads(json.dumps({**facts.to_dict(), "rules": facts.rules})))
+    assert again == facts
+
+
+def test_strict_rp_filter_only_when_the_route_back_differs():
+    _, facts = load(FIX / "rp-filter-asymmetric-0.json")
+    same = replace(facts, route_to_client=Route("ip route get x", dev="eth1"))
+    assert predict(same).cause is None
+    loose = replace(facts, rp_filter={**facts.rp_filter, "all": 2})
+    assert predict(loose).cause == "wrong_iface"
+
+
+def test_policy_drop_names_the_rule_and_the_endpoint():
+    _, facts = load(FIX / "networkpolicy-drop-0.json")
+    p = predict(facts)
+    step = next(s for s in p.steps if s.cause == "policy_drop")
+    assert step.endpoint == "10.244.0.10:8080" and "default deny ingress" in step.text
+    assert p.endpoints["10.244.0.10:8080"] == "policy_drop"
+
+
+def test_no_probe_still_predicts_from_local_sockets():
+    _, facts = load(FIX / "no-listener-0.json")
+    assert predict(replace(facts, probes={})).cause == "no_listener"
+
+
+NFT_OK = """table ip kube-proxy {
+	chain masquerading {
+		meta mark & 0x00004000 == 0x00000000 return
+		masquerade fully-random
+	}
+	chain nat-postrouting {
+		type nat hook postrouting priority srcnat; policy accept;
+		jump masquerading
+	}
+}
+"""
+
+
+def test_nft_masquerade_jump():
+    assert kube_masquerade([("nft", NFT_OK)])[0] is True
+    broken = NFT_OK.replace("\t\tjump masquerading\n", "")
+    assert kube_masquerade([("nft", broken)])[0] is False
+    assert kube_masquerade([("nft", "table inet other {\n}\n")])[0] is None
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--from", "nope", "--to", "10.0.0.1:80"], "bad --from"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1"], "bad --to"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1:99999"], "bad --to"),
+    (["--from", "10.0.0.9"], "exactly one of"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1:80", "--service", "a/b"], "exactly one of"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1:80", "--netns", "../x"], "bad network namespace"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1:80", "--netns", "npt-no-such-ns"], "no network namespace"),
+    (["--from", "10.0.0.9", "--to", "10.0.0.1:80", "--confirm", "0"], "--confirm"),
+])
+def test_bad_input_is_one_line_exit_2(args, msg):
+    from nptrace.cli import main_group
+    r = CliRunner().invoke(main_group, ["explain", *args])
+    assert r.exit_code == 2, r.output
+    assert msg in r.output
+    assert "Traceback" not in r.output
+
+
+def test_unknown_service_is_one_line():
+    from nptrace.explain.command import resolve_service
+    from nptrace.explain.gather import ExplainError
+    from nptrace.explain.predict import service_map
+    _, facts = load(FIX / "healthy-0.json")
+    smap = service_map(facts)
+    assert resolve_service(smap, "default/web")[:2] == ("default/web:http", 30080)
+    assert resolve_service(smap, "default/web-local:http")[1] == 30081
+    for bad, msg in (("default/nope", "unknown Service"), ("web", "bad --service")):
+        with pytest.raises(ExplainError, match=msg):
+            resolve_service(smap, bad)
