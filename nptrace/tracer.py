@@ -18,7 +18,7 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
-from nptrace.errors import InterfaceError, LockError, PrivilegeError
+from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
@@ -159,6 +159,12 @@ class Tracer:
         check_privileges()
         check_ifaces(self.cfg)
         self.lock.acquire()
+        from nptrace.kernel import headers     # bcc's compile needs some; which ones, said once
+        hsrc = headers.find()
+        log(hsrc.line())
+        if hsrc.kind == "none":
+            raise LoadError(f"no kernel headers for bcc's compile: {hsrc.detail}")
+        headers.select(hsrc)
         from nptrace import reasons
         from nptrace.kernel import attach, btf, features, offsets
         from nptrace.node.netns import Names
