@@ -136,7 +136,13 @@ def compile_everything() -> int:
     cfg = Config(ports=(PortRange.parse("1"),), hosts=(ipaddress.ip_network("10.0.0.0/8"),),
                  ifaces=(IfaceSpec.parse("lo"),), kprobes=True)
     text = loader.source_text()
-    flags = build_cflags(cfg, None, offset_defines(text))
+    # bcc makes TRACEPOINT_PROBE's argument structs from tracefs format files, which an image
+    # build has none of: there the tracepoint programs are left out. The header set is the
+    # same either way (bcc's preamble; our programs include only uapi/linux/ptrace.h).
+    tracefs = any(Path(d, "events/skb/kfree_skb/format").is_file()
+                  for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
+    flags = build_cflags(cfg, None if tracefs and not os.environ.get("NPT_HEADERTREE_NO_TP")
+                         else set(), offset_defines(text))
     rc = 0
     try:
         b = loader.compile_families(loader.FAMILIES, flags)
