@@ -84,6 +84,10 @@ def _run_options(fn):
         click.option("--metrics-addr", metavar="[HOST:]PORT",
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
+        click.option("--node-name", metavar="NAME",
+                     help="The node's name on every output (JSON lines, session header, pcapng, "
+                          "nptrace_build_info); default $NODE_NAME (the DaemonSet's downward "
+                          "API), else the host name."),
         click.option("-w", "--pcap", "--output-pcap", "pcap", metavar="FILE",
                      help="Write the packets behind labeled events as pcapng (0600), with cause "
                           "and evidence as packet comments."),
@@ -107,7 +111,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @one_line_errors
 def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
-        **filters):
+        node_name, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -123,12 +127,15 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
         raise ConfigError("--duration must be a positive number of seconds")
     cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
                               max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode)
+    from nptrace.node.identity import node_name as _node_name
+    node, node_from = _node_name(node_name)
+    log(f"node {node} (from {node_from})")
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
-                      metrics_addr=metrics_addr, pcap=pcap)
+                      metrics_addr=metrics_addr, pcap=pcap, node=node)
     from nptrace.sinks.fmt import output_mode
     as_json = output_mode(output, as_json) == "json"
     flt = live_filter(filters, cfg)
@@ -137,7 +144,7 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
-    sink = JsonLines(tracer.epoch_offset_ns, collapse=storm) if as_json \
+    sink = JsonLines(tracer.epoch_offset_ns, collapse=storm, node=node) if as_json \
         else Console(tracer.epoch_offset_ns, collapse=storm)
     tracer.sinks.append(sink)
     try:

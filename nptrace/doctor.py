@@ -59,23 +59,30 @@ class Report:
 
 
 def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None,
-                 cfg: Config | None = None) -> Report:
-    """`cfg`: the run configuration the hook rows are planned for (default: `nptrace run`'s)."""
+                 cfg: Config | None = None, header_source=None) -> Report:
+    """`cfg`: the run configuration the hook rows are planned for (default: `nptrace run`'s).
+    `header_source`: kernel/headers.py find()'s answer, a row of its own (fail when none)."""
     plan = attach.plan(features, cfg or Config())
     hook_rows = set(feat.HOOK_ROWS)
     rows = [Row(r.area, r.name, r.status, plan.detail(r) if r.name in hook_rows else r.detail,
                 "" if r.status == "ok" else r.cost)
             for r in features.results]
+    hs = header_source
+    if hs is not None:
+        rows.append(Row("kernel", "headers", "fail" if hs.kind == "none" else "ok",
+                        f"{hs.kind}: {hs.detail}", "bcc cannot compile the probes" if
+                        hs.kind == "none" else ""))
     if node_checks is not None:
         area = f"node ({node_checks.netns})" if node_checks.netns else "node"
         rows += [Row(area, f.check, f.status, f.detail, "" if f.status == "ok" else f.cost,
                      f.remedy) for f in node_checks.findings]
     fails = features.failures
     reason = ""
-    if fails:
+    if fails or (hs is not None and hs.kind == "none"):
         why = [feat.PROBES[r.name].fail_reason or f"{r.name}: {r.detail}" for r in fails]
+        why += [f"no kernel headers ({hs.detail})"] if hs is not None and hs.kind == "none" else []
         reason = "tracing is not possible: " + "; ".join(why)
-    return Report(features.kernel, tuple(rows), not fails, reason)
+    return Report(features.kernel, tuple(rows), not reason, reason)
 
 
 def exit_code(report: Report) -> int:
@@ -158,7 +165,9 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
         trial_fn = _trial_function()
     features = feat.probe(root, trials=trial_fn, mount_tracefs=mount_tracefs and real)
     node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
-    report = build_report(features, node_checks)
+    from nptrace.kernel import headers    # fixture trees (--root) carry no headers: real root only
+    hs = headers.find(features.kernel or None) if real else None
+    report = build_report(features, node_checks, header_source=hs)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -18,7 +18,7 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
-from nptrace.errors import InterfaceError, LockError, PrivilegeError
+from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
@@ -144,7 +144,7 @@ class Tracer:
         self.status_every = 10.0       # seconds between status lines on stderr (0: none)
         self.reader = None
         self.outputs = outputs or Outputs()
-        self.metrics = self.metrics_server = None
+        self.metrics = self.metrics_server = self.health = None
         self.plan = None               # kernel/attach.py Plan: what start() attaches
         self.nf_links = None           # netfilter-hook links (kernel/nfhook.py)
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
@@ -159,6 +159,12 @@ class Tracer:
         check_privileges()
         check_ifaces(self.cfg)
         self.lock.acquire()
+        from nptrace.kernel import headers     # bcc's compile needs some; which ones, said once
+        hsrc = headers.find()
+        log(hsrc.line())
+        if hsrc.kind == "none":
+            raise LoadError(f"no kernel headers for bcc's compile: {hsrc.detail}")
+        headers.select(hsrc)
         from nptrace import reasons
         from nptrace.kernel import attach, btf, features, offsets
         from nptrace.node.netns import Names
@@ -198,11 +204,15 @@ class Tracer:
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         if self.metrics is not None:
+            from nptrace.kernel.hooks import TRACEPOINTS
+            from nptrace.sinks import health
             probes = self.probes
             self.metrics.watch_kernel(lambda: (probes.counts(), probes.stats()),
                                       iface_name=names.iface, drop_name=drops.name,
                                       rst_name=rsts.name, flows=lambda: len(self.classifier.flows),
-                                      probes=lambda: {p: 1 for p in probes.attached})
+                                      probes=lambda: health.probe_states(
+                                          TRACEPOINTS, probes.attached, self.cfg.ifaces, self.tc,
+                                          plan.nf_hook))
         self.classifier = Classifier(self.ctx)
         release_startup_memory()
         from nptrace.kernel.ringbuf import RingReader
@@ -217,6 +227,8 @@ class Tracer:
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         self.notify.ready(f"attached {what}")
+        if self.health is not None:
+            self.health.ready(what)
         return elapsed
 
     def _nat_peer(self, saddr, sport, daddr, dport):
@@ -234,6 +246,7 @@ class Tracer:
                       "ifaces": [str(i) for i in self.cfg.ifaces], "kprobes": plan.kprobes},
             counters=lambda: (self.probes.counts(), self.probes.stats()), log=log)
         self.metrics, self.metrics_server = opened.metrics, opened.metrics_server
+        self.health = opened.health
         self.recorder = opened.recorder
         if self.recorder is not None:
             self.recorders.append(self.recorder)
@@ -314,6 +327,8 @@ class Tracer:
         try:
             while not self.stop_requested:
                 self.notify.tick()
+                if self.health is not None:
+                    self.health.beat()
                 if self.status_every and time.monotonic() >= next_status:
                     # the 3 a.m. view: is it attached, how busy, is anything being lost
                     st = self.probes.stats()
@@ -358,6 +373,8 @@ class Tracer:
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> dict:
         self.notify.stopping()
+        if self.health is not None:
+            self.health.stop()
         if self.probes is None and self.tc is None:
             self.lock.release()
             return {}    # never started: nothing to detach or report

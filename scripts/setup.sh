@@ -18,7 +18,8 @@ export DEBIAN_FRONTEND=noninteractive
 
 pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack
       nfacct clang bpftool tcpdump kmod procps shellcheck iperf3 python3-matplotlib
-      podman buildah debootstrap runc)   # the last four: the container test (scripts/build-image.sh)
+      podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
+      strace)                            # kernel/headertree.py: which headers bcc's compile reads
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -60,5 +61,13 @@ if ! .venv/bin/python -c 'import nptrace, pytest, pyroute2, msgpack, click, prom
     touch .venv/.installed
 fi
 ln -sfn "$top/.venv/bin/nptrace" /usr/local/bin/nptrace
+# nptrace's own minimal kernel headers (about 150 files), for nodes and units that hide
+# /lib/modules (ProtectKernelModules=yes in deploy/nptrace.service): remade when the headers
+# it came from or the BPF sources are newer.
+kh=/usr/share/nptrace/kheaders
+if [ ! -f "$kh/include/linux/kconfig.h" ] || [ -n "$(find bpf nptrace/kernel/headertree.py -newer "$kh/SOURCE" 2>/dev/null | head -n1)" ]; then
+    mkdir -p "$(dirname "$kh")"
+    .venv/bin/python -m nptrace.kernel.headertree "$kh" >&2
+fi
 mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
 log "ready: $(command -v nptrace)"

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Where a minimal header tree generated at build time is to live. Not generated yet
-# (issue 17 item 3): until then `find` reports node headers, kheaders or none.
+# The minimal header tree made at image build (deploy/Containerfile) or by scripts/setup.sh
+# with `python -m nptrace.kernel.headertree` (kernel/headertree.py): about 150 files.
 SHIPPED = Path(os.environ.get("NPTRACE_KHEADERS", "/usr/share/nptrace/kheaders"))
 
 
@@ -47,10 +47,11 @@ def find(release: str | None = None, root: Path = Path("/"), env=os.environ,
     ik = root / "sys/kernel/kheaders.tar.xz"
     if ik.exists():
         return HeaderSource("kheaders", str(ik), f"{ik} (CONFIG_IKHEADERS), unpacked by bcc")
-    if (shipped / "include").is_dir():
+    if (shipped / "include/linux/kconfig.h").is_file():    # what bcc 0.26 checks for
         return HeaderSource("shipped", str(shipped), f"nptrace's minimal tree {shipped}")
     return HeaderSource("none", "", f"no {build}, no {ik}: install the kernel headers package "
-                        f"for {release} (Debian: linux-headers-{release})")
+                        f"for {release} (Debian: linux-headers-{release}), or make nptrace's "
+                        f"own tree: python -m nptrace.kernel.headertree {shipped}")
 
 
 def select(source: HeaderSource, env=os.environ) -> None:

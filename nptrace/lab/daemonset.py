@@ -8,7 +8,8 @@ YAML, never retyped: a field this module does not know how to translate raises, 
 emulation cannot drift silently from the manifest.
 
     spec = load(Path("deploy/daemonset.yaml"))
-    argv = podman_run_args(spec, image, downward={"status.hostIP": "127.0.0.1"}, name="npt")
+    argv = podman_run_args(spec, image, downward={"status.hostIP": "127.0.0.1", "spec.nodeName": "n1"},
+                             name="npt")
 
 Pure apart from `prepare_host_paths` (creates DirectoryOrCreate paths as the kubelet does).
 """

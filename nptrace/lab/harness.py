@@ -36,9 +36,10 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: 
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
                    inode_sink: dict | None = None, variant: str | None = None,
-                   rounds: int = 1, pause: float = 1.5):
-    """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down.
-    Returns (lab info, attempts, JSON events, stderr)."""
+                   rounds: int = 1, pause: float = 1.5, wrap: tuple = ()):
+    """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down. ``wrap``: a
+    command prefix for nptrace (a mount namespace, ...). Returns (lab info, attempts, JSON
+    events, stderr)."""
     from nptrace import lab
     info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
     if inode_sink is not None:   # netns inodes exist only while the lab is up
@@ -53,7 +54,7 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
             for w in (info.watch if watch else ()):
                 ifaces += ["--iface", w]
             with open(out, "w") as fo, open(err, "w") as fe:
-                proc = subprocess.Popen(_nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
+                proc = subprocess.Popen([*wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
                                                           *ifaces, *extra_args],
                                         stdout=fo, stderr=fe)
                 try:

@@ -147,30 +147,33 @@ _NO_CTX = Context()
 
 class JsonLines:
     def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None,
-                 collapse: StormCollapse | None = None):
+                 collapse: StormCollapse | None = None, node: str = ""):
         self.stream = stream or sys.stdout
         self.offset = epoch_offset_ns
         self.collapse = collapse
+        # "node" first on every line: one concatenation a line, not a second encoder
+        self.node_prefix = '{"node":' + _esc(node) + "," if node else "{"
 
     def _line(self, v: Verdict, repeat: int = 1, since: int | None = None,
               events: int | None = None) -> None:
-        self.stream.write(verdict_line(v, self.offset, repeat, since, events) + "\n")
+        self.stream.write(self.node_prefix + verdict_line(v, self.offset, repeat, since, events)[1:] + "\n")
 
     def write(self, v: Verdict) -> None:
         if self.collapse is None:
-            self.stream.write(verdict_line(v, self.offset) + "\n")
+            self.stream.write(self.node_prefix + verdict_line(v, self.offset)[1:] + "\n")
             return
         for item in self.collapse.add(v):
             self._line(*item)
 
     def write_many(self, verdicts) -> None:
         """write() of each, in order, as one stream write (the same text)."""
-        off = self.offset
+        off, pre = self.offset, self.node_prefix
         if self.collapse is None:
-            lines = [verdict_line(v, off) for v in verdicts]
+            lines = [pre + verdict_line(v, off)[1:] for v in verdicts]
         else:
             add = self.collapse.add
-            lines = [verdict_line(item[0], off, *item[1:]) for v in verdicts for item in add(v)]
+            lines = [pre + verdict_line(item[0], off, *item[1:])[1:] for v in verdicts
+                     for item in add(v)]
         if lines:
             lines.append("")
             self.stream.write("\n".join(lines))

@@ -18,6 +18,7 @@ class Outputs:
     record_max_total_bytes: int = 1 << 30
     metrics_addr: str | None = None
     pcap: str | None = None
+    node: str = ""          # node/identity.py's name: session header, pcapng, build_info
 
 
 @dataclasses.dataclass
@@ -28,6 +29,7 @@ class Opened:
     recorder: object | None = None
     metrics: object | None = None
     metrics_server: object | None = None
+    health: object | None = None       # sinks/health.py Health, with the metrics endpoint
 
 
 def open_outputs(o: Outputs, *, epoch_offset_ns: int, drops, rsts, features: dict,
@@ -39,23 +41,27 @@ def open_outputs(o: Outputs, *, epoch_offset_ns: int, drops, rsts, features: dic
         if o.metrics_addr:
             from prometheus_client import CollectorRegistry
             from nptrace.sinks import prometheus
+            from nptrace.sinks import health
             reg = CollectorRegistry()
-            out.metrics_server = prometheus.serve(o.metrics_addr, reg)
+            out.health = health.Health()   # /healthz, /livez beside /metrics (sinks/health.py)
+            out.metrics_server = health.serve(o.metrics_addr, reg, out.health)
             out.metrics = prometheus.MetricsSink(reg)
+            from nptrace import __version__
+            reg.register(health.build_info_collector(__version__, node=o.node))
             out.sinks.append(out.metrics)
-            log(f"metrics on http://{o.metrics_addr}/metrics")
+            log(f"metrics on http://{o.metrics_addr}/metrics, health on /healthz and /livez")
         if o.record_dir:
             from nptrace.sessions import format as session
             from nptrace.sinks.recorder import Recorder, snapshot_ifnames
             hdr = session.make_header(
                 epoch_offset_ns=epoch_offset_ns, drops=drops, resets=rsts,
-                features=features, ifnames=snapshot_ifnames())
+                features=features, ifnames=snapshot_ifnames(), node=o.node or None)
             writer = session.SessionWriter(o.record_dir, o.record_max_file_bytes,
                                            o.record_max_age_s, o.record_max_total_bytes, hdr)
             out.recorder = Recorder(writer, counters=counters)
         if o.pcap:
             from nptrace.sinks.pcapng import PcapngSink
-            out.sinks.append(PcapngSink(o.pcap, epoch_offset_ns))
+            out.sinks.append(PcapngSink(o.pcap, epoch_offset_ns, node=o.node))
     except BaseException:
         if out.metrics_server is not None:      # the tracer never learns of it: close it here
             out.metrics_server.close()

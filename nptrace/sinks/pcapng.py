@@ -60,9 +60,12 @@ def _block(btype: int, body: bytes) -> bytes:
     return struct.pack("<II", btype, n) + body + struct.pack("<I", n)
 
 
-def section_header() -> bytes:
+def section_header(node: str = "") -> bytes:
     body = struct.pack("<IHHq", BYTE_ORDER_MAGIC, 1, 0, -1)
-    body += _options([(SHB_USERAPPL, f"nptrace {__version__}".encode())])
+    opts = [(SHB_USERAPPL, f"nptrace {__version__}".encode())]
+    if node:     # the capturing node, as a section comment (Wireshark: Statistics > Capture File)
+        opts.append((OPT_COMMENT, f"node: {node}".encode("utf-8", "replace")[:MAX_COMMENT]))
+    body += _options(opts)
     return _block(SHB, body)
 
 
@@ -178,12 +181,12 @@ def open_output(path: str, what: str) -> int:
 
 
 class PcapngSink:
-    def __init__(self, path, epoch_offset_ns: int):
+    def __init__(self, path, epoch_offset_ns: int, node: str = ""):
         self.path = str(path)
         self.offset = epoch_offset_ns     # replay sets it per recorded run
         self.f = os.fdopen(open_output(self.path, "--pcap"), "wb")
         self.ifaces: dict[str, int] = {}
-        self.f.write(section_header())
+        self.f.write(section_header(node))
         self.f.flush()
         self.packets = 0
 

@@ -156,6 +156,15 @@ def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
             break
         time.sleep(0.5)
     assert got >= len(attempts), (got, c.logs()[-3000:])
+    text = scrape()
+    # the kubelet's probes (deploy/daemonset.yaml): ready once attached, live while looping
+    for path in ("/healthz", "/livez"):
+        with urllib.request.urlopen(f"http://{NODE_IP}:9464{path}", timeout=5) as r:
+            assert r.status == 200, path
+    assert sample(text, "nptrace_build_info", node=socket.gethostname()) == 1, text[-2000:]
+    assert sample(text, "nptrace_probe_up", probe="skb:kfree_skb") == 1
+    # the node's headers are mounted (/lib/modules) and preferred; the image's tree is there
+    assert "kernel headers: node" in c.logs(), c.logs()[-3000:]
     # the kubelet's TERM: probes detached, session closed, exit 0 within the grace period
     grace = spec_grace = 30
     _run(["podman", "stop", "-t", str(grace), c.name], timeout=grace + 30)
@@ -197,3 +206,23 @@ def test_sigkilled_container_is_cleaned_up_by_the_next_start(start, lab_up):
     assert second.state()["ExitCode"] == 0, second.logs()[-3000:]
     assert not _filters(netns, dev)
     assert not list(Path("/run/nptrace").glob(f"tc-{second.pid() or 0}.json"))
+
+
+def test_container_without_node_headers_uses_its_own(start, lab_up, spec):
+    """A node with no headers (COS, Bottlerocket, Talos): the DaemonSet's /lib/modules and
+    /usr/src mounts removed, the image's minimal tree (deploy/Containerfile stage 1) is used."""
+    lab_up("no-listener")
+    spec.container["volumeMounts"] = [m for m in spec.container["volumeMounts"]
+                                      if m["name"] not in ("lib-modules", "usr-src")]
+    c = start("-nh")
+    logs = c.wait_attached()
+    assert "kernel headers: shipped (nptrace's minimal tree /usr/share/nptrace/kheaders)" in logs, logs
+    from nptrace import lab
+    attempts = lab.trigger("no-listener", count=3, prefix=PREFIX)
+    end, got = time.monotonic() + 15, 0.0
+    while time.monotonic() < end and got < len(attempts):
+        got = sample(scrape(), "nptrace_resets_total", cause="no_listener", direction="sent")
+        time.sleep(0.5)
+    assert got >= len(attempts), (got, c.logs()[-3000:])
+    _run(["podman", "stop", "-t", "30", c.name], timeout=60)
+    assert c.state()["ExitCode"] == 0, c.logs()[-3000:]

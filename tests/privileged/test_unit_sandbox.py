@@ -72,7 +72,7 @@ def test_the_sandbox_is_the_units(unit, tmp_path):
     assert "NoNewPrivs:\t1" in out
 
 
-def test_unit_traces_a_lab_reset_and_exits_0(unit, tmp_path):
+def test_unit_traces_a_lab_reset_and_exits_0(unit, tmp_path, shipped_headers):
     from nptrace import lab
     lab.up("no-listener", prefix=PREFIX)
     state = tmp_path / "state"
@@ -103,6 +103,8 @@ def test_unit_traces_a_lab_reset_and_exits_0(unit, tmp_path):
     assert sb.notify.has("STOPPING=1")
     assert list(state.glob("*")), "no session written to the StateDirectory"
     assert "Traceback" not in err
+    # ProtectKernelModules=yes hides the node's headers: the minimal tree is compiled against
+    assert f"kernel headers: shipped (nptrace's minimal tree {shipped_headers})" in err, err[-2000:]
 
 
 def test_usage_error_exits_2_and_is_not_restarted(unit):

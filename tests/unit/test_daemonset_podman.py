@@ -11,7 +11,8 @@ MANIFEST = Path(__file__).resolve().parents[2] / "deploy/daemonset.yaml"
 
 def test_podman_command_is_the_manifest(tmp_path):
     spec = daemonset.load(MANIFEST)
-    argv = daemonset.podman_run_args(spec, "img", {"status.hostIP": "10.0.0.7"}, name="x",
+    argv = daemonset.podman_run_args(spec, "img", {"status.hostIP": "10.0.0.7", "spec.nodeName": "n1"},
+                                     name="x",
                                      scratch=tmp_path)
     sc = spec.container["securityContext"]
     assert "--cap-drop=all" in argv
@@ -31,7 +32,8 @@ def test_unknown_fields_are_refused_not_dropped(tmp_path):
     spec = daemonset.load(MANIFEST)
     spec.container["securityContext"]["procMount"] = "Unmasked"
     with pytest.raises(daemonset.SpecError, match="procMount"):
-        daemonset.podman_run_args(spec, "img", {"status.hostIP": "1.2.3.4"}, name="x")
+        daemonset.podman_run_args(spec, "img", {"status.hostIP": "1.2.3.4", "spec.nodeName": "n1"},
+                                  name="x")
     spec = daemonset.load(MANIFEST)
     with pytest.raises(daemonset.SpecError, match="status.hostIP"):
         daemonset.podman_run_args(spec, "img", {}, name="x")

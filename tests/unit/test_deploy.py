@@ -61,7 +61,8 @@ def test_daemonset_shape():
     [p] = c["ports"]
     assert p["containerPort"] == port == int(DEFAULT_ADDR.rsplit(":", 1)[1])
     probe = c["livenessProbe"]["httpGet"]
-    assert probe["path"] == "/metrics" and probe["port"] in (port, p["name"])
+    assert probe["path"] == "/livez" and probe["port"] in (port, p["name"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"    # sinks/health.py
     assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["cpu"]
 
 

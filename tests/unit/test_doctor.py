@@ -278,3 +278,16 @@ def test_cli_netns_with_fixture_root_is_one_line_error(no_trials):
     r = invoke("--root", str(FIXTURES / "linux-6.18"), "--netns", "npt-x")
     assert r.exit_code == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "netns" in r.stderr
+
+
+def test_headers_row_fails_the_report_when_there_are_none(tmp_path):
+    from nptrace.kernel import headers
+    fx = features.probe(FIXTURES / "linux-6.18")
+    none = headers.find("6.18.0", root=tmp_path, env={}, shipped=tmp_path / "none")
+    rep = doctor.build_report(fx, header_source=none)
+    row = [r for r in rep.rows if r.check == "headers"][0]
+    assert row.status == "fail" and not rep.ok and "no kernel headers" in rep.reason
+    shipped = headers.HeaderSource("shipped", "/usr/share/nptrace/kheaders", "minimal tree")
+    rep = doctor.build_report(fx, header_source=shipped)
+    assert [r.status for r in rep.rows if r.check == "headers"] == ["ok"]
+    assert rep.ok == doctor.build_report(fx).ok

@@ -17,13 +17,15 @@ def test_node_headers_first(tmp_path):
 
 def test_env_wins_and_ikheaders_before_shipped(tmp_path):
     assert headers.find("6.1.0", root=tmp_path, env={"BCC_KERNEL_SOURCE": "/k"}).kind == "env"
-    root = tree(tmp_path, "sys/kernel", "ship/include")
+    root = tree(tmp_path, "sys/kernel", "ship/include/linux")
+    (root / "ship/include/linux/kconfig.h").write_text("")
     (root / "sys/kernel/kheaders.tar.xz").write_bytes(b"")
     assert headers.find("6.1.0", root=root, env={}, shipped=root / "ship").kind == "kheaders"
 
 
 def test_shipped_tree_is_selected_for_bcc(tmp_path):
-    root = tree(tmp_path, "ship/include")
+    root = tree(tmp_path, "ship/include/linux")
+    (root / "ship/include/linux/kconfig.h").write_text("")
     s = headers.find("6.1.0", root=root, env={}, shipped=root / "ship")
     env = {}
     headers.select(s, env)
