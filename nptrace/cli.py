@@ -128,8 +128,7 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
     cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
                               max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode)
     from nptrace.node.identity import node_name as _node_name
-    node, node_from = _node_name(node_name)
-    log(f"node {node} (from {node_from})")
+    node, _how = _node_name(node_name)    # said in the tracer's "attached" line
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,

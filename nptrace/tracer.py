@@ -223,7 +223,9 @@ class Tracer:
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
         if self.tc is not None:
             what += f" (tc via {self.tc.mode})"
-        log(f"attached {what} in {elapsed:.2f}s (kprobes: {'yes' if plan.kprobes else 'absent'})")
+        node = f" on node {self.outputs.node}" if self.outputs.node else ""
+        log(f"attached {what}{node} in {elapsed:.2f}s "
+            f"(kprobes: {'yes' if plan.kprobes else 'absent'})")
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         self.notify.ready(f"attached {what}")

@@ -63,4 +63,4 @@ def test_health_names_and_probe_up(root_and_bcc, tmp_path):
     assert lines and all(l["node"] == "node-test-1" for l in lines)
     ports = {a.sport for a in attempts}
     assert any(l.get("dport") in ports and l["cause"] == "no_listener" for l in lines)
-    assert "node node-test-1 (from --node-name)" in err
+    assert "on node node-test-1 in " in err
