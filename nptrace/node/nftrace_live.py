@@ -23,11 +23,14 @@ import ipaddress
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 from nptrace.node import nftrace
+from nptrace.node.nlmsg import (NFGENMSG_LEN, NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE,
+                                NLMSG_ERROR, attrs, error_of, messages, request)
 from nptrace.node.rules_source import RulesSourceError, in_netns, is_xt, run_in_netns
 
 TABLE = "nptrace_trace"
@@ -36,6 +39,7 @@ TRACE_RATE = "50/second"  # packets traced per second and namespace, whatever th
 SET_SIZE = 1024
 ARMS_PER_S = 10         # `nft add element` forks; a flood of drops must not fork per event
 SOCK_RCVBUF = 1 << 20
+MAX_NAMESPACES = 1024   # namespaces with a session or a reason kept (one fd per session)
 
 
 # An nft identifier as nft's scanner reads one (scanner.l: `string`): a letter, '_' or '.',
@@ -66,6 +70,70 @@ def table_script() -> str:
     body = "; ".join(sets + chains)
     return (f"table inet {TABLE} {{}}; delete table inet {TABLE}; "
             f"table inet {TABLE} {{ {body}; }}")
+
+
+# --- leftovers of a killed run -----------------------------------------------------------------
+_NFT_MSG_NEWTABLE, _NFT_MSG_GETTABLE = 0, 1      # linux/netfilter/nf_tables.h
+_NFNL_SUBSYS_NFTABLES = 10
+_NFTA_TABLE_NAME = 1
+_NFPROTO_INET = 1
+
+
+def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool]:
+    """([(family, name)] of the NFT_MSG_NEWTABLE messages in one recv, dump finished). Never
+    raises on a short or odd datagram (an NLMSG_ERROR becomes its OSError)."""
+    out = []
+    for mtype, start, end in messages(data):
+        if mtype == NLMSG_DONE:
+            return out, True
+        if mtype == NLMSG_ERROR:
+            raise error_of(data, start)
+        if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWTABLE:
+            continue
+        if end - start < NLMSG.size + NFGENMSG_LEN:
+            continue
+        family = data[start + NLMSG.size]
+        for atype, payload in attrs(data, start + NLMSG.size + NFGENMSG_LEN, end):
+            if atype == _NFTA_TABLE_NAME:
+                out.append((family, payload.split(b"\0", 1)[0].decode(errors="replace")))
+                break
+    return out, False
+
+
+def _has_trace_table_here() -> bool:
+    """Is there a `table inet nptrace_trace` in this thread's namespace (an nfnetlink table
+    dump: no fork of nft per namespace at start)."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                       nftrace.NETLINK_NETFILTER) as s:
+        s.settimeout(2.0)
+        s.bind((0, 0))
+        s.send(request((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETTABLE,
+                       NLM_F_REQUEST | NLM_F_DUMP, 1, struct.pack("=BBH", 0, 0, 0)))
+        found, done = False, False
+        while not done:
+            got, done = parse_tables(s.recv(1 << 16))
+            found = found or (_NFPROTO_INET, TABLE) in got
+        return found
+
+
+def sweep_tables(namespaces, log=lambda msg: None) -> list[str]:
+    """Remove `table inet nptrace_trace` that a killed run left in each namespace of
+    `namespaces` (names; None is the host). Only one nptrace runs per node (the instance lock,
+    taken before this), so any such table is a dead run's: left in place it would go on
+    marking packets for tracing. Returns where one was removed; a namespace that cannot be
+    read is skipped."""
+    removed = []
+    for ns in namespaces:
+        try:
+            if not in_netns(ns, _has_trace_table_here):
+                continue
+            run_in_netns(ns, ["nft", f"delete table inet {TABLE}"], check=False)
+        except (OSError, RulesSourceError):
+            continue
+        removed.append("the host namespace" if ns is None else f"netns {ns}")
+    if removed:
+        log(f"removed table inet {TABLE} left by a killed nptrace run in {', '.join(removed)}")
+    return removed
 
 
 def _trace_socket() -> socket.socket:
@@ -202,6 +270,15 @@ class TracedRules:
                          f"interest are traced (at most {TRACE_RATE})")
             except (RulesSourceError, OSError) as e:
                 why = f"nft trace unavailable here ({str(e).splitlines()[0] if str(e) else e})"
+        if len(self._ns) >= MAX_NAMESPACES:
+            # namespaces come and go faster than prune() runs (pod churn): forget the oldest
+            # reason first, a session only when nothing else is left to forget
+            old = next((i for i, v in self._ns.items() if isinstance(v, str)), None)
+            if old is None:
+                old = next(iter(self._ns))
+                self._gone_malformed += self._ns[old].malformed
+                self._ns[old].close()
+            del self._ns[old]
         self._ns[inode] = got if why is None else why
         if why is None:
             self._start_reader()
@@ -314,8 +391,26 @@ class TracedRules:
                         s.drain(now)
 
     def malformed(self) -> int:
-        """Trace datagrams skipped as undecodable, in every namespace."""
-        return sum(s.malformed for s in list(self._ns.values()) if not isinstance(s, str))
+        """Trace datagrams skipped as undecodable, in every namespace (released ones too)."""
+        return self._gone_malformed + sum(s.malformed for s in list(self._ns.values())
+                                          if not isinstance(s, str))
+
+    _gone_malformed = 0
+    released = 0            # namespaces whose session was closed because they went away
+
+    def prune(self, alive) -> int:
+        """Close the sessions of namespaces not in `alive` (inodes): a deleted pod's socket
+        would otherwise keep its namespace (and an fd) forever. Its table went with it, so
+        nothing is deleted there. Returns how many were released."""
+        with self._lock:
+            gone = [i for i in self._ns if i not in alive]
+            for i in gone:
+                s = self._ns.pop(i)
+                if not isinstance(s, str):
+                    self._gone_malformed += s.malformed
+                    s.sock.close()
+            self.released += len(gone)
+        return len(gone)
 
     def close(self) -> None:
         self._stop.set()
