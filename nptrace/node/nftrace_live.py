@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import re
 import select
 import socket
@@ -69,7 +70,7 @@ def table_script() -> str:
               for name, hook in (("pre", "prerouting"), ("out", "output"))]
     body = "; ".join(sets + chains)
     return (f"table inet {TABLE} {{}}; delete table inet {TABLE}; "
-            f"table inet {TABLE} {{ {body}; }}")
+            f"table inet {TABLE} {{ comment \"{owner_comment()}\"; {body}; }}")
 
 
 # --- leftovers of a killed run -----------------------------------------------------------------
@@ -79,9 +80,25 @@ _NFTA_TABLE_NAME = 1
 _NFPROTO_INET = 1
 
 
-def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool]:
-    """([(family, name)] of the NFT_MSG_NEWTABLE messages in one recv, dump finished). Never
-    raises on a short or odd datagram (an NLMSG_ERROR becomes its OSError)."""
+_NFTA_TABLE_USERDATA = 6
+_NFTNL_UDATA_TABLE_COMMENT = 0
+
+
+def _comment(udata: bytes) -> str:
+    """The comment in a table's userdata (libnftnl udata: type, length, value TLVs)."""
+    off = 0
+    while off + 2 <= len(udata):
+        typ, ln = udata[off], udata[off + 1]
+        val = udata[off + 2:off + 2 + ln]
+        if typ == _NFTNL_UDATA_TABLE_COMMENT:
+            return val.split(b"\0", 1)[0].decode(errors="replace")
+        off += 2 + ln
+    return ""
+
+
+def parse_tables(data: bytes) -> tuple[list[tuple[int, str, str]], bool]:
+    """([(family, name, comment)] of the NFT_MSG_NEWTABLE messages in one recv, dump
+    finished). Never raises on a short or odd datagram (an NLMSG_ERROR becomes its OSError)."""
     out = []
     for mtype, start, end in messages(data):
         if mtype == NLMSG_DONE:
@@ -93,39 +110,65 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool]:
         if end - start < NLMSG.size + NFGENMSG_LEN:
             continue
         family = data[start + NLMSG.size]
+        name = comment = None
         for atype, payload in attrs(data, start + NLMSG.size + NFGENMSG_LEN, end):
             if atype == _NFTA_TABLE_NAME:
-                out.append((family, payload.split(b"\0", 1)[0].decode(errors="replace")))
-                break
+                name = payload.split(b"\0", 1)[0].decode(errors="replace")
+            elif atype == _NFTA_TABLE_USERDATA:
+                comment = _comment(payload)
+        if name is not None:
+            out.append((family, name, comment or ""))
     return out, False
 
 
-def _has_trace_table_here() -> bool:
-    """Is there a `table inet nptrace_trace` in this thread's namespace (an nfnetlink table
-    dump: no fork of nft per namespace at start)."""
+def _trace_table_owner_here() -> str | None:
+    """The comment of `table inet nptrace_trace` in this thread's namespace ("" without one),
+    None when there is no such table. An nfnetlink table dump: no fork of nft per namespace."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                        nftrace.NETLINK_NETFILTER) as s:
         s.settimeout(2.0)
         s.bind((0, 0))
         s.send(request((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETTABLE,
                        NLM_F_REQUEST | NLM_F_DUMP, 1, struct.pack("=BBH", 0, 0, 0)))
-        found, done = False, False
+        found, done = None, False
         while not done:
             got, done = parse_tables(s.recv(1 << 16))
-            found = found or (_NFPROTO_INET, TABLE) in got
+            for fam, name, comment in got:
+                if fam == _NFPROTO_INET and name == TABLE:
+                    found = comment
         return found
+
+
+def owner_comment(pid: int | None = None) -> str:
+    """`nptrace <pid> <start time>`: the comment our trace tables carry, so a later start can
+    tell a dead run's table from a live one's (a pid alone may have been reused)."""
+    from nptrace.kernel.tc import start_time
+    pid = os.getpid() if pid is None else pid
+    return f"nptrace {pid} {start_time(pid) or 0}"
+
+
+def owner_alive(comment: str) -> bool:
+    """Does the run named by a table comment still run? No owner (an older nptrace, or not
+    a comment of ours): dead, since the instance lock is held by us."""
+    from nptrace.kernel.tc import process_alive
+    parts = comment.split()
+    if len(parts) != 3 or parts[0] != "nptrace" or not parts[1].isdigit() \
+            or not parts[2].isdigit():
+        return False
+    pid, start = int(parts[1]), int(parts[2])
+    return pid != os.getpid() and process_alive(pid, start or None)
 
 
 def sweep_tables(namespaces, log=lambda msg: None) -> list[str]:
     """Remove `table inet nptrace_trace` that a killed run left in each namespace of
-    `namespaces` (names; None is the host). Only one nptrace runs per node (the instance lock,
-    taken before this), so any such table is a dead run's: left in place it would go on
-    marking packets for tracing. Returns where one was removed; a namespace that cannot be
-    read is skipped."""
+    `namespaces` (names; None is the host): left in place it would go on marking packets for
+    tracing. A table whose comment names a run that still runs is left alone. Returns where
+    one was removed; a namespace that cannot be read is skipped."""
     removed = []
     for ns in namespaces:
         try:
-            if not in_netns(ns, _has_trace_table_here):
+            owner = in_netns(ns, _trace_table_owner_here)
+            if owner is None or owner_alive(owner):
                 continue
             run_in_netns(ns, ["nft", f"delete table inet {TABLE}"], check=False)
         except (OSError, RulesSourceError):
