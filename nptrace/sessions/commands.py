@@ -15,7 +15,7 @@ from nptrace.sessions.merge import merge
 from nptrace.sessions.replay import Replay
 from nptrace.sessions.report import flow_text, build_report
 from nptrace.sinks import jsonl
-from nptrace.sinks.console import printable
+from nptrace.text import printable
 
 
 def _warn_and_fail(problems: list[Problem]) -> None:

@@ -108,3 +108,120 @@ def test_live_namespaces_sees_processes_and_names(tmp_path):
     got = netns.live_namespaces()
     import os
     assert os.stat("/proc/self/ns/net").st_ino in got
+
+
+# --- item 3 leftovers: fixed at the source ----------------------------------------------
+def test_decode_refuses_non_buffers_with_decode_error():
+    import pytest
+    for x in (None, 5, "abc", [1], {"a": 1}):
+        with pytest.raises(ev.DecodeError):
+            ev.decode(x)
+    assert ev.decode_many([None, 3, b"x"]) == ([], 3)
+
+
+def test_reasons_strip_takes_any_value():
+    from nptrace import reasons
+    assert reasons.strip(5, "SKB_") == "5" and reasons.strip("SKB_X", "SKB_") == "X"
+
+
+def test_error_messages_are_escaped_for_the_terminal():
+    import click
+    from click.testing import CliRunner
+    from nptrace.errors import NptraceError, one_line_errors
+
+    @click.command()
+    @one_line_errors
+    def cmd():
+        raise NptraceError("bad iface \x1b[31mred")
+    r = CliRunner().invoke(cmd, [])
+    assert r.exit_code == 2 and "\x1b" not in r.output and "\\x1b" in r.output
+
+
+def test_losses_ledger_gives_deltas_and_survives_a_failing_source():
+    from nptrace.losses import Ledger
+    n = {"v": 0}
+    led = Ledger()
+    led.watch("undecodable", lambda: n["v"])
+    led.watch("broken", lambda: 1 / 0)
+    assert led.poll() == {}
+    n["v"] = 3
+    assert led.poll() == {"undecodable": 3}
+    assert led.poll() == {}
+    assert led.summary() == "3 undecodable"
+
+
+def test_live_loss_line_has_replays_shape():
+    import io
+    import json
+    from nptrace.sinks.jsonl import JsonLines
+    out = io.StringIO()
+    JsonLines(0, stream=out).loss("ring_lost", 7, "7 records ...")
+    d = json.loads(out.getvalue())
+    assert set(d) == {"kind", "loss", "records", "bytes", "path", "offset", "message"}
+    assert (d["kind"], d["loss"], d["records"]) == ("loss", "ring_lost", 7)
+
+
+def test_metrics_count_user_space_losses():
+    from prometheus_client import CollectorRegistry
+    from nptrace.sinks.prometheus import MetricsSink
+    reg = CollectorRegistry()
+    m = MetricsSink(reg)
+    m.loss("recorder_dropped", 4)
+    m.loss("nft_trace_malformed", None)
+    m.loss("ring_lost", 9)           # the kernel's counter says that one
+    assert reg.get_sample_value("nptrace_user_losses_total", {"stage": "recorder_dropped"}) == 4
+    assert reg.get_sample_value("nptrace_user_losses_total", {"stage": "nft_trace_malformed"}) == 1
+    assert reg.get_sample_value("nptrace_user_losses_total", {"stage": "ring_lost"}) is None
+
+
+def test_signals_are_counted_and_checked_between_steps():
+    import os
+    import signal
+    import pytest
+    from nptrace.lifecycle import Interrupted, Signals, run_steps
+    s = Signals()
+    s.install()
+    try:
+        s.checkpoint("a")
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(Interrupted):
+            s.checkpoint("compile")
+    finally:
+        s.restore()
+    done = []
+    failed = run_steps([("one", lambda: 1 / 0), ("two", lambda: done.append(2)),
+                        ("three", lambda: (_ for _ in ()).throw(KeyboardInterrupt())),
+                        ("four", lambda: done.append(4))], lambda m: None)
+    assert failed == ["one", "three"] and done == [2, 4]
+
+
+def test_iface_watch_reattaches_once_and_reports_the_gap():
+    from nptrace.config import IfaceSpec
+    from nptrace.node.ifwatch import IfaceWatch
+
+    class FakeTc:
+        def __init__(self):
+            self.at, self.calls = (1, 5), []
+
+        def where(self, spec):
+            return self.at
+
+        def reattach(self, spec, ifindex, inode):
+            self.calls.append((inode, ifindex))
+            self.at = (inode, ifindex)
+    now = {"t": 0.0}
+    state = {"cur": (1, 5)}
+    tc, logs, gaps = FakeTc(), [], []
+    w = IfaceWatch([IfaceSpec("ns", "eth0")], tc, logs.append, clock=lambda: now["t"],
+                   lookup=lambda spec: state["cur"], on_gap=gaps.append)
+    w.poll(force=True)
+    assert tc.calls == [] and not logs
+    state["cur"] = None
+    now["t"] = 2.0
+    w.poll(force=True)
+    assert "disappeared" in logs[-1]
+    state["cur"] = (1, 9)
+    now["t"] = 5.0
+    w.poll(force=True)
+    w.poll(force=True)
+    assert tc.calls == [(1, 9)] and gaps[0].seconds == 3.0 and "is back" in logs[-1]
