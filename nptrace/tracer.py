@@ -256,10 +256,11 @@ class Tracer:
             self.ifwatch = IfaceWatch(self.cfg.ifaces, self.tc, log, on_gap=self._on_gap)
         check("node knowledge")
         release_startup_memory()
-        from nptrace.kernel.ringbuf import RingReader
-        # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
-        # near 350-600k records/s in Python, the mmap walk above 1M/s (docs/PLATFORM.md).
-        self.reader = RingReader(self.probes.ring_map_fd())
+        from nptrace.kernel.ringbuf import open_reader
+        # On x86-64 the ring is memory-mapped and walked in batches: bcc's per-record callback
+        # tops out near 350-600k records/s in Python, the mmap walk above 1M/s
+        # (docs/PLATFORM.md). Elsewhere the walk's ordering assumptions do not hold: bcc's poll.
+        self.reader = open_reader(self.probes, log)
         elapsed = time.monotonic() - t0
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
         if self.tc is not None:
