@@ -20,6 +20,7 @@ MESSAGES = {
     "recorder_dropped": "records the session writer could not write",
     "nft_trace_malformed": "nf_tables trace messages that could not be decoded were skipped",
     "nft_trace_reader": "the nf_tables trace reader failed and retried",
+    "nft_trace_overruns": "times the kernel dropped nf_tables trace messages (socket full)",
 }
 # stages that count event records (the others count messages or failures)
 RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped"})

@@ -294,6 +294,7 @@ class Tracer:
             nft = self.nft
             w("nft_trace_malformed", nft.malformed)
             w("nft_trace_reader", lambda: nft.reader_errors)
+            w("nft_trace_overruns", nft.overruns)
 
     def _report_losses(self) -> None:
         """Each loss since the last look: a loss line in --json, a metrics counter (the

@@ -332,7 +332,15 @@ class PollReader:
 
     def poll(self, timeout_ms: int = 100, max_records: int = 65536, raw: bool = False) -> list:
         if not self._pending:
-            self.probes.poll(timeout_ms)
+            # the programs wake user space only every WAKE_EVERY records: consume what is
+            # there, and only when nothing is, wait for a wake-up (or the timeout) and consume
+            consume = getattr(self.probes, "consume", None)
+            if consume is not None:
+                consume()
+            if not self._pending:
+                self.probes.poll(timeout_ms)
+                if consume is not None and not self._pending:
+                    consume()
         out = []
         pend = self._pending
         while pend and len(out) < max_records:

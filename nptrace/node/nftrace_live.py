@@ -438,6 +438,10 @@ class TracedRules:
         return self._gone_malformed + sum(s.malformed for s in list(self._ns.values())
                                           if not isinstance(s, str))
 
+    def overruns(self) -> int:
+        """ENOBUFS on the trace sockets: the kernel dropped trace messages for us."""
+        return sum(s.overruns for s in list(self._ns.values()) if not isinstance(s, str))
+
     _gone_malformed = 0
     released = 0            # namespaces whose session was closed because they went away
 
