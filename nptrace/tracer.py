@@ -278,7 +278,10 @@ class Tracer:
         from nptrace.kernel.netlink import named_netns
         from nptrace.node.nftrace_live import sweep_tables
         try:
-            sweep_tables([None] + named_netns(), log)
+            # a private lock file (NPTRACE_LOCK_FILE) proves nothing about other instances:
+            # then only tables whose comment names a dead run are removed
+            sweep_tables([None] + named_netns(), log,
+                         node_lock="NPTRACE_LOCK_FILE" not in os.environ)
         except Exception as e:       # a sweep that cannot run must not stop the start
             log(f"warning: could not look for nft trace tables of killed runs: {e}")
 

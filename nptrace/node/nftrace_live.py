@@ -147,19 +147,21 @@ def owner_comment(pid: int | None = None) -> str:
     return f"nptrace {pid} {start_time(pid) or 0}"
 
 
-def owner_alive(comment: str) -> bool:
-    """Does the run named by a table comment still run? No owner (an older nptrace, or not
-    a comment of ours): dead, since the instance lock is held by us."""
+def owner_alive(comment: str, node_lock: bool = True) -> bool:
+    """Does the run named by a table comment still run? A table with no owner (an older
+    nptrace, or not a comment of ours) counts as dead only under the node-wide lock, which
+    proves no other nptrace runs here; a run with a private lock file (NPTRACE_LOCK_FILE:
+    tests, benchmarks) leaves such tables alone."""
     from nptrace.kernel.tc import process_alive
     parts = comment.split()
     if len(parts) != 3 or parts[0] != "nptrace" or not parts[1].isdigit() \
             or not parts[2].isdigit():
-        return False
+        return not node_lock
     pid, start = int(parts[1]), int(parts[2])
     return pid != os.getpid() and process_alive(pid, start or None)
 
 
-def sweep_tables(namespaces, log=lambda msg: None) -> list[str]:
+def sweep_tables(namespaces, log=lambda msg: None, *, node_lock: bool = True) -> list[str]:
     """Remove `table inet nptrace_trace` that a killed run left in each namespace of
     `namespaces` (names; None is the host): left in place it would go on marking packets for
     tracing. A table whose comment names a run that still runs is left alone. Returns where
@@ -168,7 +170,7 @@ def sweep_tables(namespaces, log=lambda msg: None) -> list[str]:
     for ns in namespaces:
         try:
             owner = in_netns(ns, _trace_table_owner_here)
-            if owner is None or owner_alive(owner):
+            if owner is None or owner_alive(owner, node_lock):
                 continue
             run_in_netns(ns, ["nft", f"delete table inet {TABLE}"], check=False)
         except (OSError, RulesSourceError):

@@ -225,3 +225,12 @@ def test_iface_watch_reattaches_once_and_reports_the_gap():
     w.poll(force=True)
     w.poll(force=True)
     assert tc.calls == [(1, 9)] and gaps[0].seconds == 3.0 and "is back" in logs[-1]
+
+
+def test_table_owner_rules():
+    import os
+    from nptrace.node.nftrace_live import owner_alive, owner_comment
+    assert owner_alive(owner_comment(os.getppid()))            # a live process
+    assert not owner_alive("nptrace 999999 1")                   # dead
+    assert not owner_alive("")                                   # unowned, under the node lock
+    assert owner_alive("", node_lock=False)                      # unowned, private lock: kept
