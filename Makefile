@@ -30,7 +30,7 @@ FUZZ_SECONDS ?= 300
 .PHONY: fuzz
 fuzz: setup
 	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PYTEST) -q -s -p no:cacheprovider \
-		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py
+		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py tests/unit/test_fuzz_rules.py
 
 bench: setup
 	$(PY) -m nptrace.bench

@@ -53,6 +53,8 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
 
     import click
 
+    from nptrace.text import printable
+
     class Fail(click.ClickException):
         exit_code = EXIT_USAGE
 
@@ -62,14 +64,14 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
             try:
                 return f(*a, **kw)
             except usage as e:
-                raise click.UsageError(str(e)) from None
+                raise click.UsageError(printable(str(e))) from None
             except NptraceError as e:
                 tail = getattr(e, "log_tail", "")
                 if tail:
-                    click.echo(tail, err=True)
-                raise Fail(str(e)) from None
+                    click.echo(printable(tail), err=True)
+                raise Fail(printable(str(e))) from None
             except failures as e:
-                raise click.ClickException(str(e)) from None
+                raise click.ClickException(printable(str(e))) from None
             except BrokenPipeError:
                 _quiet_stdout()
                 sys.exit(EXIT_FAILURE)

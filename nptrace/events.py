@@ -319,7 +319,11 @@ def _addr(family: int, raw: bytes) -> str:
 
 
 def decode(buf: bytes | bytearray | memoryview) -> Event:
-    """Decode one record. `buf` may be longer than the record (perf samples are padded)."""
+    """Decode one record. `buf` may be longer than the record (perf samples are padded).
+    DecodeError for anything that is not a buffer of at least SIZE bytes (a session file may
+    hold any msgpack value where a record's raw bytes belong)."""
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"record is a {type(buf).__name__}, not bytes")
     if len(buf) < SIZE:
         raise DecodeError(f"record of {len(buf)} bytes, need {SIZE}")
     if type(buf) is not bytes or len(buf) != SIZE:
@@ -370,7 +374,7 @@ def decode_many(bufs) -> tuple[list[Event], int]:
     new = _new_event
     for buf in bufs:
         if type(buf) is not bytes or len(buf) != size:
-            if len(buf) < size:
+            if not isinstance(buf, (bytes, bytearray, memoryview)) or len(buf) < size:
                 bad += 1
                 continue
             buf = bytes(buf[:size])

@@ -25,7 +25,11 @@ ROUTINE_DROPS = frozenset({
 })
 
 
-def strip(name: str, prefix: str) -> str:
+def strip(name, prefix: str) -> str:
+    """`name` without `prefix`. Names come from BTF and from session files: anything that is
+    not a str (a crafted session's number, None) becomes its str() first."""
+    if type(name) is not str:
+        name = str(name)
     return name[len(prefix):] if name.startswith(prefix) else name
 
 

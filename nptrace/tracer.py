@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
 from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
+from nptrace.lifecycle import Interrupted, Signals, run_steps
+from nptrace.losses import MESSAGES as LOSS_MESSAGES, RECORD_STAGES, Ledger
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
@@ -85,6 +88,18 @@ def release_startup_memory() -> None:
         pass
 
 
+def write_ready_file(path: str) -> None:
+    """The ready file, written once everything is attached, as every file nptrace writes as
+    root: no symlink followed, no FIFO, hard link or someone else's file written
+    (sinks/pcapng.py open_output)."""
+    from nptrace.sinks.pcapng import open_output
+    fd = open_output(path, "the ready file")
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def inode_of_netns(name: str) -> int:
     return os.stat(Path("/run/netns") / name).st_ino
 
@@ -101,11 +116,16 @@ class InstanceLock:
         import fcntl
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            # O_NOFOLLOW: the lock is opened as root in a directory others may share (a
+            # hostPath); a planted symlink must not make us truncate its target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise LockError(f"cannot open the instance lock {self.path}: {e.strerror} (its directory "
                             "must be writable: RuntimeDirectory=nptrace in the unit, a /run/nptrace "
                             "volume in the pod, or NPTRACE_LOCK_FILE elsewhere)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LockError(f"the instance lock {self.path} is not a regular file: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -150,15 +170,36 @@ class Tracer:
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
         self.classifier = None
+        self.signals = Signals()       # from the first line of start() to the last of stop()
+        self.interrupted = False       # a stop signal ended start-up early
+        self.losses = Ledger()         # every user-space loss, for status, metrics, --json
+        self.ifwatch = None            # --iface devices re-created (node/ifwatch.py)
+        self.names = None
+        self.prune_every_s = 10.0      # release state of namespaces that went away
         from nptrace.sdnotify import Notifier
         self.notify = Notifier.from_env()   # Type=notify: READY=1 after attach, WATCHDOG=1 per loop
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
+        """Check, compile, attach. A SIGINT/SIGTERM from here on is seen at the next step
+        boundary: start-up stops there and stop() detaches what was attached (lifecycle.py)."""
+        self.signals.install()
+        try:
+            return self._start()
+        except Interrupted as e:
+            self.interrupted = True
+            log(f"stopping: {e}; removing what was attached so far")
+            return 0.0
+
+    def _start(self) -> float:
         t0 = time.monotonic()
+        check = self.signals.checkpoint
         check_privileges()
         check_ifaces(self.cfg)
         self.lock.acquire()
+        check("instance lock")
+        self._sweep_leftovers()
+        check("leftovers of killed runs")
         from nptrace.kernel import headers     # bcc's compile needs some; which ones, said once
         hsrc = headers.find()
         log(hsrc.line())
@@ -179,13 +220,18 @@ class Tracer:
         for line in plan.lines():
             log(f"plan: {line}")
         self.cfg = plan.cfg
+        check("plan")
         kflags = offset_flags + attach.nf_cflags(plan, kbtf, log)
         self.probes = attach.load(plan, kflags, drops)
+        check("compile")
         if plan.tc:
             self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)
+            check("tc attach")
         self.nf_links = attach.attach_netfilter(plan, self.probes, log)
+        check("netfilter hook")
         attach.attach_kprobes(plan, self.probes, log)
-        names = Names()
+        check("kprobes")
+        self.names = names = Names()
         if self.ctx is None:
             from nptrace.node.knowledge import NodeKnowledge
             self.knowledge = kn = NodeKnowledge(names)
@@ -214,11 +260,17 @@ class Tracer:
                                           TRACEPOINTS, probes.attached, self.cfg.ifaces, self.tc,
                                           plan.nf_hook))
         self.classifier = Classifier(self.ctx)
+        self._watch_losses()
+        if self.tc is not None:
+            from nptrace.node.ifwatch import IfaceWatch
+            self.ifwatch = IfaceWatch(self.cfg.ifaces, self.tc, log, on_gap=self._on_gap)
+        check("node knowledge")
         release_startup_memory()
-        from nptrace.kernel.ringbuf import RingReader
-        # The ring is memory-mapped and walked in batches: bcc's per-record callback tops out
-        # near 350-600k records/s in Python, the mmap walk above 1M/s (docs/PLATFORM.md).
-        self.reader = RingReader(self.probes.ring_map_fd())
+        from nptrace.kernel.ringbuf import open_reader
+        # On x86-64 the ring is memory-mapped and walked in batches: bcc's per-record callback
+        # tops out near 350-600k records/s in Python, the mmap walk above 1M/s
+        # (docs/PLATFORM.md). Elsewhere the walk's ordering assumptions do not hold: bcc's poll.
+        self.reader = open_reader(self.probes, log)
         elapsed = time.monotonic() - t0
         what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
         if self.tc is not None:
@@ -226,12 +278,72 @@ class Tracer:
         node = f" on node {self.outputs.node}" if self.outputs.node else ""
         log(f"attached {what}{node} in {elapsed:.2f}s "
             f"(kprobes: {'yes' if plan.kprobes else 'absent'})")
+        check("attached")
         if self.ready_file:
-            Path(self.ready_file).write_text(f"{os.getpid()}\n")
+            write_ready_file(self.ready_file)
         self.notify.ready(f"attached {what}")
         if self.health is not None:
             self.health.ready(what)
         return elapsed
+
+    def _sweep_leftovers(self) -> None:
+        """nft trace tables a killed run left (tc filters are kernel/tc.py's recover(), at
+        attach). Under the instance lock: no other nptrace of this node is running."""
+        from nptrace.kernel.netlink import named_netns
+        from nptrace.node.nftrace_live import sweep_tables
+        try:
+            # a private lock file (NPTRACE_LOCK_FILE) proves nothing about other instances:
+            # then only tables whose comment names a dead run are removed
+            sweep_tables([None] + named_netns(), log,
+                         node_lock="NPTRACE_LOCK_FILE" not in os.environ)
+        except Exception as e:       # a sweep that cannot run must not stop the start
+            log(f"warning: could not look for nft trace tables of killed runs: {e}")
+
+    def _watch_losses(self) -> None:
+        w = self.losses.watch
+        probes = self.probes
+        w("ring_lost", lambda: probes.stats().get("lost", 0))
+        w("undecodable", lambda: self.bad_records)
+        if self.recorder is not None:
+            writer = self.recorder.writer
+            w("recorder_dropped", lambda: writer.dropped)
+        if self.nft is not None:
+            nft = self.nft
+            w("nft_trace_malformed", nft.malformed)
+            w("nft_trace_reader", lambda: nft.reader_errors)
+            w("nft_trace_overruns", nft.overruns)
+
+    def _report_losses(self) -> None:
+        """Each loss since the last look: a loss line in --json, a metrics counter (the
+        sinks that have `loss`). The status line and stop() say the totals."""
+        for stage, n in self.losses.poll().items():
+            self._loss(stage, n if stage in RECORD_STAGES else None,
+                       f"{n} {LOSS_MESSAGES.get(stage, stage)}")
+
+    def _loss(self, stage: str, n: int | None, message: str) -> None:
+        for sink in self.sinks:
+            fn = getattr(sink, "loss", None)
+            if fn is not None:
+                try:
+                    fn(stage, n, message)
+                except Exception:
+                    pass
+
+    def _on_gap(self, gap) -> None:
+        self._loss("iface_gap", None, f"interface {gap.iface} was not traced for "
+                   + (f"{gap.seconds:.1f} s" if gap.seen_gone else "under 1 s")
+                   + " (device re-created); tc programs re-attached")
+
+    def _prune(self) -> None:
+        """Release what is kept per network namespace for namespaces that went away."""
+        from nptrace.node.netns import live_namespaces
+        alive = live_namespaces()
+        for holder in (self.names, self.knowledge, self.nft):
+            if holder is not None:
+                try:
+                    holder.prune(alive)
+                except Exception as e:
+                    log(f"warning: releasing state of deleted namespaces: {e}")
 
     def _nat_peer(self, saddr, sport, daddr, dport):
         if self.nf_links is None or self.probes is None:
@@ -309,13 +421,9 @@ class Tracer:
                 flush()
 
     def run(self, duration: float | None = None) -> None:
-        def _stop(_sig, _frm):
-            self.stop_requested = True
-
-        def _hup(_sig, _frm):   # log rotation: reopen files at the next loop turn
-            self.reopen_requested = True
-        old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        old[signal.SIGHUP] = signal.signal(signal.SIGHUP, _hup)
+        if self.interrupted:
+            return          # a signal ended start-up: stop() cleans up
+        self.signals.install()     # start() installed them; a test may call run() alone
         end = time.monotonic() + duration if duration else None
         # Start-up objects (bcc, BTF leftovers, click) never die: keep them out of every
         # collection. The classifier holds up to max_flows flows of small objects; full
@@ -325,93 +433,118 @@ class Tracer:
         # the default 700 allocations only re-walk live flows (1-2 us a record in a storm).
         gc.set_threshold(10_000, 10, 10)
         next_status = time.monotonic() + self.status_every
+        next_second = time.monotonic() + 1.0
+        next_prune = time.monotonic() + self.prune_every_s
         last_decoded = 0
-        try:
-            while not self.stop_requested:
-                self.notify.tick()
-                if self.health is not None:
-                    self.health.beat()
-                if self.status_every and time.monotonic() >= next_status:
-                    # the 3 a.m. view: is it attached, how busy, is anything being lost
-                    st = self.probes.stats()
-                    rate = (self.decoded - last_decoded) / self.status_every
-                    last_decoded = self.decoded
-                    next_status += self.status_every
-                    log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
-                        f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
-                        f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked")
-                timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
-                if end is not None:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        break
-                    timeout = max(1, min(timeout, int(left * 1000)))
-                now = time.monotonic_ns()   # before the drain: no event read is newer
-                if self._drain(timeout) < DRAIN_BATCH:
-                    # Caught up: incidents whose flow went quiet are reported on time, not at
-                    # the next event. Behind (a full batch), event time alone decides, as in
-                    # replay: wall time would split incidents whose events are still unread.
-                    self._emit(self.classifier.tick(now))
-                    self._tick_sinks(now)
-                    self._flush_sinks()
-                for r in self.recorders:
-                    r.tick()
-                if self.reopen_requested:
-                    self.reopen_requested = False
-                    for sink in self.sinks + self.recorders:
-                        if hasattr(sink, "reopen"):
-                            sink.reopen()
-                    log("SIGHUP: reopened output files")
-            # Drain what arrived before the stop, for a bounded time: under a reset storm the
-            # ring never empties, and a stop must still stop.
-            deadline = time.monotonic() + 2.0
-            while self._drain(0) and time.monotonic() < deadline:
-                pass
-            self._emit(self.classifier.flush())
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+        sig = self.signals
+        while not self.stop_requested and not sig.requested:
+            self.notify.tick()
+            if self.health is not None:
+                self.health.beat()
+            if sig.hup:      # log rotation: reopen files at the next loop turn
+                sig.hup = False
+                self.reopen_requested = True
+            if time.monotonic() >= next_second:
+                next_second = time.monotonic() + 1.0
+                self._report_losses()
+                if self.ifwatch is not None:
+                    self.ifwatch.poll()
+            if self.prune_every_s and time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + self.prune_every_s
+                self._prune()
+            if self.status_every and time.monotonic() >= next_status:
+                # the 3 a.m. view: is it attached, how busy, is anything being lost
+                st = self.probes.stats()
+                rate = (self.decoded - last_decoded) / self.status_every
+                last_decoded = self.decoded
+                next_status += self.status_every
+                more = self.losses.summary()
+                log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
+                    f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
+                    f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked"
+                    + (f"; losses so far: {more}" if more else ""))
+            timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                timeout = max(1, min(timeout, int(left * 1000)))
+            now = time.monotonic_ns()   # before the drain: no event read is newer
+            if self._drain(timeout) < DRAIN_BATCH:
+                # Caught up: incidents whose flow went quiet are reported on time, not at
+                # the next event. Behind (a full batch), event time alone decides, as in
+                # replay: wall time would split incidents whose events are still unread.
+                self._emit(self.classifier.tick(now))
+                self._tick_sinks(now)
+                self._flush_sinks()
+            for r in self.recorders:
+                r.tick()
+            if self.reopen_requested:
+                self.reopen_requested = False
+                for sink in self.sinks + self.recorders:
+                    if hasattr(sink, "reopen"):
+                        sink.reopen()
+                log("SIGHUP: reopened output files")
+        # Drain what arrived before the stop, for a bounded time: under a reset storm the
+        # ring never empties, and a stop must still stop.
+        deadline = time.monotonic() + 2.0
+        while self._drain(0) and time.monotonic() < deadline:
+            pass
+        self._emit(self.classifier.flush())
+        self._report_losses()
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> dict:
-        self.notify.stopping()
-        if self.health is not None:
-            self.health.stop()
-        if self.probes is None and self.tc is None:
-            self.lock.release()
-            return {}    # never started: nothing to detach or report
-        stats = {}
-        if self.probes is not None:
-            try:
-                stats = self.probes.stats()
-            except Exception:
-                stats = {}
-        if self.tc is not None:
-            self.tc.close()
-            self.tc = None
-        if self.nf_links is not None:
-            self.nf_links.close()
-            self.nf_links = None
-        if self.nft is not None:
-            self.nft.close()     # removes nptrace's trace tables
-            self.nft = None
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-        for r in self.recorders:      # their last counter snapshot reads the live maps
-            r.close()
-        if self.probes is not None:
-            self.probes.close()
-            self.probes = None
-        for s in self.sinks:
-            s.close()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
-            self.metrics_server = None
-        self.lock.release()
+        """Detach and close everything, each step in its own guard (lifecycle.run_steps): a
+        step that fails, or a second SIGTERM while one runs, skips nothing after it. The
+        signal handlers stay ours until the last step, then the old ones come back."""
+        self.signals.install()
+        self.signals.on_again = lambda signum: log(
+            f"{signal.Signals(signum).name} again: finishing the clean-up first "
+            "(SIGKILL skips it; the next start removes what is left)")
+        started = self.probes is not None or self.tc is not None
+        stats: dict = {}
+
+        def read_stats():
+            if self.probes is not None:
+                stats.update(self.probes.stats())
+
+        def closer(attr):
+            def close():
+                obj = getattr(self, attr)
+                setattr(self, attr, None)
+                if obj is not None:
+                    obj.close()
+            return close
+
+        def health_stop():
+            if self.health is not None:
+                self.health.stop()     # /healthz answers 503 from here on
+
+        steps = [("notify", self.notify.stopping), ("health", health_stop),
+                 ("read counters", read_stats),
+                 ("loss report", self._report_losses),
+                 ("tc programs", closer("tc")), ("netfilter links", closer("nf_links")),
+                 ("nft trace tables", closer("nft")), ("ring reader", closer("reader"))]
+        # session files: their last counter snapshot reads the live maps, so before probes
+        steps += [(f"session {i}", r.close) for i, r in enumerate(self.recorders)]
+        steps += [("probes", closer("probes"))]
+        steps += [(f"sink {type(sk).__name__}", sk.close) for sk in self.sinks
+                  if sk not in self.recorders]
+        steps += [("metrics server", closer("metrics_server")),
+                  ("instance lock", self.lock.release)]
+        try:
+            run_steps(steps, log)
+        finally:
+            self.signals.on_again = None
+            self.signals.restore()
+        if not started:
+            return {}    # never attached: nothing to report
         lost = stats.get("lost", 0)
+        more = self.losses.summary()
         log(f"stopped: {self.decoded} events decoded, {lost} lost"
-            + (f", {self.bad_records} undecodable" if self.bad_records else ""))
+            + (f", {self.bad_records} undecodable" if self.bad_records else "")
+            + (f" (user-space losses: {more})" if more else ""))
         if lost:
             log(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
                 "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")

@@ -52,6 +52,17 @@ def flow_keys(ev: Event) -> list:
     return keys
 
 
+def _peer(got) -> tuple | None:
+    """A Context.nat_peer answer as (saddr, sport, daddr, dport), or None. Replayed sessions
+    give back whatever the file holds: anything but two (str, int) pairs is no answer."""
+    if not got or not isinstance(got, (tuple, list)) or len(got) < 4:
+        return None
+    a, ap, b, bp = got[0], got[1], got[2], got[3]
+    if type(a) is str and type(b) is str and type(ap) is int and type(bp) is int:
+        return (a, ap, b, bp)
+    return None
+
+
 _tuple_new = tuple.__new__
 
 
@@ -73,6 +84,8 @@ class Flow:
 # Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
 # flows, not by how often one flow's packets are dropped).
 MAX_KEPT = 32
+# Keys one flow answers to (see Classifier._add_key): NAT gives three; more is churn.
+MAX_KEYS = 8
 
 
 class Classifier:
@@ -129,7 +142,8 @@ class Classifier:
         fkeys = flow.keys
         for k in keys:
             if k not in fkeys:
-                fkeys.append(k)
+                self._add_key(flow, k)
+            else:
                 kmap[k] = flow
         flows[flow] = flow
         flows.move_to_end(flow)
@@ -147,13 +161,27 @@ class Classifier:
         if other.root is not None and (into.root is None or other.root.ev.ts_ns < into.root.ev.ts_ns):
             into.root = other.root
         for k in other.keys:
-            self.keys[k] = into
             if k not in into.keys:
-                into.keys.append(k)
+                self._add_key(into, k)
+            else:
+                self.keys[k] = into
         for q in (self.flows, self.strong, self.weak):
             q.pop(other, None)
         if into.pending:
             self._queue(into)
+
+    def _add_key(self, flow: Flow, k) -> None:
+        """Name `flow` by one more key. A connection has at most three tuples (its own and
+        conntrack's two); one whose conntrack tuples keep changing (a port scan through one
+        NAT entry, a hostile stream) must not grow its key list, whose `in` scan is then per
+        event: past MAX_KEYS the oldest key after the first (the flow's own tuple) goes."""
+        fkeys = flow.keys
+        fkeys.append(k)
+        self.keys[k] = flow
+        if len(fkeys) > MAX_KEYS:
+            old = fkeys.pop(1)
+            if self.keys.get(old) is flow:
+                del self.keys[old]
 
     def _queue(self, flow: Flow) -> None:
         """Put a flow with an open incident in the queue its labels call for."""
@@ -212,9 +240,10 @@ class Classifier:
                 if (known is None or len(known.keys) < 2) and t not in EVIDENCE_ONLY:
                     # No conntrack on this event (a pod's own stack, the client's): ask the
                     # kernel's NAT map for the connection's other tuple, either direction.
-                    peer = nat(saddr, sport, daddr, dport) or nat(daddr, dport, saddr, sport)
+                    peer = _peer(nat(saddr, sport, daddr, dport)) or \
+                        _peer(nat(daddr, dport, saddr, sport))
                     if peer:
-                        keys = [k0, _key(peer[0], peer[1], peer[2], peer[3])]
+                        keys = [k0, _key(*peer)]
             elif c.orig_dport:
                 keys = [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
                         _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
@@ -480,7 +509,8 @@ def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> 
     """Fill the {name} placeholders of a rule's hint, in this order, computing only the values
     the text asks for; rule texts quoted in hints keep their own braces (nft sets)."""
     if "{iface}" in hint:
-        hint = hint.replace("{iface}", iface or f"ifindex {ev.ifindex}")
+        hint = hint.replace("{iface}", iface if isinstance(iface, str) and iface
+                            else f"ifindex {ev.ifindex}")
     if "{port}" in hint:
         hint = hint.replace("{port}", str(ev.dport))
     if "{sport}" in hint:
@@ -490,7 +520,8 @@ def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> 
     if "{saddr}" in hint:
         hint = hint.replace("{saddr}", ev.saddr)
     if "{service}" in hint:
-        hint = hint.replace("{service}", service or "the Service")
+        hint = hint.replace("{service}", service if isinstance(service, str) and service
+                            else "the Service")
     return hint
 
 

@@ -216,6 +216,12 @@ class Probes:
     def poll(self, timeout_ms: int = 100) -> None:
         self.bpf.ring_buffer_poll(timeout_ms)
 
+    def consume(self) -> None:
+        """Read what the ring holds now, without waiting for a wake-up: the programs wake
+        user space only every WAKE_EVERY records (BPF_RB_NO_WAKEUP), so poll() alone can
+        sleep through records already there."""
+        self.bpf.ring_buffer_consume()
+
     def ring_map_fd(self) -> int:
         return self.bpf["events"].map_fd
 

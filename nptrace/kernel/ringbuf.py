@@ -21,8 +21,9 @@ Positions are read and written with single 8-byte accesses (`memoryview.cast('Q'
 kernel updates them concurrently, and struct.unpack would read them byte by byte, tearing them
 (docs/PLATFORM.md). Memory ordering: x86-64 never reorders loads with loads, so producer position,
 header and payload are read in the order the kernel published them. On weakly ordered CPUs
-(arm64) plain loads are not acquires, and Python offers no barrier: this reader is only
-tested on x86-64; elsewhere prefer bcc's callback consumer (loader.Probes.open_ring).
+(arm64) plain loads are not acquires, and Python offers no barrier: open_reader() uses this
+reader only on x86-64 and bcc's callback consumer (loader.Probes.open_ring, PollReader)
+elsewhere, and says which at start.
 
 Nothing here imports bcc: the caller passes the map fd (loader.Probes.ring_map_fd()).
 """
@@ -287,3 +288,80 @@ class RingReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --- which reader (issue 18 item 7) -----------------------------------------------------------
+# The mapped walk above relies on x86-64's load ordering (TSO: loads are not reordered with
+# loads), so the producer position, a record's header and its payload are seen in the order
+# the kernel published them (kernel/bpf/ringbuf.c: smp_store_release of the producer position,
+# read in libbpf with smp_load_acquire). Python has no acquire load; on arm64, ppc64, riscv
+# the walk could read a header or payload older than the position it just read.
+MMAP_MACHINES = frozenset({"x86_64", "amd64"})
+READERS = ("auto", "mmap", "poll")
+
+
+def choose(machine: str | None = None, override: str | None = None) -> tuple[str, str]:
+    """("mmap" | "poll", why). override: NPTRACE_RING_READER (auto, mmap, poll)."""
+    machine = machine or os.uname().machine
+    want = (override if override is not None else os.environ.get("NPTRACE_RING_READER", "auto")
+            ).strip().lower() or "auto"
+    if want not in READERS:
+        want = "auto"
+    if want == "poll":
+        return "poll", "NPTRACE_RING_READER=poll"
+    if want == "mmap":
+        return "mmap", f"NPTRACE_RING_READER=mmap on {machine}" + (
+            "" if machine in MMAP_MACHINES else " (ordering not guaranteed on this CPU)")
+    if machine in MMAP_MACHINES:
+        return "mmap", f"memory-mapped walk ({machine}: loads are not reordered)"
+    return "poll", (f"bcc ring_buffer_poll ({machine}: the memory-mapped walk needs x86-64 load "
+                    "ordering; the callback path is slower, about 350-600k records/s)")
+
+
+class PollReader:
+    """RingReader's poll()/close() over bcc's callback consumer (loader.Probes.open_ring and
+    poll: libbpf's ring_buffer__poll, which reads the positions with acquire loads). Records
+    past max_records in one poll are kept for the next."""
+
+    def __init__(self, probes):
+        from collections import deque
+        self.probes = probes
+        self._pending = deque()
+        self.stats = WalkStats()
+        probes.open_ring(self._pending.append)
+
+    def poll(self, timeout_ms: int = 100, max_records: int = 65536, raw: bool = False) -> list:
+        if not self._pending:
+            # the programs wake user space only every WAKE_EVERY records: consume what is
+            # there, and only when nothing is, wait for a wake-up (or the timeout) and consume
+            consume = getattr(self.probes, "consume", None)
+            if consume is not None:
+                consume()
+            if not self._pending:
+                self.probes.poll(timeout_ms)
+                if consume is not None and not self._pending:
+                    consume()
+        out = []
+        pend = self._pending
+        while pend and len(out) < max_records:
+            b = pend.popleft()
+            if len(b) < ev.SIZE:
+                self.stats.short += 1
+                continue
+            out.append(b if raw else ev.RECORD.unpack_from(b))
+        return out
+
+    def read_batch(self, max_records: int = 65536, raw: bool = False) -> list:
+        return self.poll(0, max_records, raw)
+
+    def close(self) -> None:
+        self._pending.clear()
+
+
+def open_reader(probes, log=lambda msg: None, machine: str | None = None):
+    """The ring reader this CPU can use (choose()), said once."""
+    kind, why = choose(machine)
+    log(f"ring reader: {kind} ({why})")
+    if kind == "poll":
+        return PollReader(probes)
+    return RingReader(probes.ring_map_fd())

@@ -103,6 +103,11 @@ def _start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
+def start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot): with its pid, its identity."""
+    return _start_time(pid)
+
+
 def process_alive(pid: int, start: int | None = None, proc: Path = Path("/proc")) -> bool:
     st = _start_time(pid, proc)
     if st is None:
@@ -349,6 +354,37 @@ class TcAttachments:
         self.mode = "tcx"
         self.links.append((entry, fds))
         return True
+
+    # -- a watched interface that went away and came back (node/ifwatch.py) -------------
+    def where(self, spec: IfaceSpec) -> tuple[int, int] | None:
+        """(netns inode, ifindex) the programs of `spec` were last attached at."""
+        for e in [e for e, _ in self.links] + self.attached:
+            if (e.netns, e.ifname) == (spec.netns, spec.name):
+                return e.netns_inode, e.ifindex
+        return None
+
+    def reattach(self, spec: IfaceSpec, ifindex: int, inode: int) -> None:
+        """Attach `spec` again at its new (inode, ifindex): a pod restart or a re-created
+        VXLAN device took the old device, and its filters and tcx links with it. The old
+        entry is forgotten (its link fds closed) before the new one is made."""
+        for i, (e, fds) in enumerate(self.links):
+            if (e.netns, e.ifname) == (spec.netns, spec.name):
+                for fd in fds:
+                    os.close(fd)
+                del self.links[i]
+                break
+        for e in list(self.attached):
+            if (e.netns, e.ifname) == (spec.netns, spec.name):
+                self.attached.remove(e)
+                if e.ifindex == ifindex and e.netns_inode == inode:
+                    # the same device: remove what is ours before adding it again
+                    try:
+                        with self.open_netns(e.netns) as r:
+                            _remove_entry(r, e, self.pid)
+                    except InterfaceError:
+                        pass
+        self.state.write(self.attached)
+        self._attach_one(spec, ifindex, inode)
 
     def detach(self) -> list[str]:
         """Undo, in reverse order. An interface that fails stays in the state file for the

@@ -16,6 +16,7 @@ from nptrace.services import nf_cause
 
 
 ROUTE_LOOKUPS_PER_S = 20
+MAX_NAMESPACES = 1024    # namespaces whose ServiceMap is kept (each a few hundred kB at most)
 
 
 class NodeKnowledge:
@@ -51,8 +52,25 @@ class NodeKnowledge:
                 self.errors.pop(inode, None)
             except Exception as e:   # no rules readable: the classifier says so in its hint
                 self.errors[inode] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        while len(self._maps) >= MAX_NAMESPACES:         # pod churn: oldest first
+            old = next(iter(self._maps))
+            del self._maps[old]
+            self.errors.pop(old, None)
+        self._maps.pop(inode, None)                      # re-inserted last: oldest stays first
         self._maps[inode] = (now, smap)
         return smap
+
+    def prune(self, alive) -> int:
+        """Forget the rules and routes of namespaces not in `alive` (netns.live_namespaces()):
+        a deleted pod's namespace must not keep its ServiceMap. Returns how many went."""
+        gone = [i for i in self._maps if i not in alive]
+        for i in gone:
+            del self._maps[i]
+        for i in [i for i in self.errors if i not in alive]:
+            del self.errors[i]
+        for k in [k for k in self._routes if k[0] not in alive]:
+            del self._routes[k]
+        return len(gone)
 
     def nf_rule(self, inode: int, saddr: str, daddr: str, dport: int, odst: str, oport: int,
                 syn: bool, has_ct: bool) -> dict | None:

@@ -30,6 +30,31 @@ def named_namespaces() -> dict[int, str]:
     return out
 
 
+def live_namespaces(proc: Path = Path("/proc")) -> set[int]:
+    """Inodes of the network namespaces that exist now and that nptrace could name: every
+    /run/netns entry, and the namespace of every process. One stat per process (a few ms
+    on a node of a thousand processes): call it every few seconds, not per event. A namespace
+    kept alive only by a socket (ours included) is not in it: that is the point."""
+    out = set(named_namespaces())
+    try:
+        out.add(host_inode())
+    except OSError:
+        pass
+    try:
+        pids = [d for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            out.add(os.stat(f"{proc}/{pid}/ns/net").st_ino)
+        except OSError:
+            continue
+    return out
+
+
+# Namespaces whose names are cached; pods come and go, and every one leaves an inode behind.
+MAX_CACHED_NAMESPACES = 1024
+
 _RTM_NEWLINK, _RTM_GETLINK = 16, 18
 _IFLA_IFNAME = 3
 _IFINFO_LEN = 16                        # struct ifinfomsg
@@ -120,11 +145,26 @@ class Names:
         pid = self._pid_in(inode)
         return link_names_or_none(f"/proc/{pid}/ns/net") if pid else {}
 
+    def prune(self, alive) -> int:
+        """Forget the namespaces not in `alive` (live_namespaces()); returns how many."""
+        gone = [i for i in self._links if i not in alive]
+        for i in gone:
+            self._links.pop(i, None)
+        for i in [i for i in self._last_scan if i not in alive]:
+            del self._last_scan[i]
+        return len(gone)
+
     def iface(self, netns: int, ifindex: int) -> str | None:
         links = self._links.get(netns)
         if links is None or ifindex not in links:
             now = time.monotonic()
             if now - self._last_scan.get(netns, 0.0) >= self.refresh_s or links is None:
+                while len(self._links) >= MAX_CACHED_NAMESPACES:   # oldest first
+                    old = next(iter(self._links))
+                    del self._links[old]
+                    self._last_scan.pop(old, None)
+                while len(self._last_scan) >= 2 * MAX_CACHED_NAMESPACES:
+                    del self._last_scan[next(iter(self._last_scan))]
                 self._last_scan[netns] = now
                 if netns not in self._ns:
                     self._rescan_ns()

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 from nptrace.node import nftrace
+from nptrace.node.nlmsg import (NFGENMSG_LEN, NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE,
+                                NLMSG_ERROR, attrs, error_of, messages, request)
 from nptrace.node.rules_source import RulesSourceError, in_netns, is_xt, run_in_netns
 
 TABLE = "nptrace_trace"
@@ -36,6 +40,7 @@ TRACE_RATE = "50/second"  # packets traced per second and namespace, whatever th
 SET_SIZE = 1024
 ARMS_PER_S = 10         # `nft add element` forks; a flood of drops must not fork per event
 SOCK_RCVBUF = 1 << 20
+MAX_NAMESPACES = 1024   # namespaces with a session or a reason kept (one fd per session)
 
 
 # An nft identifier as nft's scanner reads one (scanner.l: `string`): a letter, '_' or '.',
@@ -65,7 +70,115 @@ def table_script() -> str:
               for name, hook in (("pre", "prerouting"), ("out", "output"))]
     body = "; ".join(sets + chains)
     return (f"table inet {TABLE} {{}}; delete table inet {TABLE}; "
-            f"table inet {TABLE} {{ {body}; }}")
+            f"table inet {TABLE} {{ comment \"{owner_comment()}\"; {body}; }}")
+
+
+# --- leftovers of a killed run -----------------------------------------------------------------
+_NFT_MSG_NEWTABLE, _NFT_MSG_GETTABLE = 0, 1      # linux/netfilter/nf_tables.h
+_NFNL_SUBSYS_NFTABLES = 10
+_NFTA_TABLE_NAME = 1
+_NFPROTO_INET = 1
+
+
+_NFTA_TABLE_USERDATA = 6
+_NFTNL_UDATA_TABLE_COMMENT = 0
+
+
+def _comment(udata: bytes) -> str:
+    """The comment in a table's userdata (libnftnl udata: type, length, value TLVs)."""
+    off = 0
+    while off + 2 <= len(udata):
+        typ, ln = udata[off], udata[off + 1]
+        val = udata[off + 2:off + 2 + ln]
+        if typ == _NFTNL_UDATA_TABLE_COMMENT:
+            return val.split(b"\0", 1)[0].decode(errors="replace")
+        off += 2 + ln
+    return ""
+
+
+def parse_tables(data: bytes) -> tuple[list[tuple[int, str, str]], bool]:
+    """([(family, name, comment)] of the NFT_MSG_NEWTABLE messages in one recv, dump
+    finished). Never raises on a short or odd datagram (an NLMSG_ERROR becomes its OSError)."""
+    out = []
+    for mtype, start, end in messages(data):
+        if mtype == NLMSG_DONE:
+            return out, True
+        if mtype == NLMSG_ERROR:
+            raise error_of(data, start)
+        if mtype != (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWTABLE:
+            continue
+        if end - start < NLMSG.size + NFGENMSG_LEN:
+            continue
+        family = data[start + NLMSG.size]
+        name = comment = None
+        for atype, payload in attrs(data, start + NLMSG.size + NFGENMSG_LEN, end):
+            if atype == _NFTA_TABLE_NAME:
+                name = payload.split(b"\0", 1)[0].decode(errors="replace")
+            elif atype == _NFTA_TABLE_USERDATA:
+                comment = _comment(payload)
+        if name is not None:
+            out.append((family, name, comment or ""))
+    return out, False
+
+
+def _trace_table_owner_here() -> str | None:
+    """The comment of `table inet nptrace_trace` in this thread's namespace ("" without one),
+    None when there is no such table. An nfnetlink table dump: no fork of nft per namespace."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                       nftrace.NETLINK_NETFILTER) as s:
+        s.settimeout(2.0)
+        s.bind((0, 0))
+        s.send(request((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETTABLE,
+                       NLM_F_REQUEST | NLM_F_DUMP, 1, struct.pack("=BBH", 0, 0, 0)))
+        found, done = None, False
+        while not done:
+            got, done = parse_tables(s.recv(1 << 16))
+            for fam, name, comment in got:
+                if fam == _NFPROTO_INET and name == TABLE:
+                    found = comment
+        return found
+
+
+def owner_comment(pid: int | None = None) -> str:
+    """`nptrace <pid> <start time>`: the comment our trace tables carry, so a later start can
+    tell a dead run's table from a live one's (a pid alone may have been reused)."""
+    from nptrace.kernel.tc import start_time
+    pid = os.getpid() if pid is None else pid
+    return f"nptrace {pid} {start_time(pid) or 0}"
+
+
+def owner_alive(comment: str, node_lock: bool = True) -> bool:
+    """Does the run named by a table comment still run? A table with no owner (an older
+    nptrace, or not a comment of ours) counts as dead only under the node-wide lock, which
+    proves no other nptrace runs here; a run with a private lock file (NPTRACE_LOCK_FILE:
+    tests, benchmarks) leaves such tables alone."""
+    from nptrace.kernel.tc import process_alive
+    parts = comment.split()
+    if len(parts) != 3 or parts[0] != "nptrace" or not parts[1].isdigit() \
+            or not parts[2].isdigit():
+        return not node_lock
+    pid, start = int(parts[1]), int(parts[2])
+    return pid != os.getpid() and process_alive(pid, start or None)
+
+
+def sweep_tables(namespaces, log=lambda msg: None, *, node_lock: bool = True) -> list[str]:
+    """Remove `table inet nptrace_trace` that a killed run left in each namespace of
+    `namespaces` (names; None is the host): left in place it would go on marking packets for
+    tracing. A table whose comment names a run that still runs is left alone. Returns where
+    one was removed; a namespace that cannot be read is skipped."""
+    removed = []
+    for ns in namespaces:
+        try:
+            owner = in_netns(ns, _trace_table_owner_here)
+            if owner is None or owner_alive(owner, node_lock):
+                continue
+            run_in_netns(ns, ["nft", f"delete table inet {TABLE}"], check=False)
+        except (OSError, RulesSourceError):
+            continue
+        removed.append("the host namespace" if ns is None else f"netns {ns}")
+    if removed:
+        log(f"removed table inet {TABLE} left by a killed nptrace run in {', '.join(removed)}")
+    return removed
 
 
 def _trace_socket() -> socket.socket:
@@ -202,6 +315,15 @@ class TracedRules:
                          f"interest are traced (at most {TRACE_RATE})")
             except (RulesSourceError, OSError) as e:
                 why = f"nft trace unavailable here ({str(e).splitlines()[0] if str(e) else e})"
+        if len(self._ns) >= MAX_NAMESPACES:
+            # namespaces come and go faster than prune() runs (pod churn): forget the oldest
+            # reason first, a session only when nothing else is left to forget
+            old = next((i for i, v in self._ns.items() if isinstance(v, str)), None)
+            if old is None:
+                old = next(iter(self._ns))
+                self._gone_malformed += self._ns[old].malformed
+                self._ns[old].close()
+            del self._ns[old]
         self._ns[inode] = got if why is None else why
         if why is None:
             self._start_reader()
@@ -314,8 +436,30 @@ class TracedRules:
                         s.drain(now)
 
     def malformed(self) -> int:
-        """Trace datagrams skipped as undecodable, in every namespace."""
-        return sum(s.malformed for s in list(self._ns.values()) if not isinstance(s, str))
+        """Trace datagrams skipped as undecodable, in every namespace (released ones too)."""
+        return self._gone_malformed + sum(s.malformed for s in list(self._ns.values())
+                                          if not isinstance(s, str))
+
+    def overruns(self) -> int:
+        """ENOBUFS on the trace sockets: the kernel dropped trace messages for us."""
+        return sum(s.overruns for s in list(self._ns.values()) if not isinstance(s, str))
+
+    _gone_malformed = 0
+    released = 0            # namespaces whose session was closed because they went away
+
+    def prune(self, alive) -> int:
+        """Close the sessions of namespaces not in `alive` (inodes): a deleted pod's socket
+        would otherwise keep its namespace (and an fd) forever. Its table went with it, so
+        nothing is deleted there. Returns how many were released."""
+        with self._lock:
+            gone = [i for i in self._ns if i not in alive]
+            for i in gone:
+                s = self._ns.pop(i)
+                if not isinstance(s, str):
+                    self._gone_malformed += s.malformed
+                    s.sock.close()
+            self.released += len(gone)
+        return len(gone)
 
     def close(self) -> None:
         self._stop.set()

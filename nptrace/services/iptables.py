@@ -425,6 +425,9 @@ def _parse_iptables(text: str, backend: str) -> ServiceMap:
                 b.ignored += 1
                 continue
             line = line[end + 1:].lstrip()
+            if not line:            # a bare "[0:0]": a counter with no rule after it
+                b.ignored += 1
+                continue
         c = line[:3]
         if c in ("-A ", "-I "):
             parts = line.split(None, 2)

@@ -83,7 +83,7 @@ class Rule:
 # --------------------------------------------------------------------------------------------
 # addresses, ports, protocols
 
-_V4 = re.compile(r"^\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}$")
+_V4 = re.compile(r"^\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}$", re.ASCII)   # \d is any Unicode digit otherwise
 
 
 @lru_cache(maxsize=65536)
@@ -130,7 +130,7 @@ def split_hostport(s: str) -> tuple[str, int] | None:
     else:
         host, _, port = s.rpartition(":")
     h = canon(host)
-    if h is None or not port.isdigit():
+    if h is None or not (port.isascii() and port.isdigit()):   # "²".isdigit(), int("²") fails
         return None
     return h, int(port)
 

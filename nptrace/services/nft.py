@@ -31,7 +31,7 @@ def _cut_handle(s: str) -> tuple[str, int | None]:
     if pos < 0:
         return s, None
     tail = s[pos + 9:].strip()
-    if not tail.isdigit():
+    if not (tail.isascii() and tail.isdigit()):     # "²".isdigit(), int("²") raises
         return s, None
     return s[:pos].rstrip(), int(tail)
 

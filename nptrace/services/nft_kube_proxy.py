@@ -67,7 +67,7 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
     fw_keys: dict[tuple[str, int, str], str] = {}
     for _, key, _, value in elements("firewall-ips"):
         a = canon(key[0]) if len(key) == 3 else None
-        if a is not None and key[2].isdigit() and value and value.startswith("goto "):
+        if a is not None and _digits(key[2]) and value and value.startswith("goto "):
             fw_keys[(a, int(key[2]), norm_proto(key[1]))] = value[5:].strip()
 
     # endpoint chains hold the DNAT targets; service-/local- chains pick among them
@@ -109,7 +109,7 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
         a = canon(key[0]) if len(key) == 3 else None
         m = _RE_KP_CHAIN.match(value.split()[-1]) if value else None
         nm = _nft_name(m.group(2)) if m else None
-        if a is None or nm is None or not key[2].isdigit():
+        if a is None or nm is None or not _digits(key[2]):
             b.ignored += 1
             continue
         inf = b.info(*nm)
@@ -124,7 +124,7 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
     for _, key, _, value in elements("service-nodeports"):
         m = _RE_KP_CHAIN.match(value.split()[-1]) if value else None
         nm = _nft_name(m.group(2)) if m else None
-        if nm is None or len(key) != 2 or not key[1].isdigit():
+        if nm is None or len(key) != 2 or not _digits(key[1]):
             b.ignored += 1
             continue
         inf = b.info(*nm)
@@ -136,7 +136,7 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
         nodeport = mapname == "no-endpoint-nodeports"
         entries: list[Entry] = []
         for elem, key, comment, value in elements(mapname):
-            if len(key) != (2 if nodeport else 3) or not value or not key[-1].isdigit():
+            if len(key) != (2 if nodeport else 3) or not value or not _digits(key[-1]):
                 b.ignored += 1
                 continue
             verdict = "drop" if value == "drop" else "reject" if "reject" in value else None
@@ -240,3 +240,8 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
                 "firewall-check", "nodeport-endpoints-check", "service-endpoints-check", "endpoints-check"}
     generic_nft_table(t, b, [c for c in t.order if not (
         c in plumbing or _RE_KP_CHAIN.match(c) or c.startswith(("filter-", "nat-")))])
+
+
+def _digits(s: str) -> bool:
+    """ASCII digits only: "²".isdigit() is True and int("²") raises."""
+    return s.isascii() and s.isdigit()

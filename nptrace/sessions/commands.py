@@ -15,7 +15,8 @@ from nptrace.sessions.format import Problem, SessionError
 from nptrace.sessions.merge import merge
 from nptrace.sessions.replay import Replay
 from nptrace.sessions.report import flow_text, build_report
-from nptrace.sinks.console import printable
+from nptrace.sinks import jsonl
+from nptrace.text import printable
 
 
 def _warn_and_fail(problems: list[Problem]) -> None:
@@ -37,11 +38,9 @@ def loss_line(p: Problem) -> str:
     {"kind": "loss", "loss": <problem kind>, "records": n or null, "bytes": n or null,
      "path": file or null, "offset": byte or null, "message": text}"""
     in_records = p.kind not in ("torn_tail", "corrupt", "no_stop")
-    return json.dumps({"kind": "loss", "loss": p.kind,
-                       "records": p.dropped if in_records else None,
-                       "bytes": None if in_records else p.dropped,
-                       "path": p.path or None, "offset": p.offset if p.path else None,
-                       "message": p.message}, separators=(",", ":"))
+    return jsonl.loss_line(p.kind, records=p.dropped if in_records else None,
+                           nbytes=None if in_records else p.dropped, path=p.path or None,
+                           offset=p.offset if p.path else None, message=p.message)
 
 
 class _LossLines:

@@ -145,6 +145,16 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
 _NO_CTX = Context()
 
 
+def loss_line(loss: str, *, records: int | None = None, nbytes: int | None = None,
+              path: str | None = None, offset: int | None = None, message: str = "") -> str:
+    """The JSON stream's loss marker (README "Output"), live and in `replay --json` alike:
+    {"kind": "loss", "loss": <stage>, "records": n or null, "bytes": n or null,
+     "path": file or null, "offset": byte or null, "message": text}"""
+    return json.dumps({"kind": "loss", "loss": loss, "records": records, "bytes": nbytes,
+                       "path": path, "offset": offset, "message": message},
+                      separators=(",", ":"))
+
+
 class JsonLines:
     def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None,
                  collapse: StormCollapse | None = None, node: str = ""):
@@ -177,6 +187,13 @@ class JsonLines:
         if lines:
             lines.append("")
             self.stream.write("\n".join(lines))
+
+    def loss(self, stage: str, n: int | None, message: str) -> None:
+        """A loss line in the stream, where the loss was noticed (nptrace/losses.py)."""
+        try:
+            self.stream.write(loss_line(stage, records=n, message=message) + "\n")
+        except (BrokenPipeError, ValueError):
+            pass
 
     def tick(self, now_ns: int) -> None:
         """From the live loop: write the summaries of storm windows that ended."""

@@ -186,6 +186,13 @@ class MetricsSink:
                                   ["service", "kind", "cause"], registry=registry)
         self.collector: KernelCollector | None = None
         self._children: dict[tuple, tuple] = {}
+        # user-space losses (nptrace/losses.py stages; the ring's is nptrace_events_lost_total)
+        self.losses = Counter("nptrace_user_losses", "Records or messages lost or skipped in "
+                              "user space, by stage", ["stage"], registry=registry)
+
+    def loss(self, stage: str, n: int | None, _message: str = "") -> None:
+        if stage != "ring_lost":      # the kernel's own counter, read at scrape time
+            self.losses.labels(stage).inc(n or 1)
 
     def watch_kernel(self, counters: CountersFn, **kw) -> KernelCollector:
         """Register the scrape-time collector of exact kernel counters (KernelCollector's

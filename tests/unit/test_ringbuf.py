@@ -224,3 +224,36 @@ def test_close_releases_views():
     r.close()
     r.close()
     ring.cons_page[0:8] = bytes(8)  # the buffers are no longer exported
+
+
+# --- issue 18 item 7: the mapped walk only where its ordering assumptions hold ----------------
+def test_reader_choice_by_cpu():
+    from nptrace.kernel.ringbuf import choose
+    assert choose("x86_64", "auto")[0] == "mmap"
+    assert choose("aarch64", "auto")[0] == "poll" and "x86-64" in choose("aarch64", "auto")[1]
+    assert choose("x86_64", "poll")[0] == "poll"
+    assert choose("riscv64", "mmap")[0] == "mmap"
+    assert choose("ppc64le", "bogus")[0] == "poll"
+
+
+def test_poll_reader_batches_and_keeps_the_rest():
+    from nptrace import events as ev
+    from nptrace.kernel.ringbuf import open_reader
+
+    class FakeProbes:
+        def open_ring(self, cb):
+            self.cb = cb
+
+        def poll(self, timeout_ms):
+            for i in range(5):
+                self.cb(ev.encode(ts_ns=i + 1, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB))
+            self.cb(b"short")
+    p = FakeProbes()
+    lines = []
+    r = open_reader(p, lines.append, machine="aarch64")
+    assert "ring reader: poll" in lines[0]
+    first = r.poll(0, max_records=3, raw=True)
+    assert len(first) == 3 and all(len(b) == ev.SIZE for b in first)
+    rest = r.poll(0, max_records=10)
+    assert len(rest) == 2 and ev.from_tuple(rest[0]).ts_ns == 4
+    assert r.stats.short == 1
