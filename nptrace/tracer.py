@@ -202,7 +202,6 @@ class Tracer:
         check("leftovers of killed runs")
         from nptrace.kernel import headers     # bcc's compile needs some; which ones, said once
         hsrc = headers.find()
-        log(hsrc.line())
         if hsrc.kind == "none":
             raise LoadError(f"no kernel headers for bcc's compile: {hsrc.detail}")
         headers.select(hsrc)
@@ -217,6 +216,7 @@ class Tracer:
         self.plan = plan = attach.plan(feats, self.cfg)
         self._open_outputs(drops, rsts)   # before the slow compile: bad paths fail fast
         plan.require()
+        log(hsrc.line())     # with the plan: start-up errors before here stay one line
         for line in plan.lines():
             log(f"plan: {line}")
         self.cfg = plan.cfg

@@ -118,6 +118,9 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
         for it in r.items():
             off = int(it.header.get("epoch_offset_ns", 0))
             lines.offset = off
+            if as_json:     # the recording node's name, as the live line had it
+                node = it.header.get("node")
+                lines.set_node(node if isinstance(node, str) and node != "?" else "")
             lines.write(it.verdict)
             if sink is not None:
                 sink.offset = off

@@ -161,6 +161,10 @@ class JsonLines:
         self.stream = stream or sys.stdout
         self.offset = epoch_offset_ns
         self.collapse = collapse
+        self.set_node(node)
+
+    def set_node(self, node: str) -> None:
+        """The node every following line names (replay: the recording node of each record)."""
         # "node" first on every line: one concatenation a line, not a second encoder
         self.node_prefix = '{"node":' + _esc(node) + "," if node else "{"
 

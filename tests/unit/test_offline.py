@@ -75,10 +75,10 @@ def live(d, raws, *, node="node-a", mono0=0, ifnames=None, services=None, rename
             names[3] = "eth1-renamed"
         rec.on_raw(raw)
         for v in c.feed(ev.decode(raw)):
-            out.append(verdict_dict(v, offset))
+            out.append({"node": node, **verdict_dict(v, offset)})   # live lines name the node
         rec.tick()
     for v in c.flush():
-        out.append(verdict_dict(v, offset))
+        out.append({"node": node, **verdict_dict(v, offset)})
     rec.close()
     return out
 
@@ -100,7 +100,7 @@ def test_replay_equals_live_with_names_services_and_rotation(tmp_path):
     assert want[0]["iface"] == "eth1" and want[0]["service"] == "default/web:http"
     assert want[-1]["iface"] == "eth1-renamed"
     problems = []
-    got = [verdict_dict(it.verdict, it.header["epoch_offset_ns"])
+    got = [{"node": it.node, **verdict_dict(it.verdict, it.header["epoch_offset_ns"])}
            for it in Replay(tmp_path / "a").items()]
     assert problems == []
     assert roundtrip(got) == roundtrip(want)
