@@ -35,6 +35,7 @@ Modules, each importing (at run time) only those listed before it:
   match.py           Flow and Match: the best-effort matcher of one rule (MapView: what it
                      asks of the map)
   facts.py           Info/Scope per service port; Entry/Chain/Table for the rule walk
+  nat.py             the nat walk: where kube-proxy DNATs a packet before filter sees it
   servicemap.py      ServiceMap (lookup, verdict_rules, matching_drop_rules) and merge
   nfcause.py         nf_cause: the rule behind a netfilter drop and its cause tag
   build.py           Builder, which a parse fills and finish()es into a ServiceMap

@@ -20,13 +20,13 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
     connection; `has_ct`: it carried a conntrack entry.
 
     Order: kube-proxy's own verdict for the address the client used (no endpoints, no local
-    endpoint, source ranges); a mid-connection packet without conntrack against the
+    endpoint, source ranges; not for a client kube-proxy's nat rules DNAT past them); a mid-connection packet without conntrack against the
     conntrack-INVALID drop; then the firewall rules that match the packet, "other" (not
     kube-proxy's) first. `to_pod`: the packet was headed to a Service's endpoint."""
     def out(r, tag=None, to_pod=False):
         return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
                 "service": r.service, "to_pod": to_pod}
-    for r in smap.verdict_rules(odst, oport, include_invalid=False):
+    for r in smap.verdict_rules(odst, oport, include_invalid=False, saddr=saddr):
         if r.reason != "other":
             return out(r)
     if not syn and not has_ct:
