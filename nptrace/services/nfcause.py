@@ -30,7 +30,13 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
         if r.reason != "other":
             return out(r)
     if not syn and not has_ct:
-        # conntrack clears skb->_nfct for a packet it deems INVALID
+        # conntrack clears skb->_nfct for a packet it deems INVALID. The rule that dropped it is
+        # on the hook it crossed: INPUT for the node's own address (an INVALID packet is not
+        # DNATed, so one to a NodePort is delivered locally), FORWARD for a routed one
+        for hook in _hooks(smap, daddr, dport):
+            for r in smap.matching_drop_rules(saddr, daddr, dport, ctstate="INVALID", hook=hook):
+                if r.reason == "conntrack_invalid":
+                    return out(r)
         for r in smap.verdict_rules(daddr, dport):
             if r.reason == "conntrack_invalid":
                 return out(r)
@@ -41,3 +47,15 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
     ep = smap.lookup(daddr, dport)
     to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
     return out(rules[0], to_pod=to_pod)
+
+
+def _hooks(smap: ServiceMap, daddr: str, dport: int) -> tuple[str, ...]:
+    """The filter hook(s) a packet to daddr:dport crosses, most likely first."""
+    if smap.local_addrs is not None:
+        return ("input",) if daddr in smap.local_addrs else ("forward",)
+    s = smap.lookup(daddr, dport)
+    if s is not None and s.kind in ("nodeport", "healthcheck"):
+        return ("input",)
+    if s is not None:
+        return ("forward",)
+    return ("forward", "input")
