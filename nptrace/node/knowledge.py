@@ -46,8 +46,13 @@ class NodeKnowledge:
         smap = None
         if ns is not False:
             try:
-                from nptrace.node.rules_source import load_service_map
+                from nptrace.node.rules_source import load_service_map, local_addresses
                 smap = load_service_map(ns)
+                # the namespace's own addresses: which filter hook a packet crossed (INPUT or
+                # FORWARD) and whether `--src/--dst-type LOCAL` matches
+                addrs = local_addresses(ns)
+                if addrs:
+                    smap = smap.with_local_addrs(addrs)
                 self.errors.pop(inode, None)
             except Exception as e:   # no rules readable: the classifier says so in its hint
                 self.errors[inode] = str(e).splitlines()[0] if str(e) else type(e).__name__
