@@ -128,6 +128,23 @@ TAG_CAUSES = {
 }
 
 
+def conntrack_full(got: dict) -> bool:
+    """The conntrack table of nf_rule's answer was full when the packet was dropped: at its
+    limit (within 1%), or conntrack's own drop counter moved since the previous reading."""
+    cmax, count = got.get("ct_max"), got.get("ct_count")
+    if not cmax or count is None:
+        return False
+    return count >= cmax - max(1, cmax // 100) or bool(got.get("ct_drop_new"))
+
+
+CONNTRACK_FULL_HINT = (
+    "the conntrack table is full ({count}/{cmax} entries; conntrack's drop counter: {drop}, "
+    "{new} since the previous reading): conntrack dropped this new connection before any rule "
+    "saw it. Raise the limit (sysctl -w net.netfilter.nf_conntrack_max={twice}) or shorten the "
+    "timeouts that fill it (`conntrack -L | awk '{{print $4}}' | sort | uniq -c` shows which "
+    "states hold the entries; e.g. net.netfilter.nf_conntrack_tcp_timeout_time_wait)")
+
+
 @applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
 def rule_netfilter(ev, rname, history, ctx):
     if not _is_nf_reject(ev, rname):
@@ -135,7 +152,12 @@ def rule_netfilter(ev, rname, history, ctx):
     odst, oport = _orig_dst(ev)
     got = ctx.nf_rule(ev.netns, ev.saddr, ev.daddr, ev.dport, odst, oport,
                       bool(ev.tcpflags & TCP_SYN), ev.ct is not None)
-    if got is None:
+    if got is not None and ev.type == T_DROP and conntrack_full(got):
+        cmax = got["ct_max"]
+        return ("conntrack_full", 0.9, CONNTRACK_FULL_HINT.format(
+            count=got["ct_count"], cmax=cmax, drop=got.get("ct_drop", "?"),
+            new=got.get("ct_drop_new", 0), twice=cmax * 2))
+    if got is None or got.get("no_ruleset"):
         return ("netfilter_reject", 0.5,
                 "a netfilter rule dropped or rejected this packet; the rule could not be named "
                 "(no readable ruleset for this namespace): run `iptables-save -c` / "
