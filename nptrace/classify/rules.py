@@ -227,6 +227,32 @@ def rule_peer_reset(ev, rname, history, ctx):
     return None
 
 
-RULES: list[Rule] = [rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
+# kfree_skb reasons of a packet whose checksum did not verify where it was received
+CSUM_DROPS = {"TCP_CSUM": "TCP", "UDP_CSUM": "UDP", "IP_CSUM": "IP header", "SKB_CSUM": "",
+              "ICMP_CSUM": "ICMP"}
+
+
+@applies_to(T_DROP)
+def rule_checksum(ev, rname, history, ctx):
+    """A bad checksum on arrival: a device computed it before the packet was changed, or was
+    to offload it and did not (TX checksum offload on a VXLAN device after NAT is the classic)."""
+    proto = CSUM_DROPS.get(rname)
+    if proto is None:
+        return None
+    what = f"a {proto} packet" if proto else "a packet"
+    if ev.flags & F_ENCAP and ev.outer_saddr:
+        what = f"a VXLAN packet from {ev.outer_saddr} (inner {{saddr}}:{{sport}})"
+    else:
+        what += " from {saddr}:{sport} to {daddr}:{port}"
+    return ("checksum", 0.9,
+            what + " arrived on {iface} with a bad checksum and the kernel dropped it "
+            f"({rname}): the device that sent it (the peer of {{iface}} for a veth, the VXLAN "
+            "device of the sending node for an overlay) computed or offloaded the checksum "
+            "before the packet was rewritten. Turn its TX checksum offload off (`ethtool -K <dev> "
+            "tx-checksum-ip-generic off`, or the CNI's setting) and count the errors with "
+            "`nstat -az TcpInCsumErrors UdpInCsumErrors`")
+
+
+RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
                      rule_netfilter, rule_stale_endpoint,
                      rule_no_listener, rule_app_reset, rule_peer_reset]

@@ -20,8 +20,8 @@ from .kuberules import FAULTS, Endpoint, Service
 
 DATA = Path(__file__).with_name("data")
 CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface", "policy_drop",
-          "netfilter_reject", "conntrack_invalid", "conntrack_full", "no_listener", "proxy", "app_reset", "peer_reset",
-          "unknown")
+          "netfilter_reject", "conntrack_invalid", "conntrack_full", "checksum", "no_listener",
+          "proxy", "app_reset", "peer_reset", "unknown")
 OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
 BACKENDS = ("iptables", "iptables-legacy", "nft")
 HOST_KINDS = ("client", "router", "node", "pod")

@@ -68,3 +68,18 @@ def test_doctor_warns_on_drops_and_near_full():
     assert f.status == "warn" and "nearly full" in f.detail
     assert f.remedy == "sysctl -w net.netfilter.nf_conntrack_max=2000"
     assert _conntrack_finding(100, 1000, 0).status == "ok"
+
+
+# -- checksum (issue 20 item 2) ---------------------------------------------------------------
+def test_bad_tcp_checksum_is_checksum_naming_the_interface():
+    names = {10: "TCP_CSUM", 11: "UDP_CSUM", 12: "NETFILTER_DROP"}
+    ctx = Context(drop_name=lambda v: names.get(v, f"R{v}"),
+                  iface_name=lambda ns, i: {7: "npt-node1/eth1"}.get(i))
+    e = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=10, ifindex=7,
+                            tcpflags=ev.TCP_SYN, ts_ns=1000, saddr="192.168.10.100", sport=40000,
+                            daddr="192.168.10.11", dport=30080))
+    [v] = classify([e], ctx)
+    assert v.cause == "checksum" and v.iface == "npt-node1/eth1"
+    assert "arrived on npt-node1/eth1 with a bad checksum" in v.hint and "TCP_CSUM" in v.hint
+    assert "ethtool -K" in v.hint and "192.168.10.100:40000" in v.hint
+    assert "checksum" in CAUSES and PRIORITY[0] == "checksum"
