@@ -359,14 +359,13 @@ class ServiceMap:
             roots = [r for r in t.roots if r.hook == hook and r.entries]
             starts = roots or [t.chains[c] for c in _KP_FILTER if c in t.chains]
             for ch in starts:
-                verdict = self._verdict_walk(ch, t, flow, 0)
-                if verdict is not None and verdict[0] != "return":
+                got = self._verdict_walk(ch, t, flow, 0)
+                if got is not None and got[0] != "return":
+                    verdict = got
                     break
-                verdict = None
-                if not roots:
-                    continue
-                if ch.policy is not None:
+                if roots and ch.policy is not None:   # a base chain's DROP/REJECT policy
                     verdict = (ch.policy.verdict, ch.policy)
+                    break
             if verdict is not None:
                 break
         outputs = list(nat.dests)

@@ -219,3 +219,14 @@ def test_corpus_totals():
     for p in paths:
         names |= set(parse(p).names)
     assert len(paths) >= 7 and total >= 100, (len(paths), total)
+
+
+def test_trace_takes_a_base_chains_drop_policy():
+    """A live node's dump: the forward hook's DROP policy is the verdict when no rule decides."""
+    text = (FIX / "derived" / "iptables-overall.iptables-save").read_text().replace(
+        ":FORWARD ACCEPT", ":FORWARD DROP", 1)
+    smap = parse_iptables_restore(text).with_local_addrs(LOCAL)
+    t = smap.trace("203.0.113.2", "10.99.0.9", 80)      # routed, matches nothing
+    assert (t.output, t.verdict, t.rule.text) == ("DROP", "drop", "-P FORWARD DROP")
+    t = smap.trace("203.0.113.2", "192.168.99.33", 80)  # svc4's ExternalIP: DNATed, policy
+    assert t.dests[0] in ("10.180.0.4:80", "10.180.0.5:80") and t.masq
