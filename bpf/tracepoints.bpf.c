@@ -6,7 +6,8 @@
  * nptrace/kernel/features.py, chosen by nptrace/kernel/attach.py; gate -DNPT_TP_<NAME>):
  *   skb:kfree_skb            since 2.6.30, REQUIRED; reason field since Linux 5.17 (rx_sk since
  *                            6.12, unused)
- *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10
+ *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10 (a
+ *                            reset from a LISTEN socket takes its tuple from the packet)
  *   tcp:tcp_receive_reset    since 4.15
  *   icmp:icmp_send           since 6.10
  *   tcp:tcp_retransmit_synack since 4.15
@@ -46,6 +47,7 @@ enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 #define NPT_SOCKADDR_PORT   2
 #define NPT_SOCKADDR_IN4    4   /* struct sockaddr_in.sin_addr */
 #define NPT_SOCKADDR_IN6    8   /* struct sockaddr_in6.sin6_addr */
+#define NPT_TCP_LISTEN     10   /* include/net/tcp_states.h */
 
 #if NPT_TP_KFREE_SKB
 TRACEPOINT_PROBE(skb, kfree_skb)
@@ -79,8 +81,9 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 	struct npt_event e;
 	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
 	void *skb = (void *)args->skbaddr, *sk = (void *)args->skaddr;
+	int l4 = 0;
 	if (skb) {
-		npt_read_skb(&e, skb);    /* interface, netns and conntrack of the offending packet */
+		l4 = npt_read_skb(&e, skb);  /* interface, netns and conntrack of the offending packet */
 		e.aux = e.tcpflags;       /* what was answered: a SYN-ACK from a stranger means an
 					     un-NATed reply, a SYN means no listener */
 	}
@@ -88,7 +91,28 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 		e.netns = npt_netns_of_sk(sk);
 	if (sk)
 		e.flags |= NPT_F_HAS_SOCK;
-	/* The tracepoint already reverses an skb's tuple, so saddr/daddr are the RST's own. */
+	/* The tracepoint fills its tuple from a full socket first (include/trace/events/tcp.h,
+	 * `if (sk && sk_fullsock(sk))`), else from the skb reversed. A LISTEN socket is a full
+	 * socket bound to 0.0.0.0:port and connected to nobody: its tuple reads
+	 * "0.0.0.0:8080 > 0.0.0.0:0" (a rollout's new pod answering an old connection's segment).
+	 * Then the RST's own tuple is the offending packet's, reversed. */
+	if (l4 == NPT_IPPROTO_TCP && (!sk || args->state == NPT_TCP_LISTEN)) {
+		u8 a[16];
+		__builtin_memcpy(a, e.saddr, 16);
+		__builtin_memcpy(e.saddr, e.daddr, 16);
+		__builtin_memcpy(e.daddr, a, 16);
+		u16 sp = e.sport;
+		e.sport = e.dport;
+		e.dport = sp;
+		e.l4proto = NPT_IPPROTO_TCP;
+		e.tcpflags = 0x04;
+		e.state = (u8)args->state;
+		e.reason = (u32)args->reason;
+		e.dir = NPT_D_LOCAL;
+		npt_emit(&e);
+		return 0;
+	}
+	/* Otherwise the tracepoint's tuple is the RST's own (a socket's, or the skb's reversed). */
 	u16 fam = 0, p = 0;
 	bpf_probe_read_kernel(&fam, 2, args->saddr + NPT_SOCKADDR_FAMILY);
 	if (fam != NPT_AF_INET && fam != NPT_AF_INET6)

@@ -448,11 +448,19 @@ class Classifier:
         ev = primary.ev
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
-        if ev.ct is None:                        # _service, inlined
-            so = ctx.service_of
-            service = so(ev.daddr, ev.dport) or so(ev.saddr, ev.sport) or None
-        else:
+        if len(pending) == 1 or ev.ct is not None and ev.ct.dnat:
             service = _service(ev, ctx)
+        else:
+            # the connection's NAT mapping names the Service by its frontend, whichever event
+            # of the incident carried it, before any port of this event is matched
+            service = None
+            for l in pending:
+                c = l.ev.ct
+                if c is not None and c.dnat:
+                    service = _service(l.ev, ctx)
+                    break
+            if not service:
+                service = _service(ev, ctx)
         if len(pending) == 1:
             ordered = (primary,) if root is None or root == primary else (root, primary)
         else:
@@ -534,13 +542,31 @@ def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Ve
 
 
 def _service(ev: Event, ctx: Context) -> str | None:
-    cands = [(ev.daddr, ev.dport), (ev.saddr, ev.sport)]
-    if ev.ct is not None:
-        cands[:0] = [(ev.ct.orig_dst, ev.ct.orig_dport), (ev.ct.reply_src, ev.ct.reply_sport)]
-    for addr, port in cands:
-        s = ctx.service_of(addr, port)
+    """The Service of one event's connection.
+
+    With a conntrack entry: its original destination (the frontend the client used), then its
+    reply source (the endpoint); the masqueraded side (reply destination, whose port the
+    masquerade picks, possibly inside the NodePort range) and the client's own port are never
+    matched. Without one: the packet's destination, unless its source is a Service's endpoint
+    (exact address and port), which is more specific than a port the destination answers on:
+    a pod's reset to the masquerade address:port is named after the pod's Service.
+    """
+    so = ctx.service_of
+    c = ev.ct
+    if c is not None and c.orig_dport:
+        s = so(c.orig_dst, c.orig_dport) or ctx.endpoint_of(c.reply_src, c.reply_sport)
         if s:
             return s
-    return None
+        masq = ((c.reply_dst, c.reply_dport), (c.orig_src, c.orig_sport))
+        for addr, port in ((ev.daddr, ev.dport), (ev.saddr, ev.sport)):
+            if (addr, port) not in masq:
+                s = so(addr, port)
+                if s:
+                    return s
+        return None
+    s = so(ev.daddr, ev.dport)
+    if s:
+        return ctx.endpoint_of(ev.saddr, ev.sport) or s
+    return so(ev.saddr, ev.sport) or None
 
 

@@ -33,6 +33,7 @@ def rules_for(t: int) -> list:
 
 
 SYNACK = TCP_SYN | TCP_ACK
+TCP_LISTEN = 10   # include/net/tcp_states.h: sk_state of a listening socket
 
 
 def _is_nf_reject(ev: Event, rname: str) -> bool:
@@ -128,6 +129,23 @@ TAG_CAUSES = {
 }
 
 
+def conntrack_full(got: dict) -> bool:
+    """The conntrack table of nf_rule's answer was full when the packet was dropped: at its
+    limit (within 1%), or conntrack's own drop counter moved since the previous reading."""
+    cmax, count = got.get("ct_max"), got.get("ct_count")
+    if not cmax or count is None:
+        return False
+    return count >= cmax - max(1, cmax // 100) or bool(got.get("ct_drop_new"))
+
+
+CONNTRACK_FULL_HINT = (
+    "the conntrack table is full ({count}/{cmax} entries; conntrack's drop counter: {drop}, "
+    "{new} since the previous reading): conntrack dropped this new connection before any rule "
+    "saw it. Raise the limit (sysctl -w net.netfilter.nf_conntrack_max={twice}) or shorten the "
+    "timeouts that fill it (`conntrack -L | awk '{{print $4}}' | sort | uniq -c` shows which "
+    "states hold the entries; e.g. net.netfilter.nf_conntrack_tcp_timeout_time_wait)")
+
+
 @applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
 def rule_netfilter(ev, rname, history, ctx):
     if not _is_nf_reject(ev, rname):
@@ -135,7 +153,12 @@ def rule_netfilter(ev, rname, history, ctx):
     odst, oport = _orig_dst(ev)
     got = ctx.nf_rule(ev.netns, ev.saddr, ev.daddr, ev.dport, odst, oport,
                       bool(ev.tcpflags & TCP_SYN), ev.ct is not None)
-    if got is None:
+    if got is not None and ev.type == T_DROP and conntrack_full(got):
+        cmax = got["ct_max"]
+        return ("conntrack_full", 0.9, CONNTRACK_FULL_HINT.format(
+            count=got["ct_count"], cmax=cmax, drop=got.get("ct_drop", "?"),
+            new=got.get("ct_drop_new", 0), twice=cmax * 2))
+    if got is None or got.get("no_ruleset"):
         return ("netfilter_reject", 0.5,
                 "a netfilter rule dropped or rejected this packet; the rule could not be named "
                 "(no readable ruleset for this namespace): run `iptables-save -c` / "
@@ -177,6 +200,61 @@ def rule_stale_endpoint(ev, rname, history, ctx):
     return None
 
 
+STALE_CONNTRACK_HINT = (
+    "conntrack still steers this established connection ({frontend} of {service}) to {ep}, "
+    "which {service}'s rules no longer list as an endpoint: the endpoint was removed (a "
+    "rollout) while the connection was in flight, and kube-proxy does not flush TCP conntrack "
+    "entries. {what} Drain before deleting pods (graceful termination, a preStop sleep longer "
+    "than the clients' idle time) or flush the removed endpoint's entries: "
+    "conntrack -D --orig-dst {odst} --dst-nat {epaddr}")
+
+
+@applies_to(T_WIRE_RST, T_DROP, T_ICMP, T_WIRE_ICMP)
+def rule_stale_conntrack(ev, rname, history, ctx):
+    """A rollout's in-flight connections: conntrack DNATs an established connection to an
+    address the rules no longer list as one of its Service's endpoints; either nobody has the
+    address (neighbour failure, host unreachable) or a new pod has it and resets."""
+    c = ev.ct
+    if c is None or not c.dnat or not c.orig_dport:
+        return None
+    if ev.type == T_DROP:
+        if rname not in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS"):
+            return None
+        what = "Nobody has that address any more (the packets fail at the neighbour lookup)."
+    elif ev.type in (T_ICMP, T_WIRE_ICMP):
+        if ev.reason not in (3 << 8 | 1, 3 << 8 | 0):
+            return None
+        what = "Nobody has that address any more (host unreachable)."
+    else:
+        what = "A new pod has that address now and its kernel reset the old connection."
+    service = ctx.service_of(c.orig_dst, c.orig_dport)
+    if not service or ctx.endpoint_of(c.reply_src, c.reply_sport) == service:
+        return None
+    ep = f"{c.reply_src}:{c.reply_sport}"
+    return ("proxy", 0.85, STALE_CONNTRACK_HINT.format(
+        frontend=f"{c.orig_dst}:{c.orig_dport}", service=service, ep=ep, what=what,
+        odst=c.orig_dst, epaddr=c.reply_src))
+
+
+@applies_to(T_RST_SENT)
+def rule_lost_state(ev, rname, history, ctx):
+    """A listening socket reset a mid-connection segment of an endpoint the rules still list:
+    the endpoint lost the connection's state (a container restart keeps the pod and its
+    address), which is not the proxy's fault."""
+    if ev.type != T_RST_SENT or not ev.flags & F_HAS_SOCK or ev.state != TCP_LISTEN \
+            or ev.answered_flags & TCP_SYN:
+        return None
+    service = ctx.endpoint_of(ev.saddr, ev.sport)
+    if not service:
+        return None
+    return ("app_reset", 0.75,
+            "{saddr}:{sport} is still an endpoint of " + service + ", but its TCP stack no longer "
+            "knows this connection and its listening socket reset the client's segment: the "
+            "endpoint lost the connection's state (a container restart keeps the pod and its "
+            "address). Not a proxy fault: clients must reconnect; make the app close connections "
+            "before it stops")
+
+
 @applies_to(T_RST_SENT, T_DROP)
 def rule_no_listener(ev, rname, history, ctx):
     if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
@@ -205,6 +283,32 @@ def rule_peer_reset(ev, rname, history, ctx):
     return None
 
 
-RULES: list[Rule] = [rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
-                     rule_netfilter, rule_stale_endpoint,
+# kfree_skb reasons of a packet whose checksum did not verify where it was received
+CSUM_DROPS = {"TCP_CSUM": "TCP", "UDP_CSUM": "UDP", "IP_CSUM": "IP header", "SKB_CSUM": "",
+              "ICMP_CSUM": "ICMP"}
+
+
+@applies_to(T_DROP)
+def rule_checksum(ev, rname, history, ctx):
+    """A bad checksum on arrival: a device computed it before the packet was changed, or was
+    to offload it and did not (TX checksum offload on a VXLAN device after NAT is the classic)."""
+    proto = CSUM_DROPS.get(rname)
+    if proto is None:
+        return None
+    what = f"a {proto} packet" if proto else "a packet"
+    if ev.flags & F_ENCAP and ev.outer_saddr:
+        what = f"a VXLAN packet from {ev.outer_saddr} (inner {{saddr}}:{{sport}})"
+    else:
+        what += " from {saddr}:{sport} to {daddr}:{port}"
+    return ("checksum", 0.9,
+            what + " arrived on {iface} with a bad checksum and the kernel dropped it "
+            f"({rname}): the device that sent it (the peer of {{iface}} for a veth, the VXLAN "
+            "device of the sending node for an overlay) computed or offloaded the checksum "
+            "before the packet was rewritten. Turn its TX checksum offload off (`ethtool -K <dev> "
+            "tx-checksum-ip-generic off`, or the CNI's setting) and count the errors with "
+            "`nstat -az TcpInCsumErrors UdpInCsumErrors`")
+
+
+RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
+                     rule_netfilter, rule_stale_conntrack, rule_stale_endpoint, rule_lost_state,
                      rule_no_listener, rule_app_reset, rule_peer_reset]

@@ -25,13 +25,13 @@ D_INGRESS = int(Dir.INGRESS)
 
 CAUSES = (
     "no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface", "policy_drop",
-    "netfilter_reject", "conntrack_invalid", "no_listener", "proxy", "app_reset", "peer_reset",
-    "unknown",
+    "netfilter_reject", "conntrack_invalid", "conntrack_full", "checksum", "no_listener", "proxy",
+    "app_reset", "peer_reset", "unknown",
 )
 # Which label of a flow names its root cause: the highest here. Specific kernel verdicts come
 # before what they cause (an un-NATed reply makes a middlebox or conntrack drop the client's
 # answer; a drop makes a peer reset), and "where it surfaced" labels come last.
-PRIORITY = ("rp_filter", "no_local_endpoint", "no_endpoints", "policy_drop", "proxy", "snat",
+PRIORITY = ("checksum", "rp_filter", "conntrack_full", "no_local_endpoint", "no_endpoints", "policy_drop", "proxy", "snat",
             "wrong_iface", "no_listener", "conntrack_invalid", "app_reset", "netfilter_reject",
             "peer_reset", "unknown")
 RANK = {c: i for i, c in enumerate(PRIORITY)}

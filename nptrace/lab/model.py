@@ -20,8 +20,8 @@ from .kuberules import FAULTS, Endpoint, Service
 
 DATA = Path(__file__).with_name("data")
 CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface", "policy_drop",
-          "netfilter_reject", "conntrack_invalid", "no_listener", "proxy", "app_reset", "peer_reset",
-          "unknown")
+          "netfilter_reject", "conntrack_invalid", "conntrack_full", "checksum", "no_listener",
+          "proxy", "app_reset", "peer_reset", "unknown")
 OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
 BACKENDS = ("iptables", "iptables-legacy", "nft")
 HOST_KINDS = ("client", "router", "node", "pod")
@@ -135,13 +135,35 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         service=raw["service"], notes=raw.get("notes", ""),
         cluster_cidr=topo["cluster_cidr"], service_cidr=topo["service_cidr"],
         hosts=hosts, networks=topo["networks"],
-        services=[_service(k, v, hosts) for k, v in sorted(services_raw.items())],
+        services=_with_scale([_service(k, v, hosts) for k, v in sorted(services_raw.items())],
+                             int(kp.get("scale", 0)), topo["service_cidr"]),
         trigger=raw.get("trigger", []), lb_view=raw.get("lb_view", []),
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
         backends=tuple(raw.get("backends", BACKENDS)),
     )
     validate(spec)
     return spec
+
+
+def _with_scale(services: list[Service], n: int, service_cidr: str) -> list[Service]:
+    """``[kube_proxy] scale = N``: N more ClusterIP+NodePort Services (``scale/svc-NNNN:http``)
+    with nodePorts spread over 30000-32767 and one endpoint each outside the lab, so the
+    ruleset has a real cluster's size (N=2000: about 26,000 rule lines) and most ports of the
+    NodePort range belong to some Service."""
+    if n <= 0:
+        return services
+    import random
+    used = {s.node_port for s in services}
+    ports = [p for p in range(30000, 32768) if p not in used]
+    if n > len(ports):
+        raise UsageError(f"kube_proxy.scale = {n}: only {len(ports)} NodePorts are free")
+    ports = sorted(random.Random(20).sample(ports, n))
+    net = ipaddress.ip_network(service_cidr)
+    extra = [Service(namespace="scale", name=f"svc-{i:04d}", port_name="http", port=80,
+                     cluster_ip=str(net[4096 + i]), node_port=p,
+                     endpoints=(Endpoint(f"10.250.{i // 250}.{i % 250 + 1}", 8080, "node2"),))
+             for i, p in enumerate(ports)]
+    return services + extra
 
 
 def _service(key: str, d: dict, hosts: dict) -> Service:

@@ -27,6 +27,7 @@ from nptrace.kernel.features import parse_int, read_text
 __all__ = ["Finding", "Interface", "NodeChecks", "NodeError", "check", "netns_names"]
 
 CONNTRACK_WARN = 0.8
+CONNTRACK_FULL = 0.9   # above this, "nearly full"
 
 # ARPHRD_* (uapi/linux/if_arp.h) for tunnels whose DEVTYPE is not set in uevent.
 _ARPHRD_LOOPBACK, _ARPHRD_TUNNEL, _ARPHRD_IPGRE = 772, 768, 778
@@ -167,17 +168,35 @@ def _rp_filter_finding(all_value: int | None, ifaces: list[Interface], multi_hom
                                        "(cause rp_filter)")
 
 
-def _conntrack_finding(count: int | None, cmax: int | None) -> Finding:
+def _conntrack_finding(count: int | None, cmax: int | None, drops: int | None = None) -> Finding:
+    dropped = (f"; conntrack's drop counter is {drops}: the table was full and new connections "
+               f"were dropped (cause conntrack_full)") if drops else ""
     if count is None or cmax is None:
-        return Finding("conntrack usage", "missing", "no nf_conntrack_count/_max",
+        return Finding("conntrack usage", "missing", "no nf_conntrack_count/_max" + dropped,
                        cost="conntrack table pressure cannot be seen")
-    if cmax and count / cmax > CONNTRACK_WARN:
+    if cmax and (count / cmax > CONNTRACK_WARN or drops):
+        full = "nearly full" if count / cmax > CONNTRACK_FULL else "a full table drops new flows"
         return Finding("conntrack usage", "warn",
-                       f"{count}/{cmax} entries ({100 * count // cmax}%): a full table drops "
-                       f"new flows", remedy=f"sysctl -w net.netfilter.nf_conntrack_max={cmax * 2}",
+                       f"{count}/{cmax} entries ({100 * count // cmax}%): {full}" + dropped,
+                       remedy=f"sysctl -w net.netfilter.nf_conntrack_max={cmax * 2}",
                        cost="new connections dropped once the table is full")
     pct = f" ({100 * count // cmax}%)" if cmax else ""
     return Finding("conntrack usage", "ok", f"{count}/{cmax} entries{pct}")
+
+
+def _conntrack_drops(text: str | None) -> int | None:
+    """Sum over CPUs of the hex ``drop`` column of /proc/net/stat/nf_conntrack."""
+    if not text:
+        return None
+    head, *rows = text.splitlines()
+    cols = head.split()
+    if "drop" not in cols:
+        return None
+    i = cols.index("drop")
+    try:
+        return sum(int(r.split()[i], 16) for r in rows if len(r.split()) > i)
+    except ValueError:
+        return None
 
 
 def _default_backend(netns: str | None) -> str:
@@ -253,6 +272,7 @@ def check(root: Path = Path("/"), netns: str | None = None,
 
     ct = root / "proc/sys/net/netfilter"
     count, cmax = parse_int(read_text(ct / "nf_conntrack_count")), parse_int(read_text(ct / "nf_conntrack_max"))
+    drops = _conntrack_drops(read_text(root / "proc/net/stat/nf_conntrack"))
 
     ipvs_text = read_text(root / "proc/net/ip_vs")
     ipvs_services = None if ipvs_text is None else sum(
@@ -261,7 +281,7 @@ def check(root: Path = Path("/"), netns: str | None = None,
 
     findings = (
         _rp_filter_finding(all_value, ifaces, multi_homed, overlays),
-        _conntrack_finding(count, cmax),
+        _conntrack_finding(count, cmax, drops),
         _kube_proxy_finding(backend, why, ipvs_services),
     )
     return NodeChecks(None, all_value, tuple(ifaces), multi_homed, tuple(overlays),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+from nptrace.kernel import nsenter
 from nptrace.node.netns import Names
 from nptrace.services import nf_cause
 
@@ -29,6 +30,8 @@ class NodeKnowledge:
         self.errors: dict[int, str] = {}
         self._route_window = 0.0
         self._route_budget = ROUTE_LOOKUPS_PER_S
+        self._ct: dict[int, tuple[float, dict | None]] = {}
+        self._ct_drop: dict[int, int] = {}
 
     # -- netfilter rules ---------------------------------------------------------------
     def _netns_arg(self, inode: int) -> str | None | bool:
@@ -47,8 +50,13 @@ class NodeKnowledge:
         smap = None
         if ns is not False:
             try:
-                from nptrace.node.rules_source import load_service_map
+                from nptrace.node.rules_source import load_service_map, local_addresses
                 smap = load_service_map(ns)
+                # the namespace's own addresses: which filter hook a packet crossed (INPUT or
+                # FORWARD) and whether `--src/--dst-type LOCAL` matches
+                addrs = local_addresses(ns)
+                if addrs:
+                    smap = smap.with_local_addrs(addrs)
                 self.errors.pop(inode, None)
             except Exception as e:   # no rules readable: the classifier says so in its hint
                 self.errors[inode] = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -75,11 +83,44 @@ class NodeKnowledge:
     def nf_rule(self, inode: int, saddr: str, daddr: str, dport: int, odst: str, oport: int,
                 syn: bool, has_ct: bool) -> dict | None:
         """Context.nf_rule: services.nf_cause on this namespace's rules (plain data,
-        recordable for replay), None when no ruleset is readable."""
+        recordable for replay), None when no ruleset is readable. A connection's first packet
+        dropped without a conntrack entry also gets the namespace's conntrack table at that
+        moment (``ct_count``, ``ct_max``, ``ct_drop``: conntrack's own drop counter,
+        ``ct_drop_new``: its increase since the previous reading): conntrack drops a new
+        connection when the table is full, before any rule."""
         smap = self.rules(inode)
+        ct = self.conntrack_table(inode) if syn and not has_ct else None
         if smap is None:
-            return None
-        return nf_cause(smap, saddr, daddr, dport, odst, oport, syn, has_ct)
+            if ct is None:
+                return None
+            got = {"tag": None, "no_ruleset": True}  # the classifier still sees the table
+        else:
+            got = nf_cause(smap, saddr, daddr, dport, odst, oport, syn, has_ct)
+        if ct is not None:
+            got = {**got, **ct}
+        return got
+
+    def conntrack_table(self, inode: int) -> dict | None:
+        """{ct_count, ct_max, ct_drop, ct_drop_new} of a namespace, read at most every 0.1 s."""
+        now = self.clock()
+        hit = self._ct.get(inode)
+        if hit is not None and now - hit[0] < 0.1:
+            return hit[1]
+        ns = self._netns_arg(inode)
+        got = None
+        if ns is not False:
+            try:
+                vals = nsenter.run_in(nsenter.path_of(ns), _read_conntrack, "npt-ct")
+            except OSError:
+                vals = None
+            if vals is not None:
+                count, cmax, drop = vals
+                last = self._ct_drop.get(inode)
+                self._ct_drop[inode] = drop
+                got = {"ct_count": count, "ct_max": cmax, "ct_drop": drop,
+                       "ct_drop_new": max(0, drop - last) if last is not None else 0}
+        self._ct[inode] = (now, got)
+        return got
 
     def preload(self, inodes) -> None:
         for i in inodes:
@@ -130,3 +171,31 @@ class NodeKnowledge:
             self._routes.clear()
         self._routes[key] = (now, dev)
         return dev
+
+
+def _read_conntrack() -> tuple[int, int, int] | None:
+    """(count, max, drop) of the calling thread's network namespace. /proc/sys/net follows the
+    thread's namespace, /proc/net the process's: hence /proc/thread-self/net."""
+    try:
+        with open("/proc/sys/net/netfilter/nf_conntrack_count") as f:
+            count = int(f.read())
+        with open("/proc/sys/net/netfilter/nf_conntrack_max") as f:
+            cmax = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return count, cmax, conntrack_drops("/proc/thread-self/net/stat/nf_conntrack") or 0
+
+
+def conntrack_drops(path) -> int | None:
+    """The sum over CPUs of the ``drop`` column of /proc/net/stat/nf_conntrack (hex): new
+    connections conntrack dropped because the table was full and nothing could be evicted."""
+    try:
+        with open(path) as f:
+            head, *rows = f.read().split("\n")
+    except OSError:
+        return None
+    cols = head.split()
+    if "drop" not in cols:
+        return None
+    i = cols.index("drop")
+    return sum(int(r.split()[i], 16) for r in rows if len(r.split()) > i)

@@ -327,6 +327,22 @@ def load_service_map(netns: str | None = None) -> ServiceMap:
     return merge(*(parse_dump(d) for d in read_all(netns)))
 
 
+def local_addresses(netns: str | None = None) -> tuple[str, ...]:
+    """The addresses configured in a namespace (``ip -o addr``), empty when unreadable."""
+    cmd = (["ip", "-n", netns] if netns else ["ip"]) + ["-o", "addr", "show"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    addrs = []
+    for line in out.splitlines():
+        f = line.split()
+        for fam in ("inet", "inet6"):
+            if fam in f and f.index(fam) + 1 < len(f):
+                addrs.append(f[f.index(fam) + 1].split("/")[0])
+    return tuple(addrs)
+
+
 def fingerprint(netns: str | None = None) -> tuple:
     """Cheap value that changes when the namespace's rules change (not on counter updates):
     the nf_tables generation id, plus a digest of the legacy dump when legacy tables exist."""

@@ -44,6 +44,7 @@ class Builder:
         self.chains: list[Chain] = []
         self.ignored = 0
         self.vip_only: set = set()
+        self.nat: list = []  # iptables.LazyNat per dump, for nat.py
 
     def info(self, name: str, proto: str | None = None) -> Info:
         inf = self.infos.get(name)
@@ -58,4 +59,4 @@ class Builder:
         for ch in self.chains:
             ch.origin = origin
         return ServiceMap(self.infos, kp_rules=self.kp, chains=self.chains, ignored=self.ignored,
-                          backends=(self.backend,), vip_only=self.vip_only)
+                          backends=(self.backend,), vip_only=self.vip_only, nat=self.nat)

@@ -54,7 +54,7 @@ class Info:
 
     __slots__ = ("name", "proto", "cluster", "external", "lb", "ext_unknown", "node_port",
                  "np_scope", "hc_port", "endpoints", "local_eps", "etp_local", "itp_local",
-                 "no_endpoints", "ext_no_local", "int_no_local", "lb_sources")
+                 "no_endpoints", "ext_no_local", "int_no_local", "lb_sources", "filter_keys")
 
     def __init__(self, name: str, proto: str = "tcp"):
         self.name = name
@@ -74,8 +74,15 @@ class Info:
         self.ext_no_local = False
         self.int_no_local = False
         self.lb_sources: list[str] = []
+        # frontends known only from a filter rule (a no-endpoints REJECT, a firewall DROP): a
+        # nat rule of another Service for the same address:port wins, since nat DNATs first
+        self.filter_keys: set[tuple[str, int]] = set()
+
+    def _nat_keys(self) -> set:
+        return {k for d in (self.cluster, self.external, self.lb) for k in d} - self.filter_keys
 
     def absorb(self, o: "Info") -> None:
+        nat = self._nat_keys() | o._nat_keys()
         for a in ("cluster", "external", "lb", "ext_unknown", "endpoints", "local_eps"):
             getattr(self, a).update(getattr(o, a))
         if o.node_port is not None:
@@ -85,6 +92,7 @@ class Info:
         for a in ("etp_local", "itp_local", "no_endpoints", "ext_no_local", "int_no_local"):
             setattr(self, a, getattr(self, a) or getattr(o, a))
         self.lb_sources.extend(s for s in o.lb_sources if s not in self.lb_sources)
+        self.filter_keys = (self.filter_keys | o.filter_keys) - nat
 
     def copy(self) -> "Info":
         c = Info(self.name, self.proto)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from .build import Builder, gc_paused
-from .facts import ANY_LOCAL, Chain, Entry, Info, Scope
+from .facts import ANY_LOCAL, Chain, Entry, Info, Scope, Table
 from .match import Flow, Match, parse_ports, unquote
 from .model import LOCAL_ADDRS, AddrSet, Rule, canon, norm_proto, split_hostport
 from .servicemap import ServiceMap
@@ -150,6 +150,7 @@ class _IptState:
         self.markdrops: list[tuple[str, str, str, str, str | None]] = []
         self.kind: dict[str, str] = {}  # table label ("filter", "ip6 filter") -> table name
         self.sections: set[str] = set()
+        self.nat_lines: dict[tuple[str, str], list[str]] = {}  # (table, chain) -> [rest], for nat.py
 
     def open_table(self, name: str, family: str, new: bool = False) -> str:
         """The label of a table section: ``filter``, ``ip6 filter``; a repeated section of the
@@ -355,13 +356,22 @@ class _IptState:
         proto = norm_proto(pm.group(1)) if pm else "tcp"
         if hint_port is not None and hint_dst is not None:
             b.kp.append(("dst", (hint_dst, hint_port, proto), rule))
+            if name is not None and reason == "lb_source_range":
+                # KUBE-PROXY-FIREWALL names the LB IP even when no nat rule does
+                inf = b.info(name, proto)
+                key = (hint_dst, hint_port)
+                if key not in inf.lb and key not in inf.external and key not in inf.cluster:
+                    inf.lb[key] = None
+                    inf.filter_keys.add(key)
+                return rule
             if name is None or reason not in ("no_endpoints", "no_local_endpoint"):
                 return rule
             inf = b.info(name, proto)
             key = (hint_dst, hint_port)
             if chain == "KUBE-SERVICES":  # internal (ClusterIP) traffic
-                if key not in inf.external and key not in inf.lb:
-                    inf.cluster.setdefault(key, None)
+                if key not in inf.external and key not in inf.lb and key not in inf.cluster:
+                    inf.cluster[key] = None
+                    inf.filter_keys.add(key)
                 if reason == "no_local_endpoint":
                     inf.int_no_local = inf.itp_local = True
             else:
@@ -444,6 +454,7 @@ def _parse_iptables(text: str, backend: str) -> ServiceMap:
                 line = f"-A {chain} {rest}".rstrip()
             if st.kind[tbl] == "nat":
                 st.nat(tbl, chain, rest, line)
+                st.nat_lines.setdefault((tbl, chain), []).append(rest)
             else:
                 lst = st.lines.setdefault((tbl, chain), [])
                 if c == "-I ":
@@ -462,6 +473,8 @@ def _parse_iptables(text: str, backend: str) -> ServiceMap:
                 st.policy[(table, parts[0])] = parts[1].upper()
             if st.kind[table] != "nat":
                 st.lines.setdefault((table, parts[0]), [])
+            else:
+                st.nat_lines.setdefault((table, parts[0]), [])
         elif c in ("-P ", "-N "):  # iptables -S
             parts = line.split()
             if len(parts) < 2 or (c == "-P " and len(parts) < 3):
@@ -477,7 +490,52 @@ def _parse_iptables(text: str, backend: str) -> ServiceMap:
         else:
             b.ignored += 1
     st.finish()
+    if st.nat_lines:
+        b.nat.append(LazyNat(st.nat_lines))
     return b.finish()
+
+
+class LazyNat:
+    """The nat chains of one dump for nat.py, built on the first walk: a 10k-Service dump has
+    ~100k nat rules, and most maps are never asked where a packet is DNATed to."""
+
+    __slots__ = ("_lines", "_tables")
+
+    def __init__(self, lines: dict[tuple[str, str], list[str]]):
+        self._lines = lines
+        self._tables: list[Table] | None = None
+
+    def tables(self) -> list[Table]:
+        if self._tables is None:
+            by_label: dict[str, Table] = {}
+            for (label, chain), rests in self._lines.items():
+                t = by_label.setdefault(label, Table())
+                entries = [self._entry(label, r) for r in rests]
+                t.chains[chain] = Chain(label, chain, entries, None, _IPT_HOOKS.get(chain))
+            self._tables = list(by_label.values())
+            self._lines = {}
+        return self._tables
+
+    def _entry(self, label: str, rest: str) -> Entry:
+        _, body = _comment_of(rest)
+        tm = _RE_TARGET.search(body)
+        target = tm.group(2) if tm else None
+        d = _RE_DST.search(body)
+        hint_dst = canon(d.group(2)) if d is not None and not d.group(1) else None
+        dp = _RE_DPORT_HINT.search(body)
+        hint_port = int(dp.group(2)) if dp is not None and not dp.group(1) else None
+        if target == "DNAT":
+            to = _RE_TODEST.search(body)
+            action, target = "dnat", (to.group(1) if to else "?")
+        elif target == "KUBE-MARK-MASQ":
+            action = "masq"
+        elif target == "RETURN":
+            action = "return"
+        elif target is not None and (label, target) in self._lines:
+            action = "goto" if tm.group(1) == "g" else "jump"
+        else:
+            action = "other"
+        return Entry(_LazyIptMatch(rest), action, None, hint_dst, hint_port, target)
 
 
 # kube-proxy's restore input is the same language: one parser reads both

@@ -20,17 +20,23 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
     connection; `has_ct`: it carried a conntrack entry.
 
     Order: kube-proxy's own verdict for the address the client used (no endpoints, no local
-    endpoint, source ranges); a mid-connection packet without conntrack against the
+    endpoint, source ranges; not for a client kube-proxy's nat rules DNAT past them); a mid-connection packet without conntrack against the
     conntrack-INVALID drop; then the firewall rules that match the packet, "other" (not
     kube-proxy's) first. `to_pod`: the packet was headed to a Service's endpoint."""
     def out(r, tag=None, to_pod=False):
         return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
                 "service": r.service, "to_pod": to_pod}
-    for r in smap.verdict_rules(odst, oport, include_invalid=False):
+    for r in smap.verdict_rules(odst, oport, include_invalid=False, saddr=saddr):
         if r.reason != "other":
             return out(r)
     if not syn and not has_ct:
-        # conntrack clears skb->_nfct for a packet it deems INVALID
+        # conntrack clears skb->_nfct for a packet it deems INVALID. The rule that dropped it is
+        # on the hook it crossed: INPUT for the node's own address (an INVALID packet is not
+        # DNATed, so one to a NodePort is delivered locally), FORWARD for a routed one
+        for hook in _hooks(smap, daddr, dport):
+            for r in smap.matching_drop_rules(saddr, daddr, dport, ctstate="INVALID", hook=hook):
+                if r.reason == "conntrack_invalid":
+                    return out(r)
         for r in smap.verdict_rules(daddr, dport):
             if r.reason == "conntrack_invalid":
                 return out(r)
@@ -41,3 +47,15 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
     ep = smap.lookup(daddr, dport)
     to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
     return out(rules[0], to_pod=to_pod)
+
+
+def _hooks(smap: ServiceMap, daddr: str, dport: int) -> tuple[str, ...]:
+    """The filter hook(s) a packet to daddr:dport crosses, most likely first."""
+    if smap.local_addrs is not None:
+        return ("input",) if daddr in smap.local_addrs else ("forward",)
+    s = smap.lookup(daddr, dport)
+    if s is not None and s.kind in ("nodeport", "healthcheck"):
+        return ("input",)
+    if s is not None:
+        return ("forward",)
+    return ("forward", "input")

@@ -11,10 +11,27 @@ from typing import Iterable
 
 from .facts import ANY_LOCAL, Chain, Info, Scope, Table
 from .match import Flow
+from .nat import NatResult, nat_walk
 from .model import (EXTERNAL_KINDS, Rule, Service, canon, distinct_addrs, ep_sort_key, fmt_ep,
                     norm_proto)
 
 _STOP = frozenset({"accept", "drop", "reject"})
+# the filter chains kube-proxy's test tracer runs, in its order (restore input has no base chains)
+_KP_FILTER = ("KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL")
+
+
+class Trace:
+    """What :meth:`ServiceMap.trace` found: ``output`` in kube-proxy's tracer form (DNAT
+    targets, then the filter verdict, joined by ", "), ``masq`` (KUBE-MARK-MASQ), the DNAT
+    targets, the filter ``verdict`` (accept/drop/reject or None) and its ``rule``."""
+
+    __slots__ = ("output", "masq", "dests", "verdict", "rule")
+
+    def __init__(self, output, masq, dests, verdict, rule):
+        self.output, self.masq, self.dests, self.verdict, self.rule = output, masq, dests, verdict, rule
+
+    def __repr__(self) -> str:
+        return f"Trace(output={self.output!r}, masq={self.masq}, rule={self.rule and self.rule.where()})"
 _MAX_DEPTH = 32  # iptables refuses deeper jump nesting anyway
 
 
@@ -28,7 +45,7 @@ class ServiceMap:
 
     def __init__(self, infos: dict[str, Info] | None = None, *, kp_rules=(), chains=(),
                  ignored: int = 0, backends: tuple[str, ...] = (),
-                 local_addrs: frozenset[str] | None = None, vip_only=()):
+                 local_addrs: frozenset[str] | None = None, vip_only=(), nat=()):
         self._infos: dict[str, Info] = dict(infos or {})
         self._kp_rules: list[tuple[str, object, Rule]] = list(kp_rules)
         self._chains: list[Chain] = list(chains)
@@ -37,6 +54,7 @@ class ServiceMap:
         self.local_addrs = local_addrs
         # (addr, port, proto) kube-proxy handles without DNAT (no-endpoint map keys)
         self._vip_only = frozenset(vip_only)
+        self._nat = tuple(nat)  # iptables.LazyNat per dump: kube-proxy's nat chains, for nat.py
         self._cache: dict[tuple[str, str], Service] = {}
         self._index()
 
@@ -46,22 +64,30 @@ class ServiceMap:
         hc: dict[int, list[str]] = {}
         ep: dict[tuple[str, int, str], list[str]] = {}
         cluster_addrs: set[str] = set()
+        # two passes: what nat rules name first, then frontends only a filter rule names (two
+        # Services on one address:port: the one nat DNATs the packet to, not the sort order)
+        late: list[tuple[tuple[str, int, str], tuple[str, str]]] = []
         for name in sorted(self._infos):
             inf = self._infos[name]
             p = inf.proto
-            for a, port in inf.cluster:
-                vip.setdefault((a, port, p), (name, "clusterip"))
-                cluster_addrs.add(a)
-            for kind, keys in (("loadbalancer", inf.lb), ("externalip", inf.external),
-                               ("externalip", inf.ext_unknown)):
-                for a, port in keys:
-                    vip.setdefault((a, port, p), (name, kind))
+            fk = inf.filter_keys
+            for kind, keys in (("clusterip", inf.cluster), ("loadbalancer", inf.lb),
+                               ("externalip", inf.external), ("externalip", inf.ext_unknown)):
+                for key in keys:
+                    if kind == "clusterip":
+                        cluster_addrs.add(key[0])
+                    if key in fk or keys is inf.ext_unknown:
+                        late.append(((key[0], key[1], p), (name, kind)))
+                    else:
+                        vip.setdefault((key[0], key[1], p), (name, kind))
             if inf.node_port is not None:
                 nodeport.setdefault((inf.node_port, p), []).append(name)
             if inf.hc_port is not None:
                 hc.setdefault(inf.hc_port, []).append(name)
             for host, port in inf.endpoints:
                 ep.setdefault((host, port, p), []).append(name)
+        for key, hit in late:
+            vip.setdefault(key, hit)
         self._vip, self._nodeport, self._hc, self._ep = vip, nodeport, hc, ep
         # every port a Service answers on: most lookups are a client's ephemeral port, and a
         # set miss answers those before the address is parsed (a storm asks once a record)
@@ -105,7 +131,7 @@ class ServiceMap:
         local = frozenset(a for a in (canon(x) for x in addrs) if a)
         return ServiceMap(self._infos, kp_rules=self._kp_rules, chains=self._chains,
                           ignored=self.ignored, backends=self.backends, local_addrs=local,
-                          vip_only=self._vip_only)
+                          vip_only=self._vip_only, nat=self._nat)
 
     def __len__(self) -> int:
         return len(self._infos)
@@ -217,7 +243,8 @@ class ServiceMap:
     def is_live_vip(self, addr: str, port: int, proto: str) -> bool:
         return (addr, port, proto) in self._vip or (addr, port, proto) in self._vip_only
 
-    def verdict_rules(self, addr: str, port: int, proto="tcp", *, include_invalid: bool = True) -> list[Rule]:
+    def verdict_rules(self, addr: str, port: int, proto="tcp", *, include_invalid: bool = True,
+                      saddr: str | None = None) -> list[Rule]:
         """kube-proxy's rules that drop or reject a packet to ``addr:port``.
 
         Most specific first: the Service's own ``no_endpoints`` / ``no_local_endpoint`` /
@@ -225,7 +252,10 @@ class ServiceMap:
         localnet rule), and last the ``conntrack_invalid`` drop, which applies to any forwarded
         packet conntrack marks INVALID (``include_invalid=False`` leaves it out). Rules that also
         depend on the source (LB source ranges) are included, since no source is given; check
-        them with :meth:`matching_drop_rules`.
+        them with :meth:`matching_drop_rules`. ``saddr``: the client; when kube-proxy's nat rules
+        certainly DNAT its packets to ``addr:port`` on to an endpoint (pod and node traffic to
+        an eTP=Local Service's external IPs and NodePorts), the rules written for that frontend
+        cannot meet them and are left out.
         """
         a = canon(addr) if addr else None
         if a is None:
@@ -234,6 +264,11 @@ class ServiceMap:
         flow = Flow(daddr=a, dport=port, proto=proto)
         out: list[Rule] = []
         seen: set[int] = set()
+        if saddr and self._nat and self.dnat_of(saddr, a, port, proto).certain:
+            for r in self._kp_global:
+                if r.reason != "conntrack_invalid" or include_invalid:
+                    out.append(r)
+            return out
 
         def add(r: Rule) -> None:
             if id(r) not in seen and (r.cond is None or r.cond.evaluate(flow, self) is not False):
@@ -276,16 +311,91 @@ class ServiceMap:
         it is included and does not stop the walk.
         """
         flow = Flow(saddr, daddr, sport, dport, proto, iif, oif, ctstate)
+        # the filter table meets a packet kube-proxy's nat rules DNATed with the endpoint as
+        # its destination (and conntrack state DNAT besides NEW)
+        nflow = flow
+        if self._nat and saddr and daddr and dport is not None and (ctstate is None or "NEW" in flow.ctstate):
+            nat = self.dnat_of(saddr, daddr, dport, proto)
+            if nat.certain and nat.dests:
+                host, sep, p = nat.dests[0].rpartition(":")
+                if sep and p.isdigit():
+                    st = None if flow.ctstate is None else flow.ctstate | {"DNAT"}
+                    nflow = Flow(saddr, host.strip("[]"), sport, int(p), proto, iif, oif, st)
         out: list[Rule] = []
-        for t in self._tables.values():
+        for (_, label), t in self._tables.items():
+            f = nflow if label.split("#")[0].split()[-1] == "filter" else flow
             for root in t.roots:
                 if hook is not None and root.hook != hook:
                     continue
-                if self._walk(root, t, flow, out, 0) != "stop" and root.policy is not None:
+                if self._walk(root, t, f, out, 0) != "stop" and root.policy is not None:
                     out.append(root.policy)
             for ch in t.orphans:
-                self._walk(ch, t, flow, out, 0)
+                self._walk(ch, t, f, out, 0)
         return list({id(r): r for r in out}.values())
+
+    # -- nat: where kube-proxy sends a packet (nat.py) ----------------------------------------
+    def dnat_of(self, saddr: str, daddr: str, dport: int, proto="tcp") -> NatResult:
+        """Where kube-proxy's nat rules DNAT ``saddr -> daddr:dport`` (iptables dumps only)."""
+        tables = [t for n in self._nat for t in n.tables()]
+        return nat_walk(tables, Flow(saddr, daddr, None, dport, proto), self)
+
+    def trace(self, saddr: str, daddr: str, dport: int, proto="tcp") -> "Trace":
+        """kube-proxy's own test tracer (``tracePacket``) over this map: the nat DNAT targets,
+        then the filter verdict for the DNATed packet (a SYN: conntrack state NEW). The filter
+        walk takes the hook the packet crosses (input to a local address, output from one,
+        else forward) or, in restore input without base chains, kube-proxy's filter chains."""
+        nat = self.dnat_of(saddr, daddr, dport, proto)
+        d, p, st = canon(daddr) or daddr, int(dport), {"NEW"}
+        if nat.dests:
+            host, _, port = nat.dests[0].rpartition(":")
+            d, p, st = host.strip("[]"), int(port), {"NEW", "DNAT"}
+        flow = Flow(saddr, d, None, p, proto, None, None, st)
+        local = self.local_addrs or frozenset()
+        hook = "input" if flow.daddr in local else "output" if flow.saddr in local else "forward"
+        verdict = None
+        for (_, label), t in self._tables.items():
+            if label.split("#")[0].split()[-1] != "filter":
+                continue
+            roots = [r for r in t.roots if r.hook == hook and r.entries]
+            starts = roots or [t.chains[c] for c in _KP_FILTER if c in t.chains]
+            for ch in starts:
+                got = self._verdict_walk(ch, t, flow, 0)
+                if got is not None and got[0] != "return":
+                    verdict = got
+                    break
+                if roots and ch.policy is not None:   # a base chain's DROP/REJECT policy
+                    verdict = (ch.policy.verdict, ch.policy)
+                    break
+            if verdict is not None:
+                break
+        outputs = list(nat.dests)
+        if verdict is not None:
+            outputs.append(verdict[0].upper())
+        return Trace(", ".join(outputs), nat.masq, tuple(nat.dests), verdict[0] if verdict else None,
+                     verdict[1] if verdict else None)
+
+    def _verdict_walk(self, ch: Chain, t: Table, flow: Flow, depth: int):
+        """The first certain ACCEPT/DROP/REJECT of a chain walk: (verdict, Rule or None),
+        ("return", None) for a certain RETURN, None when the chain ends."""
+        if depth > _MAX_DEPTH:
+            return None
+        for e in ch.entries:
+            r = e.cond.evaluate(flow, self)
+            if r is not True:
+                continue
+            a = e.action
+            if a in _STOP:
+                return (a, e.rule)
+            if a == "return":
+                return ("return", None)
+            if a in ("jump", "goto"):
+                sub = t.chains.get(e.target)
+                got = self._verdict_walk(sub, t, flow, depth + 1) if sub is not None else None
+                if got is not None and got[0] != "return":
+                    return got
+                if a == "goto":
+                    return ("return", None)
+        return None
 
     def _walk(self, ch: Chain, t: Table, flow: Flow, out: list[Rule], depth: int) -> str:
         """Walk one chain: "stop" (a certain final verdict), or "end" (return to the caller)."""
@@ -318,6 +428,7 @@ def merge(*maps: ServiceMap) -> ServiceMap:
     backends: list[str] = []
     local: frozenset[str] | None = None
     vip_only: set = set()
+    nat: list = []
     for m in maps:
         for name, inf in m._infos.items():
             if name in infos:
@@ -328,7 +439,9 @@ def merge(*maps: ServiceMap) -> ServiceMap:
         chains.extend(m._chains)
         backends.extend(b for b in m.backends if b not in backends)
         vip_only |= m._vip_only
+        nat.extend(m._nat)
         if m.local_addrs is not None:
             local = (local or frozenset()) | m.local_addrs
     return ServiceMap(infos, kp_rules=kp, chains=chains, ignored=sum(m.ignored for m in maps),
-                      backends=tuple(backends), local_addrs=local, vip_only=vip_only)
+                      backends=tuple(backends), local_addrs=local, vip_only=vip_only,
+                      nat=nat)

@@ -89,3 +89,40 @@ def test_rules_turn_the_answer_into_the_cause(tag, to_pod, cause):
     assert v.cause == cause
     if tag:
         assert "filter/FORWARD rule 3" in v.hint
+
+
+def _with_node_firewall(text: str) -> str:
+    """The live iptables-save of the overall fixture plus a node firewall's own INVALID drop
+    in INPUT (after kube-proxy's jumps), as many distributions install one."""
+    lines = text.splitlines()
+    i = max(n for n, l in enumerate(lines) if l.startswith("-A INPUT "))
+    lines.insert(i + 1, "-A INPUT -m conntrack --ctstate INVALID -j DROP")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["addresses-unknown", "addresses-known"])
+def test_invalid_drop_names_the_chain_the_packet_crossed(local):
+    """INVALID drops in INPUT and FORWARD: a packet to a NodePort is delivered locally (an
+    INVALID packet is not DNATed) and meets INPUT's rule; a pod's late reply is forwarded and
+    meets KUBE-FORWARD's. Each hint names its own chain, not the first INVALID rule found."""
+    m = parse_iptables_save(_with_node_firewall(
+        (FIX / "derived" / "iptables-overall.iptables-save").read_text()))
+    if local:
+        m = m.with_local_addrs(["192.168.0.2", "127.0.0.1"])
+    to_nodeport = nf_cause(m, "203.0.113.2", "192.168.0.2", 3003, "192.168.0.2", 3003, False, False)
+    assert to_nodeport["tag"] == "conntrack_invalid"
+    assert to_nodeport["where"].startswith("filter/INPUT rule "), to_nodeport
+    reply = nf_cause(m, "10.180.0.3", "203.0.113.2", 41234, "203.0.113.2", 41234, False, False)
+    assert reply["tag"] == "conntrack_invalid"
+    assert reply["where"] == "filter/KUBE-FORWARD rule 1", reply
+
+
+def test_pod_traffic_to_an_etp_local_external_ip_is_not_the_no_local_endpoints_drop():
+    """TestTracePacket's "LOCAL, KUBE-MARK-MASQ": pod and node clients of svc2's ExternalIP
+    are DNATed to its (remote) endpoints before filter, so a drop of such a packet is not
+    KUBE-EXTERNAL-SERVICES' "has no local endpoints" DROP; an external client's is."""
+    m = parse_iptables_restore((FIX / "iptables-overall.rules").read_text())
+    ext = nf_cause(m, "203.0.113.2", "192.168.99.22", 80, "192.168.99.22", 80, True, False)
+    assert (ext["tag"], ext["service"]) == ("no_local_endpoint", "ns2/svc2:p80")
+    pod = nf_cause(m, "10.0.0.2", "10.180.0.2", 80, "192.168.99.22", 80, True, True)
+    assert pod["tag"] != "no_local_endpoint", pod

@@ -1,0 +1,63 @@
+"""A rollout's in-flight connections (issue 20 item 1): conntrack keeps steering an established
+NodePort connection to an endpoint the rules no longer list. (a) nobody has the address:
+neighbour failure; (b) a new pod has it and its listening socket resets the old connection.
+Both are `proxy`, naming the Service, the stale endpoint and the remedy. A container restart
+keeps the pod and its address as an endpoint: the endpoint lost the connection's state, which
+is said so, not `proxy`."""
+from __future__ import annotations
+
+import pytest
+
+from nptrace import events as ev
+from nptrace.classify import Context, classify
+from nptrace.lab.kuberules import Endpoint, Service, render_iptables
+from nptrace.services import parse_iptables_restore
+
+NODE, CLIENT, OLD, NEW = "192.168.10.11", "192.168.10.100", "10.244.1.5", "10.244.1.6"
+
+
+def ctx_for(endpoints):
+    svc = Service("default", "web", "http", 80, "10.96.0.10", node_port=30080,
+                  endpoints=tuple(Endpoint(ip, 8080, "node1") for ip in endpoints))
+    smap = parse_iptables_restore(render_iptables([svc], "node1", "10.244.0.0/16")) \
+        .with_local_addrs([NODE, "127.0.0.1"])
+    return Context(
+        drop_name=lambda v: {9: "NEIGH_FAILED"}.get(v, f"R{v}"),
+        rst_name=lambda v: {2: "TCP_FLAGS"}.get(v, f"R{v}"),
+        service_of=lambda a, p: (lambda s: s.name if s else None)(smap.lookup(a, p)),
+        endpoint_of=lambda a, p: next((s.name for s in smap.lookup_all(a, p) if s.kind == "endpoint"), None))
+
+
+CT = dict(flags=ev.F_HAS_CT, ct_osrc=CLIENT, ct_osport=40000, ct_odst=NODE, ct_odport=30080,
+          ct_rsrc=OLD, ct_rsport=8080, ct_rdst=CLIENT, ct_rdport=40000, ct_status=ev.IPS_DST_NAT)
+
+
+def reset_from_new_pod():
+    pod = ev.decode(ev.encode(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=2,
+                              aux=ev.TCP_ACK, state=10, flags=ev.F_HAS_SOCK, ts_ns=1,
+                              saddr=OLD, sport=8080, daddr=CLIENT, dport=40000))
+    wire = ev.decode(ev.encode(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_EGRESS, dir=ev.Dir.EGRESS,
+                               ts_ns=2, saddr=NODE, sport=30080, daddr=CLIENT, dport=40000, **CT))
+    return [pod, wire]
+
+
+def test_new_pod_on_a_removed_endpoints_address_resets_old_connections():
+    [v] = classify(reset_from_new_pod(), ctx_for([NEW]))
+    assert v.cause == "proxy" and v.service == "default/web:http"
+    assert f"to {OLD}:8080, which default/web:http's rules no longer list" in v.hint
+    assert "A new pod has that address" in v.hint
+    assert f"conntrack -D --orig-dst {NODE} --dst-nat {OLD}" in v.hint
+
+
+def test_removed_endpoints_address_unused_is_a_neighbour_failure():
+    drop = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=9, ts_ns=1,
+                               saddr=CLIENT, sport=40000, daddr=OLD, dport=8080, **CT))
+    [v] = classify([drop], ctx_for([NEW]))
+    assert v.cause == "proxy" and "Nobody has that address" in v.hint and OLD in v.hint
+
+
+@pytest.mark.parametrize("endpoints", [[OLD], [OLD, NEW]])
+def test_container_restart_is_lost_state_not_proxy(endpoints):
+    [v] = classify(reset_from_new_pod(), ctx_for(endpoints))
+    assert v.cause != "proxy", v.hint
+    assert v.cause == "app_reset" and "lost the connection's state" in v.hint
