@@ -85,14 +85,41 @@ def _run_options(fn):
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
         click.option("-w", "--pcap", "--output-pcap", "pcap", metavar="FILE",
-                     help="Write the packets behind labeled events as pcapng (0600), with cause "
-                          "and evidence as packet comments."),
+                     help="Write the packets behind labeled events as pcapng (0600): the bytes "
+                          "the kernel had at the hook (see --snaplen), with cause, Service and "
+                          "hint as packet comments."),
+        click.option("--snaplen", type=int, default=128, show_default=True, metavar="BYTES",
+                     help="With -w: bytes of each packet copied in the kernel (1-9216)."),
+        click.option("-C", "pcap_mb", type=click.IntRange(1), default=None, metavar="MB",
+                     help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
+                          "tcpdump -C)."),
+        click.option("-W", "pcap_files", type=click.IntRange(1), default=None, metavar="N",
+                     help="With -C: keep N files, FILE0..FILE<N-1> reused in turn (tcpdump -W)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
     for p in fn.__click_params__:     # every option also NPTRACE_RUN_<NAME>; --help says so
         p.show_envvar = True
     return fn
+
+
+def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files) -> int:
+    """The kernel's packet copy size: --snaplen with -w, else 0 (no copies compiled in)."""
+    from nptrace.config import check_snaplen
+    check_snaplen(snaplen)
+    if not pcap and (pcap_mb or pcap_files):
+        raise ConfigError("-C and -W rotate the -w FILE: give -w too")
+    if pcap_files and not pcap_mb:
+        raise ConfigError("-W N needs -C MB (as tcpdump: it bounds the rotated files)")
+    return snaplen if pcap else 0
+
+
+def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode, pcap,
+               snaplen, pcap_mb, pcap_files) -> Config:
+    """`run`'s Config from its options (dump-bpf builds the same one)."""
+    return dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
+                               max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode,
+                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files))
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
@@ -107,7 +134,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @one_line_errors
 def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
-        **filters):
+        snaplen, pcap_mb, pcap_files, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -121,14 +148,15 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
-    cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
-                              max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode)
+    cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
+                     pcap, snaplen, pcap_mb, pcap_files)
     if metrics_addr and ":" not in metrics_addr:
         metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
-                      metrics_addr=metrics_addr, pcap=pcap)
+                      metrics_addr=metrics_addr, pcap=pcap,
+                      pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0)
     from nptrace.sinks.fmt import output_mode
     as_json = output_mode(output, as_json) == "json"
     flt = live_filter(filters, cfg)
