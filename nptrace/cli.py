@@ -184,17 +184,38 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
 
 @main_group.command("dump-bpf")
 @_run_options
+@filter_options(offline=False)
 @one_line_errors
-def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
-             **_outputs):
-    """Print the BPF source and cflags `run` would compile (no root needed)."""
+def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
+             max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
+             record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
+             pcap_files, **_filters):
+    """Print the BPF source and cflags `run` would compile with the same options (no root
+    needed: without root the tracepoints count as present, and where the kernel's BTF is not
+    readable the -DNPT_OFF_* offsets are left out, said in the output)."""
     from nptrace.kernel import attach, btf, features, loader, offsets
-    cfg = build_config(ifaces, ports, hosts, ring_pages)
+    from nptrace.tracer import WAKE_EVERY
+    cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
+                     pcap, snaplen, pcap_mb, pcap_files)
+    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY)     # as Tracer() sets it
     # run's plan and cflags; without root tracefs is unreadable: every tracepoint counts as there
-    plan = attach.plan(features.probe(mount_tracefs=True), cfg, assume_unknown=True)
-    kbtf = btf.default()
-    flags = attach.all_cflags(plan, offsets.cflags(kbtf) + attach.nf_cflags(
-        plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True)))
+    plan = attach.plan(features.probe(mount_tracefs=False), cfg, assume_unknown=True)
+    notes = []
+    try:
+        kbtf = btf.default()
+    except (btf.BtfError, OSError) as e:
+        kbtf = None
+        notes.append(f"kernel BTF not readable ({e}): the -DNPT_OFF_* offsets and the "
+                     "netfilter-hook switches `run` adds from it are left out")
+    kflags = []
+    if kbtf is not None:
+        kflags = offsets.cflags(kbtf) + attach.nf_cflags(
+            plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True))
+    flags = attach.all_cflags(plan, kflags)
+    for n in notes:
+        click.echo(f"nptrace: {n}", err=True)
+    for line in plan.lines():
+        click.echo(f"/* plan: {line} */")
     click.echo("/* cflags: " + " ".join(flags) + " */")
     click.echo(loader.source_text())
 

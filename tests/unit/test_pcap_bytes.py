@@ -182,3 +182,26 @@ def test_bad_pcap_options_are_one_line_exit_2(args, msg):
     assert r.exit_code == 2, r.output
     assert msg in r.output and "Traceback" not in r.output
 
+
+def test_dump_bpf_prints_runs_cflags_without_btf(monkeypatch):
+    """dump-bpf takes run's options and prints what run compiles, also where the kernel BTF is
+    not readable (no root): then the offsets are left out and it says so."""
+    from nptrace.cli import main_group
+    from nptrace.kernel import btf
+
+    def no_btf():
+        raise btf.BtfError("/sys/kernel/btf/vmlinux: cannot read BTF: Permission denied")
+    monkeypatch.setattr(btf, "default", no_btf)
+    r = CliRunner().invoke(main_group, ["dump-bpf", "--max-rate", "50", "--max-burst", "10",
+                                        "-i", "eth0", "-w", "x.pcapng", "--snaplen", "96"])
+    assert r.exit_code == 0, r.output
+    flags = next(l for l in r.output.splitlines() if l.startswith("/* cflags: ")).split()
+    import os
+    cpus = os.cpu_count() or 1
+    assert f"-DNPT_MAX_RATE={-(-50 // cpus)}" in flags
+    assert f"-DNPT_MAX_BURST={-(-10 // cpus)}" in flags
+    assert "-DNPT_SNAPLEN=96" in flags and "-DNPT_WITH_TC=1" in flags
+    assert "-DNPT_WAKE_EVERY=256" in flags and any(f.startswith("-DNPT_TC_KSKB=") for f in flags)
+    assert "kernel BTF not readable" in r.output and "Traceback" not in r.output
+    assert "TRACEPOINT_PROBE(skb, kfree_skb)" in r.output
+
