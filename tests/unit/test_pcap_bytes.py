@@ -205,3 +205,17 @@ def test_dump_bpf_prints_runs_cflags_without_btf(monkeypatch):
     assert "kernel BTF not readable" in r.output and "Traceback" not in r.output
     assert "TRACEPOINT_PROBE(skb, kfree_skb)" in r.output
 
+
+
+def test_evidence_times_are_on_the_lines_clock():
+    """JSON evidence carries `ts` (epoch seconds, as the line's `ts`) beside the kernel's
+    monotonic `ts_ns`; the fast line and the dict agree."""
+    import json
+
+    from nptrace.sinks.jsonl import verdict_dict, verdict_line
+    raw, _ = drop_and_packet(ts=2_000_000_000)
+    (v,) = classify([ev.decode(raw)], CTX)
+    d = json.loads(verdict_line(v, E0))
+    assert d == json.loads(json.dumps(verdict_dict(v, E0)))
+    (x,) = d["evidence"]
+    assert x["ts_ns"] == 2_000_000_000 and x["ts"] == d["ts"] == (E0 + 2_000_000_000) / 1e9
