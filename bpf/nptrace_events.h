@@ -26,6 +26,7 @@ enum npt_type {
 	NPT_T_SYN_RETX    = 9,  /* tc: a SYN was seen again for the same flow (silent drop upstream) */
 	NPT_T_NF_VIEW     = 10, /* netfilter-hook program: the packet as seen at a hook/priority */
 	NPT_T_WIRE_ICMP   = 11, /* tc saw an ICMP unreachable about a TCP flow */
+	NPT_T_PACKET      = 12, /* not an event: struct npt_packet, the bytes of the event before it */
 	NPT_T_MAX
 };
 
@@ -169,6 +170,36 @@ struct npt_nat_slot {
 	struct npt_nat_key key;     /* all zero when empty */
 	struct npt_nat_key peer;
 	__u64 ns;                   /* when written: the older slot of a set is replaced */
+};
+
+/* Packet bytes (--pcap): struct npt_packet, then cap_len bytes of the packet as the kernel had
+ * it at the hook. Written right after the event it belongs to (same ts_ns and skb: user space
+ * pairs them by those, since another CPU's record may come between) and only when that event
+ * went to the ring. Only with -DNPT_SNAPLEN > 0. Mirrored by nptrace/events.py RawPacket. */
+enum npt_pkt_link {
+	NPT_PL_ETHERNET = 1,  /* data[] starts at the Ethernet header */
+	NPT_PL_IP       = 2,  /* data[] starts at the IP header: no link-layer header at this hook */
+};
+enum npt_pkt_dir {        /* the pcapng EPB flags' direction bits */
+	NPT_PD_UNKNOWN  = 0,
+	NPT_PD_INBOUND  = 1,
+	NPT_PD_OUTBOUND = 2,
+};
+struct npt_packet {
+	__u64 ts_ns;        /* the event's */
+	__u64 skb;          /* the event's */
+	__u32 ifindex;      /* the event's */
+	__u16 type;         /* NPT_T_PACKET */
+	__u16 abi;          /* NPT_ABI_VERSION */
+	/* 24 */
+	__u32 orig_len;     /* length of the packet from data[0] on, as the kernel had it */
+	__u16 cap_len;      /* bytes that follow this header (<= NPT_SNAPLEN, the linear part) */
+	__u16 ev_type;      /* the event's type (enum npt_type) */
+	__u8  link;         /* enum npt_pkt_link */
+	__u8  dir;          /* enum npt_pkt_dir */
+	__u8  hook;         /* the event's hook (enum npt_hook) */
+	__u8  _pad[5];
+	/* 40: cap_len bytes of packet */
 };
 
 #endif /* NPTRACE_EVENTS_H */

@@ -60,6 +60,7 @@
  * the same instant can leave it mixed, and a key compare catches most of that.
  */
 #include "npt_common.h"
+#include "npt_packet.h"
 
 #if NPT_WITH_TC
 
@@ -548,7 +549,7 @@ static __always_inline int npt_tc(struct __sk_buff *skb, u8 egress)
 	else if (k.l4proto == NPT_IPPROTO_ICMP || k.l4proto == NPT_IPPROTO_ICMPV6)
 		want = npt_tc_icmp(&e, skb, &k, end, egress);
 	if (want)
-		npt_emit(&e);
+		npt_emit_tc_packet(&e, skb, egress);   /* npt_packet.h: + its bytes with --pcap */
 	return NPT_TC_PASS;
 }
 

@@ -25,6 +25,7 @@ enum skb_drop_reason { NPT_SKB_DROP_REASON_STANDIN };
 enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 
 #include "npt_common.h"
+#include "npt_packet.h"
 
 /* The socket tracepoints (tcp_receive_reset, tcp_retransmit_synack) carry the socket's
  * addresses in two layouts: __u8 saddr[4] / saddr_v6[16]. `swap` puts the local side as the
@@ -70,7 +71,7 @@ TRACEPOINT_PROBE(skb, kfree_skb)
 	e.reason = (u32)args->reason;  /* after npt_read_skb: an ICMP quote stores type/code */
 	e.location = (u64)args->location;
 	e.dir = NPT_D_UNKNOWN;  /* freed on input, forward or output: the location tells */
-	npt_emit(&e);
+	npt_emit_skb_packet(&e, args->skbaddr);   /* npt_packet.h: + its bytes with --pcap */
 	return 0;
 }
 #endif
@@ -176,7 +177,7 @@ TRACEPOINT_PROBE(icmp, icmp_send)
 		return 0;
 	e.reason = (u32)args->type << 8 | (u32)args->code;
 	e.dir = NPT_D_INGRESS;
-	npt_emit(&e);
+	npt_emit_skb_packet(&e, args->skbaddr);   /* the packet the error is about */
 	return 0;
 }
 #endif

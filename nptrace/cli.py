@@ -89,14 +89,41 @@ def _run_options(fn):
                           "nptrace_build_info); default $NODE_NAME (the DaemonSet's downward "
                           "API), else the host name."),
         click.option("-w", "--pcap", "--output-pcap", "pcap", metavar="FILE",
-                     help="Write the packets behind labeled events as pcapng (0600), with cause "
-                          "and evidence as packet comments."),
+                     help="Write the packets behind labeled events as pcapng (0600): the bytes "
+                          "the kernel had at the hook (see --snaplen), with cause, Service and "
+                          "hint as packet comments."),
+        click.option("--snaplen", type=int, default=128, show_default=True, metavar="BYTES",
+                     help="With -w: bytes of each packet copied in the kernel (1-9216)."),
+        click.option("-C", "pcap_mb", type=click.IntRange(1), default=None, metavar="MB",
+                     help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
+                          "tcpdump -C)."),
+        click.option("-W", "pcap_files", type=click.IntRange(1), default=None, metavar="N",
+                     help="With -C: keep N files, FILE0..FILE<N-1> reused in turn (tcpdump -W)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
     for p in fn.__click_params__:     # every option also NPTRACE_RUN_<NAME>; --help says so
         p.show_envvar = True
     return fn
+
+
+def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files) -> int:
+    """The kernel's packet copy size: --snaplen with -w, else 0 (no copies compiled in)."""
+    from nptrace.config import check_snaplen
+    check_snaplen(snaplen)
+    if not pcap and (pcap_mb or pcap_files):
+        raise ConfigError("-C and -W rotate the -w FILE: give -w too")
+    if pcap_files and not pcap_mb:
+        raise ConfigError("-W N needs -C MB (as tcpdump: it bounds the rotated files)")
+    return snaplen if pcap else 0
+
+
+def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode, pcap,
+               snaplen, pcap_mb, pcap_files) -> Config:
+    """`run`'s Config from its options (dump-bpf builds the same one)."""
+    return dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
+                               max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode,
+                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files))
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
@@ -111,7 +138,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @one_line_errors
 def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
-        node_name, **filters):
+        node_name, snaplen, pcap_mb, pcap_files, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -125,8 +152,8 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
-    cfg = dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
-                              max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode)
+    cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
+                     pcap, snaplen, pcap_mb, pcap_files)
     from nptrace.node.identity import node_name as _node_name
     node, _how = _node_name(node_name)    # said in the tracer's "attached" line
     if metrics_addr and ":" not in metrics_addr:
@@ -134,7 +161,9 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
-                      metrics_addr=metrics_addr, pcap=pcap, node=node)
+                      metrics_addr=metrics_addr, pcap=pcap,
+                      pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
+                      node=node)
     from nptrace.sinks.fmt import output_mode
     as_json = output_mode(output, as_json) == "json"
     flt = live_filter(filters, cfg)
@@ -162,17 +191,38 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
 
 @main_group.command("dump-bpf")
 @_run_options
+@filter_options(offline=False)
 @one_line_errors
-def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, ready_file, max_rate=0,
-             **_outputs):
-    """Print the BPF source and cflags `run` would compile (no root needed)."""
+def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
+             max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
+             record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
+             pcap_files, **_filters):
+    """Print the BPF source and cflags `run` would compile with the same options (no root
+    needed: without root the tracepoints count as present, and where the kernel's BTF is not
+    readable the -DNPT_OFF_* offsets are left out, said in the output)."""
     from nptrace.kernel import attach, btf, features, loader, offsets
-    cfg = build_config(ifaces, ports, hosts, ring_pages)
+    from nptrace.tracer import WAKE_EVERY
+    cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
+                     pcap, snaplen, pcap_mb, pcap_files)
+    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY)     # as Tracer() sets it
     # run's plan and cflags; without root tracefs is unreadable: every tracepoint counts as there
-    plan = attach.plan(features.probe(mount_tracefs=True), cfg, assume_unknown=True)
-    kbtf = btf.default()
-    flags = attach.all_cflags(plan, offsets.cflags(kbtf) + attach.nf_cflags(
-        plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True)))
+    plan = attach.plan(features.probe(mount_tracefs=False), cfg, assume_unknown=True)
+    notes = []
+    try:
+        kbtf = btf.default()
+    except (btf.BtfError, OSError) as e:
+        kbtf = None
+        notes.append(f"kernel BTF not readable ({e}): the -DNPT_OFF_* offsets and the "
+                     "netfilter-hook switches `run` adds from it are left out")
+    kflags = []
+    if kbtf is not None:
+        kflags = offsets.cflags(kbtf) + attach.nf_cflags(
+            plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True))
+    flags = attach.all_cflags(plan, kflags)
+    for n in notes:
+        click.echo(f"nptrace: {n}", err=True)
+    for line in plan.lines():
+        click.echo(f"/* plan: {line} */")
     click.echo("/* cflags: " + " ".join(flags) + " */")
     click.echo(loader.source_text())
 

@@ -72,6 +72,7 @@ class Config:
     nft_trace: bool = True             # nf_tables tracing of dropped flows (nftrace_live.py)
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] | None = None   # "cat/name"s; None: every one in kernel/hooks.py
+    snaplen: int = 0                   # packet bytes copied per event for --pcap (0: none)
     extra: dict = field(default_factory=dict)
 
     def port_set(self) -> set[int]:
@@ -79,6 +80,15 @@ class Config:
         for r in self.ports:
             out.update(range(r.lo, r.hi + 1))
         return out
+
+
+MAX_SNAPLEN = 9216     # a jumbo frame; the copy is per-CPU scratch plus one ring record
+
+
+def check_snaplen(n: int) -> int:
+    if not 1 <= n <= MAX_SNAPLEN:
+        raise ConfigError(f"bad --snaplen {n}: want 1-{MAX_SNAPLEN} bytes")
+    return n
 
 
 def parse_hosts(values) -> tuple:

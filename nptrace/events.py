@@ -154,7 +154,26 @@ class RawCountKey(ct.Structure):
     ]
 
 
-LAYOUTS = {"npt_event": RawEvent, "npt_count_key": RawCountKey}
+class RawPacket(ct.Structure):
+    """ctypes mirror of struct npt_packet: the header of a packet-bytes record (--pcap); its
+    cap_len bytes of packet follow it."""
+    _fields_ = [
+        ("ts_ns", ct.c_uint64),
+        ("skb", ct.c_uint64),
+        ("ifindex", ct.c_uint32),
+        ("type", ct.c_uint16),
+        ("abi", ct.c_uint16),
+        ("orig_len", ct.c_uint32),
+        ("cap_len", ct.c_uint16),
+        ("ev_type", ct.c_uint16),
+        ("link", ct.c_uint8),
+        ("dir", ct.c_uint8),
+        ("hook", ct.c_uint8),
+        ("_pad", ct.c_uint8 * 5),
+    ]
+
+
+LAYOUTS = {"npt_event": RawEvent, "npt_count_key": RawCountKey, "npt_packet": RawPacket}
 
 
 def _struct_format(cls: type[ct.Structure]) -> str:
@@ -422,6 +441,74 @@ def _addr_miss(cache: dict, family: int, raw: bytes) -> str:
         cache.clear()
     cache[raw] = s
     return s
+
+
+# --- packet-bytes records (bpf/npt_packet.h): not events; the tracer hands them to the pcapng
+# sink, which pairs each with its event by (ts_ns, skb).
+T_PACKET = 12                      # NPT_T_PACKET: a record type beside enum npt_type's events
+PL_ETHERNET, PL_IP = 1, 2          # enum npt_pkt_link
+PD_UNKNOWN, PD_INBOUND, PD_OUTBOUND = 0, 1, 2   # enum npt_pkt_dir (pcapng EPB flags bits 0-1)
+PACKET = struct.Struct(_struct_format(RawPacket))
+_TYPE_AT = RawEvent.type.offset
+assert RawPacket.type.offset == _TYPE_AT
+
+
+class Packet(NamedTuple):
+    ts_ns: int
+    skb: int
+    ifindex: int
+    ev_type: int
+    hook: int
+    link: int          # PL_ETHERNET or PL_IP
+    dir: int           # PD_*
+    orig_len: int
+    data: bytes        # the first cap_len bytes
+
+
+def is_packet(buf) -> bool:
+    """A packet-bytes record, not an event (the type field sits where an event's does)."""
+    return len(buf) >= PACKET.size and buf[_TYPE_AT] == T_PACKET and buf[_TYPE_AT + 1] == 0
+
+
+def decode_packet(buf) -> Packet:
+    if len(buf) < PACKET.size:
+        raise DecodeError(f"packet record of {len(buf)} bytes, need {PACKET.size}")
+    (ts_ns, skb, ifindex, typ, abi, orig_len, cap_len, ev_type, link, dir_, hook,
+     _pad) = PACKET.unpack_from(buf)
+    if typ != T_PACKET or abi != ABI_VERSION:
+        raise DecodeError(f"not a packet record (type {typ}, ABI {abi})")
+    if PACKET.size + cap_len > len(buf) or link not in (PL_ETHERNET, PL_IP) or dir_ > 2:
+        raise DecodeError(f"bad packet record: {cap_len} bytes in a {len(buf)}-byte record, "
+                          f"link {link}, dir {dir_}")
+    data = bytes(buf[PACKET.size:PACKET.size + cap_len])
+    return Packet(ts_ns, skb, ifindex, ev_type, hook, link, dir_, max(orig_len, cap_len), data)
+
+
+def split_packets(batch) -> tuple[list, list[Packet]]:
+    """(the event records, the decoded packet records) of a drained batch. A batch without
+    packet records (no --pcap) costs one scan of a type byte per record."""
+    at = _TYPE_AT
+    if not any(len(b) > at and b[at] == T_PACKET for b in batch):
+        return batch, []
+    records, packets = [], []
+    for b in batch:
+        if is_packet(b):
+            try:
+                packets.append(decode_packet(b))
+            except DecodeError:
+                records.append(b)      # counted as undecodable with the events
+        else:
+            records.append(b)
+    return records, packets
+
+
+def encode_packet(data: bytes, *, ts_ns: int = 0, skb: int = 0, ifindex: int = 0,
+                  ev_type: int = 0, hook: int = 0, link: int = PL_ETHERNET, dir: int = 0,
+                  orig_len: int | None = None) -> bytes:
+    """A raw packet-bytes record (tests, fixtures)."""
+    return PACKET.pack(ts_ns, skb, ifindex, T_PACKET, ABI_VERSION,
+                       len(data) if orig_len is None else orig_len, len(data), ev_type, link,
+                       dir, hook, bytes(5)) + data
 
 
 def encode(**fields) -> bytes:

@@ -385,6 +385,9 @@ class Tracer:
 
     def _drain(self, timeout_ms: int) -> int:
         batch = self.reader.poll(timeout_ms, max_records=DRAIN_BATCH, raw=True)  # a stop waits <= 1 batch
+        n = len(batch)
+        if self.cfg.snaplen and batch:
+            batch = self._take_packets(batch)   # --pcap's packet bytes go to its sink
         if self.recorders:
             # a session keeps each record next to the lookups made for it (replay order)
             for raw in batch:
@@ -405,7 +408,19 @@ class Tracer:
                         for v in vs:
                             s.write(v)
         self._flush_sinks()
-        return len(batch)
+        return n
+
+    def _take_packets(self, batch: list) -> list:
+        """The event records of batch; its packet-bytes records (bpf/npt_packet.h) go to the
+        sinks that take them (the pcapng one), before the events they belong to."""
+        batch, packets = ev.split_packets(batch)
+        if packets:
+            for s in self.sinks:
+                take = getattr(s, "on_packet", None)
+                if take is not None:
+                    for p in packets:
+                        take(p)
+        return batch
 
     def _tick_sinks(self, now_ns: int) -> None:
         """Sinks that hold lines back (a storm's collapsed summary) write what is due."""

@@ -36,6 +36,7 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
         f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",
         f"-DNPT_WITH_KPROBES={1 if cfg.kprobes else 0}",
+        f"-DNPT_SNAPLEN={cfg.snaplen}",     # bpf/npt_packet.h: packet bytes for --pcap
         # bcc's borrowed headers warn about attributes clang does not know; the noise hides
         # real errors in the load log.
         "-Wno-ignored-attributes",

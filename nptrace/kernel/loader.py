@@ -31,7 +31,8 @@ from nptrace.reasons import ReasonTable, interesting_drops
 
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
-FAMILIES = ("npt_common.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c", "kprobes.bpf.c")
+FAMILIES = ("npt_common.h", "npt_packet.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c",
+            "kprobes.bpf.c")
 
 
 class Stat(enum.IntEnum):
@@ -48,7 +49,7 @@ def source_text(families=FAMILIES) -> str:
     parts = []
     for name in families:
         path = BPF_DIR / name
-        if not path.exists() and name not in FAMILIES[:2]:
+        if not path.exists() and name not in FAMILIES[:3]:
             continue
         try:
             parts.append(f"/* ---- {name} ---- */\n" + path.read_text())

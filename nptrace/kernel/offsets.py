@@ -28,6 +28,7 @@ MEMBERS: tuple[tuple[str, str, bool], ...] = (
     ("sk_buff", "sk", True),
     ("sk_buff", "_nfct", False),         # CONFIG_NF_CONNTRACK only
     ("sk_buff", "len", True),
+    ("sk_buff", "data_len", True),       # bytes in fragments: the linear part is len - data_len
     ("sk_buff", "pkt_type", True),       # 3-bit bitfield in the headers group
     ("sk_buff", "mark", True),
     ("sk_buff", "protocol", True),

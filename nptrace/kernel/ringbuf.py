@@ -140,11 +140,12 @@ def walk(data: memoryview, cons: int, prod: int, mask: int, record: struct.Struc
         if hdr & DISCARD:
             if stats is not None:
                 stats.discarded += 1
+        elif raw and length:
+            # every record as written: a packet-bytes record (bpf/npt_packet.h) is longer or
+            # shorter than an event; events.split_packets / decode_many sort them out
+            out.append(bytes(data[off + HDR:off + HDR + length]))
         elif length >= size:
-            if raw:
-                out.append(bytes(data[off + HDR:off + HDR + size]))
-            else:
-                out.append(record.unpack_from(data, off + HDR))
+            out.append(record.unpack_from(data, off + HDR))
         elif stats is not None:
             stats.short += 1
         cons += (length + HDR + 7) & ~7

@@ -18,6 +18,12 @@ _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 _esc = json.encoder.encode_basestring_ascii
 
 
+def epoch_evidence(xs: list[dict], epoch_offset_ns: int) -> list[dict]:
+    """Each evidence item with `ts`, its time on the incident's own clock (epoch seconds, as
+    the line's `ts`), after `ts_ns` (the kernel's monotonic clock, kept for compatibility)."""
+    return [{"ts_ns": x["ts_ns"], "ts": (x["ts_ns"] + epoch_offset_ns) / 1e9, **x} for x in xs]
+
+
 def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
                  since_ns: int | None = None, events: int | None = None) -> dict:
     """The stable JSON contract of a labeled event (README "Output")."""
@@ -37,7 +43,7 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         "ifindex": e.ifindex,
         "hint": v.hint,
         "events": v.events if events is None else events,
-        "evidence": evidence_dicts(v),
+        "evidence": epoch_evidence(evidence_dicts(v), epoch_offset_ns),
     }
     c = e.ct
     if c is not None:
@@ -130,7 +136,7 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         x = l.ev
         pre, post = _evid(x.hook, l.rname, iface_name(x.netns, x.ifindex) if x.ifindex else None,
                           l.cause or "")
-        parts.append(f'{{"ts_ns":{x.ts_ns}{pre}{_esc(f"{x.saddr}:{x.sport} > {x.daddr}:{x.dport}")}'
+        parts.append(f'{{"ts_ns":{x.ts_ns},"ts":{(x.ts_ns + epoch_offset_ns) / 1e9}{pre}{_esc(f"{x.saddr}:{x.sport} > {x.daddr}:{x.dport}")}'
                      f'{post}')
     if repeat > 1 and since_ns is not None:
         tail = f'],"repeat":{repeat},"repeat_since":{(since_ns + epoch_offset_ns) / 1e9}}}'

@@ -18,6 +18,8 @@ class Outputs:
     record_max_total_bytes: int = 1 << 30
     metrics_addr: str | None = None
     pcap: str | None = None
+    pcap_max_file_bytes: int = 0       # -C: rotate past it (0: never)
+    pcap_max_files: int = 0            # -W: with -C, reuse FILE0..FILE<N-1>
     node: str = ""          # node/identity.py's name: session header, pcapng, build_info
 
 
@@ -61,7 +63,9 @@ def open_outputs(o: Outputs, *, epoch_offset_ns: int, drops, rsts, features: dic
             out.recorder = Recorder(writer, counters=counters)
         if o.pcap:
             from nptrace.sinks.pcapng import PcapngSink
-            out.sinks.append(PcapngSink(o.pcap, epoch_offset_ns, node=o.node))
+            out.sinks.append(PcapngSink(o.pcap, epoch_offset_ns, node=o.node,
+                                        max_file_bytes=o.pcap_max_file_bytes,
+                                        max_files=o.pcap_max_files))
     except BaseException:
         if out.metrics_server is not None:      # the tracer never learns of it: close it here
             out.metrics_server.close()
