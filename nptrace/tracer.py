@@ -149,6 +149,7 @@ class Tracer:
         self.nf_links = None           # netfilter-hook links (kernel/nfhook.py)
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
+        self.pods = None               # pod names (node/pods.py PodNames), without a context
         self.classifier = None
         from nptrace.sdnotify import Notifier
         self.notify = Notifier.from_env()   # Type=notify: READY=1 after attach, WATCHDOG=1 per loop
@@ -193,14 +194,20 @@ class Tracer:
             kn.preload(watched)
             from nptrace.node.nftrace_live import TracedRules
             self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
+            from nptrace.node import kubeapi
+            from nptrace.node.pods import PodNames   # API watch or crictl; never blocks
+            self.pods = PodNames(self.outputs.node, api=kubeapi.from_env(), log=log).start()
+            if self.pods.source != "none":
+                log(f"pods named from {self.pods.source}")
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
-                           route_iface=kn.route_iface, nat_peer=self._nat_peer)
+                           route_iface=kn.route_iface, nat_peer=self._nat_peer,
+                           pod_of=self.pods.pod_of)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer"):
+                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         if self.metrics is not None:
@@ -395,6 +402,9 @@ class Tracer:
         if self.nft is not None:
             self.nft.close()     # removes nptrace's trace tables
             self.nft = None
+        if self.pods is not None:
+            self.pods.close()
+            self.pods = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
