@@ -18,7 +18,8 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
-from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
+from nptrace.errors import (OUTPUT_ERRNOS, InterfaceError, LoadError, LockError, OutputError,
+                            PrivilegeError, _quiet_stdout, output_error)
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
@@ -150,6 +151,7 @@ class Tracer:
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
         self.pods = None               # pod names (node/pods.py PodNames), without a context
+        self.output_failed = False     # run() ended on an output error: stop() adds none
         self.classifier = None
         from nptrace.sdnotify import Notifier
         self.notify = Notifier.from_env()   # Type=notify: READY=1 after attach, WATCHDOG=1 per loop
@@ -375,6 +377,17 @@ class Tracer:
             while self._drain(0) and time.monotonic() < deadline:
                 pass
             self._emit(self.classifier.flush())
+        except OSError as e:
+            # A sink's write to a full disk (--pcap says its own path, sinks/pcapng.py): what
+            # is left is stdout (console or JSON lines).
+            if e.errno not in OUTPUT_ERRNOS:
+                raise
+            self.output_failed = True
+            _quiet_stdout()          # the interpreter's last flush of it must stay silent
+            raise output_error("stdout", e) from None
+        except OutputError:
+            self.output_failed = True
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -393,30 +406,39 @@ class Tracer:
                 stats = self.probes.stats()
             except Exception:
                 stats = {}
+        # Every step runs, whatever an earlier one raised (a full disk under a sink's last
+        # flush must not leave tc filters, nf_tables trace tables or the lock behind).
+        failed: list[BaseException] = []
+
+        def step(fn, *args):
+            try:
+                fn(*args)
+            except Exception as e:
+                failed.append(e)
         if self.tc is not None:
-            self.tc.close()
+            step(self.tc.close)
             self.tc = None
         if self.nf_links is not None:
-            self.nf_links.close()
+            step(self.nf_links.close)
             self.nf_links = None
         if self.nft is not None:
-            self.nft.close()     # removes nptrace's trace tables
+            step(self.nft.close)     # removes nptrace's trace tables
             self.nft = None
         if self.pods is not None:
-            self.pods.close()
+            step(self.pods.close)
             self.pods = None
         if self.reader is not None:
-            self.reader.close()
+            step(self.reader.close)
             self.reader = None
         for r in self.recorders:      # their last counter snapshot reads the live maps
-            r.close()
+            step(r.close)
         if self.probes is not None:
-            self.probes.close()
+            step(self.probes.close)
             self.probes = None
         for s in self.sinks:
-            s.close()
+            step(s.close)
         if self.metrics_server is not None:
-            self.metrics_server.close()
+            step(self.metrics_server.close)
             self.metrics_server = None
         self.lock.release()
         lost = stats.get("lost", 0)
@@ -427,4 +449,10 @@ class Tracer:
                 "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
         if stats.get("sampled"):
             log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
+        if failed and not self.output_failed:
+            e = failed[0]
+            if isinstance(e, OSError) and e.errno in OUTPUT_ERRNOS:
+                _quiet_stdout()
+                raise output_error("stdout", e) from None
+            raise e
         return stats

@@ -186,24 +186,37 @@ class PcapngSink:
         self.offset = epoch_offset_ns     # replay sets it per recorded run
         self.f = os.fdopen(open_output(self.path, "--pcap"), "wb")
         self.ifaces: dict[str, int] = {}
-        self.f.write(section_header(node))
-        self.f.flush()
         self.packets = 0
+        self._put(section_header(node))
+
+    def _put(self, *blocks: bytes) -> None:
+        """Write and flush; a full disk is one line and exit 2 (errors.output_error)."""
+        try:
+            for b in blocks:
+                self.f.write(b)
+            self.f.flush()
+        except OSError as e:
+            from nptrace.errors import OUTPUT_ERRNOS, output_error
+            if e.errno not in OUTPUT_ERRNOS:
+                raise
+            raise output_error(f"--pcap {self.path}", e) from None
 
     def _iface(self, name: str) -> int:
         idx = self.ifaces.get(name)
         if idx is None:
             idx = self.ifaces[name] = len(self.ifaces)
-            self.f.write(interface_block(name))
+            self._put(interface_block(name))
         return idx
 
     def write(self, v: Verdict) -> None:
         e = v.event
         idx = self._iface(v.iface or (f"ifindex{e.ifindex}" if e.ifindex else "unknown"))
-        self.f.write(packet_block(idx, max(0, e.ts_ns + self.offset), frame(e), comment(v)))
-        self.f.flush()
+        self._put(packet_block(idx, max(0, e.ts_ns + self.offset), frame(e), comment(v)))
         self.packets += 1
 
     def close(self) -> None:
         if not self.f.closed:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:
+                pass      # what could not be written was said when it failed
