@@ -88,13 +88,13 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
             except failures as e:
                 raise click.ClickException(str(e)) from None
             except BrokenPipeError:
-                _quiet_stdout()
+                quiet_stdout()
                 sys.exit(EXIT_FAILURE)
         return wrapper
     return wrap if fn is None else wrap(fn)
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """After EPIPE: point stdout at /dev/null so the interpreter's final flush stays silent."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -19,7 +19,7 @@ from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
 from nptrace.errors import (OUTPUT_ERRNOS, InterfaceError, LoadError, LockError, OutputError,
-                            PrivilegeError, _quiet_stdout, output_error)
+                            PrivilegeError, quiet_stdout, output_error)
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
@@ -383,7 +383,7 @@ class Tracer:
             if e.errno not in OUTPUT_ERRNOS:
                 raise
             self.output_failed = True
-            _quiet_stdout()          # the interpreter's last flush of it must stay silent
+            quiet_stdout()          # the interpreter's last flush of it must stay silent
             raise output_error("stdout", e) from None
         except OutputError:
             self.output_failed = True
@@ -452,7 +452,7 @@ class Tracer:
         if failed and not self.output_failed:
             e = failed[0]
             if isinstance(e, OSError) and e.errno in OUTPUT_ERRNOS:
-                _quiet_stdout()
+                quiet_stdout()
                 raise output_error("stdout", e) from None
             raise e
         return stats
