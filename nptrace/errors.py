@@ -1,6 +1,7 @@
 """Typed errors. The CLI maps each to one line on stderr and exit code 2 (cli.py, one place)."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -33,6 +34,22 @@ class FeatureMissing(NptraceError):
         need = f">= {min_kernel}" if min_kernel else "kernel support"
         super().__init__(f"{name} not supported (requires {need})" + (f": {hint}" if hint else ""))
         self.name, self.min_kernel, self.hint = name, min_kernel, hint
+
+
+class OutputError(NptraceError):
+    """An output cannot be written (a full disk, a quota): the run cannot go on as asked."""
+
+
+# What a write to a full or failing file system raises: ENOSPC, EDQUOT, EFBIG, EIO.
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def output_error(what: str, e: OSError) -> OutputError:
+    hint = {errno.ENOSPC: "the file system is full: free space or write elsewhere",
+            errno.EDQUOT: "the disk quota is used up: raise it or write elsewhere",
+            errno.EFBIG: "the file is at the file system's size limit: write elsewhere"}.get(
+                e.errno, "the device failed: check dmesg")
+    return OutputError(f"cannot write {what}: {e.strerror} ({hint})")
 
 
 class PrivilegeError(NptraceError):
@@ -73,13 +90,13 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
             except failures as e:
                 raise click.ClickException(printable(str(e))) from None
             except BrokenPipeError:
-                _quiet_stdout()
+                quiet_stdout()
                 sys.exit(EXIT_FAILURE)
         return wrapper
     return wrap if fn is None else wrap(fn)
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """After EPIPE: point stdout at /dev/null so the interpreter's final flush stays silent."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)

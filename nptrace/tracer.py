@@ -19,7 +19,8 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
-from nptrace.errors import InterfaceError, LoadError, LockError, PrivilegeError
+from nptrace.errors import (OUTPUT_ERRNOS, InterfaceError, LoadError, LockError, OutputError,
+                            PrivilegeError, output_error, quiet_stdout)
 from nptrace.lifecycle import Interrupted, Signals, run_steps
 from nptrace.losses import MESSAGES as LOSS_MESSAGES, RECORD_STAGES, Ledger
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
@@ -169,6 +170,8 @@ class Tracer:
         self.nf_links = None           # netfilter-hook links (kernel/nfhook.py)
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
+        self.pods = None               # pod names (node/pods.py PodNames), without a context
+        self.output_failed = False     # run() ended on an output error: stop() adds none
         self.classifier = None
         self.signals = Signals()       # from the first line of start() to the last of stop()
         self.interrupted = False       # a stop signal ended start-up early
@@ -239,14 +242,20 @@ class Tracer:
             kn.preload(watched)
             from nptrace.node.nftrace_live import TracedRules
             self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
+            from nptrace.node import kubeapi
+            from nptrace.node.pods import PodNames   # API watch or crictl; never blocks
+            self.pods = PodNames(self.outputs.node, api=kubeapi.from_env(), log=log).start()
+            if self.pods.source != "none":
+                log(f"pods named from {self.pods.source}")
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
-                           route_iface=kn.route_iface, nat_peer=self._nat_peer)
+                           route_iface=kn.route_iface, nat_peer=self._nat_peer,
+                           pod_of=self.pods.pod_of)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer"):
+                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         if self.metrics is not None:
@@ -451,62 +460,74 @@ class Tracer:
         next_second = time.monotonic() + 1.0
         next_prune = time.monotonic() + self.prune_every_s
         last_decoded = 0
-        sig = self.signals
-        while not self.stop_requested and not sig.requested:
-            self.notify.tick()
-            if self.health is not None:
-                self.health.beat()
-            if sig.hup:      # log rotation: reopen files at the next loop turn
-                sig.hup = False
-                self.reopen_requested = True
-            if time.monotonic() >= next_second:
-                next_second = time.monotonic() + 1.0
-                self._report_losses()
-                if self.ifwatch is not None:
-                    self.ifwatch.poll()
-            if self.prune_every_s and time.monotonic() >= next_prune:
-                next_prune = time.monotonic() + self.prune_every_s
-                self._prune()
-            if self.status_every and time.monotonic() >= next_status:
-                # the 3 a.m. view: is it attached, how busy, is anything being lost
-                st = self.probes.stats()
-                rate = (self.decoded - last_decoded) / self.status_every
-                last_decoded = self.decoded
-                next_status += self.status_every
-                more = self.losses.summary()
-                log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
-                    f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
-                    f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked"
-                    + (f"; losses so far: {more}" if more else ""))
-            timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
-            if end is not None:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                timeout = max(1, min(timeout, int(left * 1000)))
-            now = time.monotonic_ns()   # before the drain: no event read is newer
-            if self._drain(timeout) < DRAIN_BATCH:
-                # Caught up: incidents whose flow went quiet are reported on time, not at
-                # the next event. Behind (a full batch), event time alone decides, as in
-                # replay: wall time would split incidents whose events are still unread.
-                self._emit(self.classifier.tick(now))
-                self._tick_sinks(now)
-                self._flush_sinks()
-            for r in self.recorders:
-                r.tick()
-            if self.reopen_requested:
-                self.reopen_requested = False
-                for sink in self.sinks + self.recorders:
-                    if hasattr(sink, "reopen"):
-                        sink.reopen()
-                log("SIGHUP: reopened output files")
-        # Drain what arrived before the stop, for a bounded time: under a reset storm the
-        # ring never empties, and a stop must still stop.
-        deadline = time.monotonic() + 2.0
-        while self._drain(0) and time.monotonic() < deadline:
-            pass
-        self._emit(self.classifier.flush())
-        self._report_losses()
+        try:
+            sig = self.signals
+            while not self.stop_requested and not sig.requested:
+                self.notify.tick()
+                if self.health is not None:
+                    self.health.beat()
+                if sig.hup:      # log rotation: reopen files at the next loop turn
+                    sig.hup = False
+                    self.reopen_requested = True
+                if time.monotonic() >= next_second:
+                    next_second = time.monotonic() + 1.0
+                    self._report_losses()
+                    if self.ifwatch is not None:
+                        self.ifwatch.poll()
+                if self.prune_every_s and time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + self.prune_every_s
+                    self._prune()
+                if self.status_every and time.monotonic() >= next_status:
+                    # the 3 a.m. view: is it attached, how busy, is anything being lost
+                    st = self.probes.stats()
+                    rate = (self.decoded - last_decoded) / self.status_every
+                    last_decoded = self.decoded
+                    next_status += self.status_every
+                    more = self.losses.summary()
+                    log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
+                        f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
+                        f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked"
+                        + (f"; losses so far: {more}" if more else ""))
+                timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
+                if end is not None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    timeout = max(1, min(timeout, int(left * 1000)))
+                now = time.monotonic_ns()   # before the drain: no event read is newer
+                if self._drain(timeout) < DRAIN_BATCH:
+                    # Caught up: incidents whose flow went quiet are reported on time, not at
+                    # the next event. Behind (a full batch), event time alone decides, as in
+                    # replay: wall time would split incidents whose events are still unread.
+                    self._emit(self.classifier.tick(now))
+                    self._tick_sinks(now)
+                    self._flush_sinks()
+                for r in self.recorders:
+                    r.tick()
+                if self.reopen_requested:
+                    self.reopen_requested = False
+                    for sink in self.sinks + self.recorders:
+                        if hasattr(sink, "reopen"):
+                            sink.reopen()
+                    log("SIGHUP: reopened output files")
+            # Drain what arrived before the stop, for a bounded time: under a reset storm the
+            # ring never empties, and a stop must still stop.
+            deadline = time.monotonic() + 2.0
+            while self._drain(0) and time.monotonic() < deadline:
+                pass
+            self._emit(self.classifier.flush())
+            self._report_losses()
+        except OSError as e:
+            # A sink's write to a full disk (--pcap says its own path, sinks/pcapng.py): what
+            # is left is stdout (console or JSON lines).
+            if e.errno not in OUTPUT_ERRNOS:
+                raise
+            self.output_failed = True
+            quiet_stdout()          # the interpreter's last flush of it must stay silent
+            raise output_error("stdout", e) from None
+        except OutputError:
+            self.output_failed = True
+            raise
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> dict:
@@ -540,7 +561,8 @@ class Tracer:
                  ("read counters", read_stats),
                  ("loss report", self._report_losses),
                  ("tc programs", closer("tc")), ("netfilter links", closer("nf_links")),
-                 ("nft trace tables", closer("nft")), ("ring reader", closer("reader"))]
+                 ("nft trace tables", closer("nft")), ("pod names", closer("pods")),
+                 ("ring reader", closer("reader"))]
         # session files: their last counter snapshot reads the live maps, so before probes
         steps += [(f"session {i}", r.close) for i, r in enumerate(self.recorders)]
         steps += [("probes", closer("probes"))]
@@ -548,6 +570,20 @@ class Tracer:
                   if sk not in self.recorders]
         steps += [("metrics server", closer("metrics_server")),
                   ("instance lock", self.lock.release)]
+        # An output that fails again while it closes (the disk is still full) is said once,
+        # as the error that ends the run, not as a warning per step.
+        out_errors: list[OSError] = []
+
+        def quiet_outputs(fn):
+            def step():
+                try:
+                    fn()
+                except OSError as e:
+                    if e.errno not in OUTPUT_ERRNOS:
+                        raise
+                    out_errors.append(e)
+            return step
+        steps = [(name, quiet_outputs(fn)) for name, fn in steps]
         try:
             run_steps(steps, log)
         finally:
@@ -565,4 +601,7 @@ class Tracer:
                 "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
         if stats.get("sampled"):
             log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
+        if out_errors and not self.output_failed:
+            quiet_stdout()
+            raise output_error("stdout", out_errors[0]) from None
         return stats

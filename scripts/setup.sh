@@ -19,7 +19,8 @@ export DEBIAN_FRONTEND=noninteractive
 pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack
       nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib
       podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
-      strace)                            # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test
+      strace                             # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test
+      prometheus)                        # tests/privileged/test_fleet_metrics.py runs the server binary
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -133,6 +133,9 @@ class Context:
     nat_peer: Callable[[str, int, str, int], tuple | None] = lambda *a: None
     # (netns inode, address) -> the interface the route to address leaves by, or None.
     route_iface: Callable[[int, str], str | None] = lambda netns, addr: None
+    # address -> "namespace/name" of the pod that has it (node/pods.py: the Kubernetes API's
+    # node-scoped watch, else crictl), or None; answered from a cache, never blocking.
+    pod_of: Callable[[str], str | None] = lambda addr: None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
     window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept

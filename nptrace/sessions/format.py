@@ -513,6 +513,7 @@ class SessionWriter:
         self.paused_until: float | None = None
         self.records = 0
         self.dropped = 0                 # records lost to write errors
+        self.last_error: OSError | None = None
         self.deleted: list[Path] = []    # files removed by the total-size cap
         self._open_dir()
         self._open()
@@ -679,6 +680,7 @@ class SessionWriter:
                 self.size += len(data)
             except OSError as e:
                 self.buffered_records = n_records
+                self.last_error = e      # open_outputs: a header that never fits stops the start
                 self._pause(f"cannot write session file {self.path}: {e.strerror}")
                 return
         if force_sync or now - self.last_fsync >= FSYNC_INTERVAL_S:

@@ -69,7 +69,8 @@ def context_from_header(h: dict, known: LookupTables) -> Context:
                    iface_name=lambda ns, i: get(IFACE, (ns, i)),
                    service_of=lambda a, p: get(SERVICE, (a, p)),
                    endpoint_of=recorded("endpoint_of"), nf_rule=recorded("nf_rule"),
-                   route_iface=recorded("route_iface"), nat_peer=recorded("nat_peer"))
+                   route_iface=recorded("route_iface"), nat_peer=recorded("nat_peer"),
+                   pod_of=recorded("pod_of"))
 
 
 class Replay:

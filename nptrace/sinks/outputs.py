@@ -58,8 +58,18 @@ def open_outputs(o: Outputs, *, epoch_offset_ns: int, drops, rsts, features: dic
             hdr = session.make_header(
                 epoch_offset_ns=epoch_offset_ns, drops=drops, resets=rsts,
                 features=features, ifnames=snapshot_ifnames(), node=o.node or None)
+            said: list[str] = []
             writer = session.SessionWriter(o.record_dir, o.record_max_file_bytes,
-                                           o.record_max_age_s, o.record_max_total_bytes, hdr)
+                                           o.record_max_age_s, o.record_max_total_bytes, hdr,
+                                           log=said.append)
+            # A header that cannot be written at start (a full disk) is an error now; later a
+            # full disk pauses the recording (counted as dropped) while tracing goes on.
+            writer.flush()
+            if writer.paused_until is not None:
+                writer.close()
+                from nptrace.errors import output_error
+                raise output_error(f"--record {o.record_dir}", writer.last_error)
+            writer.log = lambda msg: log(msg)
             out.recorder = Recorder(writer, counters=counters)
         if o.pcap:
             from nptrace.sinks.pcapng import PcapngSink

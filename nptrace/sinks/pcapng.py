@@ -41,7 +41,6 @@ from collections import OrderedDict
 
 from nptrace import __version__
 from nptrace.classify import Verdict
-from nptrace.errors import NptraceError
 from nptrace.events import PL_IP, Event, Packet
 from nptrace.names import HOOKS
 from nptrace.sinks.fmt import endpoint
@@ -267,9 +266,12 @@ class PcapngSink:
         self.size += len(b)
 
     def _failed(self, e: OSError):
-        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
-        raise NptraceError(f"cannot write --pcap {self.name}: {why} (free space, or rotate "
-                           "with -C MB -W FILES)") from None
+        """A full disk is one line and exit 2 (errors.output_error); with a hint to rotate."""
+        from nptrace.errors import OUTPUT_ERRNOS, output_error
+        if e.errno not in OUTPUT_ERRNOS:
+            raise e
+        err = output_error(f"--pcap {self.name}", e)
+        raise type(err)(f"{err} (or rotate with -C MB -W FILES)") from None
 
     def _iface(self, name: str) -> int:
         idx = self.ifaces.get(name)

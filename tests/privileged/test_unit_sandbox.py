@@ -145,3 +145,51 @@ def test_missing_runtime_directory_is_one_line_exit_2(unit):
                             unit_command(unit))
     _one_line_exit_2(rc, err, f"cannot open the instance lock {missing}")
     assert not Path(missing).parent.exists()
+
+
+def test_restart_after_a_crash_cleans_up_and_traces(unit, tmp_path, shipped_headers):
+    """Restart=on-failure after SIGKILL, for real: the unit's second start, under the same
+    directives, finds the clsact filters the killed run left (tc state in the preserved
+    RuntimeDirectory), removes them, and traces a reset."""
+    from nptrace import lab
+    from nptrace.kernel import netlink
+    info = lab.up("no-listener", prefix=PREFIX)
+    [watch] = info.watch[:1]
+    ns, dev = watch.split("/")
+    binds = {"/var/lib/nptrace": str(tmp_path / "state")}
+    cmd = unit_command(unit, "--json", "--iface", watch, "--tc-mode", "clsact")
+
+    def our_filters():
+        with netlink.open_netns(ns) as r:
+            idx = r.link(dev).ifindex
+            return [f.name for p in (netlink.PARENT_INGRESS, netlink.PARENT_EGRESS)
+                    for f in r.filters(idx, p) if (f.name or "").startswith("npt_")]
+    try:
+        with us.Sandbox(unit, binds=binds, env=ENV) as sb:
+            first = sb.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            sb.wait_ready(first)
+            first.kill()
+            _, err1 = first.communicate(timeout=30)
+        assert first.returncode == -signal.SIGKILL
+        assert our_filters() == [f"npt_{first.pid}_ing", f"npt_{first.pid}_egr"]
+        assert unit.should_restart(first.returncode)       # Restart=on-failure: start again
+        with us.Sandbox(unit, binds=binds, env=ENV) as sb:
+            second = sb.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                sb.wait_ready(second)
+                left = our_filters()
+                attempts = lab.trigger("no-listener", count=3, prefix=PREFIX)
+                time.sleep(2)
+            finally:
+                second.send_signal(signal.SIGTERM)
+                out, err = second.communicate(timeout=60)
+    finally:
+        lab.down("no-listener", prefix=PREFIX)
+    assert second.returncode == 0, err[-3000:]
+    assert f"removed tc leftovers of dead nptrace run {first.pid}" in err, err[-3000:]
+    assert left == [f"npt_{second.pid}_ing", f"npt_{second.pid}_egr"], left
+    ports = {a.sport for a in attempts}
+    events = [json.loads(l) for l in out.splitlines() if l.strip()]
+    assert any(e["cause"] == "no_listener" and e.get("dport") in ports for e in events), events[:3]
+    assert "Traceback" not in err
+    print("\n--- first start (SIGKILLed) ---\n" + err1 + "--- second start ---\n" + err)

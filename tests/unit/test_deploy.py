@@ -155,3 +155,17 @@ def test_image_python_dependencies_are_pinned_with_hashes():
             pins[m.group(1).lower()] = m.group(2)
     assert set(pins) == names
     assert "--require-hashes" in (DEPLOY / "Containerfile").read_text()
+
+
+def test_daemonset_may_watch_pods_and_endpointslices_only():
+    by_kind = {d["kind"]: d for d in docs()}
+    sa = by_kind["ServiceAccount"]["metadata"]
+    assert daemonset()["spec"]["template"]["spec"]["serviceAccountName"] == sa["name"]
+    rules = {(g, r): set(rule["verbs"]) for rule in by_kind["ClusterRole"]["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules == {("", "pods"): {"get", "list", "watch"},
+                     ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}}
+    b = by_kind["ClusterRoleBinding"]
+    assert b["roleRef"]["name"] == by_kind["ClusterRole"]["metadata"]["name"]
+    assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
+                              "namespace": sa["namespace"]}]

@@ -160,7 +160,7 @@ def test_disk_full_is_one_line(tmp_path):
             self.closed = True
     sink.f = Full()
     from nptrace.errors import NptraceError
-    with pytest.raises(NptraceError, match="disk is full") as e:
+    with pytest.raises(NptraceError, match="file system is full") as e:
         sink.write(v)
     assert "\n" not in str(e.value)
 

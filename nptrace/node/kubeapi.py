@@ -1,0 +1,258 @@
+"""The pods behind addresses, from the Kubernetes API: a node-scoped watch of Pods
+(fieldSelector=spec.nodeName=<node>) and a watch of EndpointSlices (their endpoints' targetRef
+names the pods of other nodes a Service sends to), in a background thread.
+
+In-cluster only: KUBERNETES_SERVICE_HOST/PORT and the service account's token and CA
+(/var/run/secrets/kubernetes.io/serviceaccount/); without them `from_env` gives None and pods
+are named from the node alone (nptrace/node/pods.py). The RBAC it needs (get/list/watch of
+pods and endpointslices.discovery.k8s.io) is in deploy/daemonset.yaml.
+
+The watch protocol (Kubernetes API concepts, "Efficient detection of changes"): LIST gives the
+items and a resourceVersion; GET ...?watch=1&resourceVersion=RV streams one JSON object a line,
+{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}; a resourceVersion too old
+for the server's history is answered 410 Gone (as the HTTP status or as an ERROR event whose
+object is a Status with code 410), and the client lists again. The server ends a watch after
+timeoutSeconds; the client resumes from the last resourceVersion it saw.
+
+Lookups never block and never touch the network: `pod_of(addr)` reads a dict the thread keeps.
+The dict is bounded (max_entries, the oldest dropped first), a failed connection is retried
+with exponential backoff (1 s doubling to 60 s), and every failure is logged once per kind.
+urllib only: no Kubernetes client dependency.
+"""
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["ApiConfig", "PodWatch", "from_env", "SA_DIR"]
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+PODS = "/api/v1/pods"
+SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
+WATCH_TIMEOUT_S = 300          # the server closes a watch after this; we resume from its RV
+BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
+MAX_ENTRIES = 65536            # addresses held (a pod with dual-stack IPs holds two)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    base: str                     # https://10.96.0.1:443
+    token: str
+    ca_file: str | None = None    # None: the system's trust store (a test's plain http ignores it)
+
+    def context(self) -> ssl.SSLContext | None:
+        if not self.base.startswith("https:"):
+            return None
+        return ssl.create_default_context(cafile=self.ca_file)
+
+
+def from_env(env=os.environ, sa_dir: Path = SA_DIR) -> ApiConfig | None:
+    """The in-cluster API, as client-go's rest.InClusterConfig() finds it; None outside."""
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return None
+    try:
+        token = (sa_dir / "token").read_text().strip()
+    except OSError:
+        return None
+    if not token:
+        return None
+    ca = sa_dir / "ca.crt"
+    if ":" in host:
+        host = f"[{host}]"        # an IPv6 service address
+    return ApiConfig(f"https://{host}:{port}", token, str(ca) if ca.exists() else None)
+
+
+class Gone(Exception):
+    """410: the resourceVersion is too old; list again."""
+
+
+def pod_ips(pod: dict) -> list[str]:
+    """A pod's own addresses; none for a hostNetwork pod (its address is the node's)."""
+    if (pod.get("spec") or {}).get("hostNetwork"):
+        return []
+    st = pod.get("status") or {}
+    ips = [x.get("ip") for x in st.get("podIPs") or []]
+    if not ips and st.get("podIP"):
+        ips = [st["podIP"]]
+    return [ip for ip in ips if ip]
+
+
+def slice_pods(es: dict) -> dict[str, str]:
+    """{address: "ns/name"} of an EndpointSlice's endpoints that are pods."""
+    out = {}
+    for ep in es.get("endpoints") or []:
+        ref = ep.get("targetRef") or {}
+        if ref.get("kind") != "Pod" or not ref.get("name"):
+            continue
+        name = f"{ref.get('namespace') or (es.get('metadata') or {}).get('namespace', '')}/{ref['name']}"
+        for a in ep.get("addresses") or []:
+            out[a] = name
+    return out
+
+
+def _key(obj: dict) -> str:
+    m = obj.get("metadata") or {}
+    return f"{m.get('namespace', '')}/{m.get('name', '')}"
+
+
+class Table:
+    """One resource's view: object key -> the addresses it named, and address -> pod name.
+    Bounded: past max_entries addresses the oldest are dropped (a lookup then says None)."""
+
+    def __init__(self, extract: Callable[[dict], dict[str, str]], max_entries: int):
+        self.extract = extract
+        self.max = max_entries
+        self.by_obj: dict[str, dict[str, str]] = {}
+        self.addrs: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, obj: dict) -> None:
+        self.delete(obj)
+        got = self.extract(obj)
+        self.by_obj[_key(obj)] = got
+        for a, name in got.items():
+            self.addrs[a] = name
+            self.addrs.move_to_end(a)
+        while len(self.addrs) > self.max:
+            self.addrs.popitem(last=False)
+
+    def delete(self, obj: dict) -> None:
+        for a, name in self.by_obj.pop(_key(obj), {}).items():
+            if self.addrs.get(a) == name:
+                del self.addrs[a]
+
+    def replace(self, items: list[dict]) -> None:
+        self.by_obj.clear()
+        self.addrs.clear()
+        for obj in items:
+            self.put(obj)
+
+
+class PodWatch:
+    """Start with start(); pod_of(addr) answers from the cache at once; close() stops."""
+
+    def __init__(self, api: ApiConfig, node: str, log: Callable[[str], None] = lambda m: None,
+                 max_entries: int = MAX_ENTRIES, watch_timeout_s: int = WATCH_TIMEOUT_S,
+                 backoff: tuple[float, float] = (BACKOFF_MIN_S, BACKOFF_MAX_S)):
+        self.api, self.node, self.log = api, node, log
+        self.watch_timeout_s = watch_timeout_s
+        self.backoff = backoff
+        self._ssl = api.context()
+        self.pods = Table(lambda p: {ip: _key(p) for ip in pod_ips(p)}, max_entries)
+        self.slices = Table(slice_pods, max_entries)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._responses: set = set()
+        self._logged: set[str] = set()
+        self.lists = {PODS: 0, SLICES: 0}      # how many LISTs each resource needed (tests)
+        self.synced = threading.Event()        # set once both first LISTs arrived
+
+    # -- lookups (the classifier's thread) ------------------------------------------------
+    def pod_of(self, addr: str) -> str | None:
+        return self.pods.addrs.get(addr) or self.slices.addrs.get(addr)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "PodWatch":
+        sel = {"fieldSelector": f"spec.nodeName={self.node}"} if self.node else {}
+        for path, table, params in ((PODS, self.pods, sel), (SLICES, self.slices, {})):
+            t = threading.Thread(target=self._loop, args=(path, table, params), daemon=True,
+                                 name=f"nptrace-watch{path.replace('/', '-')}")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        for r in list(self._responses):     # unblock a watch waiting for its next line
+            try:
+                r.close()
+            except Exception:
+                pass
+        for t in self._threads:
+            t.join(timeout=2)
+
+    # -- the watch loop (one thread per resource) --------------------------------------------
+    def _get(self, path: str, params: dict, timeout: float):
+        url = f"{self.api.base}{path}?{urllib.parse.urlencode(params)}"
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.api.token}",
+                                                   "Accept": "application/json"})
+        try:
+            return urllib.request.urlopen(req, timeout=timeout, context=self._ssl)
+        except urllib.error.HTTPError as e:
+            if e.code == 410:
+                raise Gone() from None
+            raise
+
+    def _list(self, path: str, table: Table, params: dict) -> str:
+        with self._get(path, params, timeout=30) as r:
+            doc = json.load(r)
+        table.replace(doc.get("items") or [])
+        self.lists[path] += 1
+        if all(self.lists.values()):
+            self.synced.set()
+        return (doc.get("metadata") or {}).get("resourceVersion", "")
+
+    def _watch(self, path: str, table: Table, params: dict, rv: str) -> str:
+        q = {**params, "watch": "1", "resourceVersion": rv, "allowWatchBookmarks": "true",
+             "timeoutSeconds": str(self.watch_timeout_s)}
+        r = self._get(path, q, timeout=self.watch_timeout_s + 30)
+        self._responses.add(r)
+        try:
+            while not self._stop.is_set():
+                line = r.readline()
+                if not line:
+                    return rv                    # the server ended the watch: resume
+                if not line.strip():
+                    continue
+                ev = json.loads(line)
+                kind, obj = ev.get("type"), ev.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone()
+                    raise OSError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
+                if kind in ("ADDED", "MODIFIED"):
+                    table.put(obj)
+                elif kind == "DELETED":
+                    table.delete(obj)
+                rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+            return rv
+        finally:
+            self._responses.discard(r)
+            r.close()
+
+    def _loop(self, path: str, table: Table, params: dict) -> None:
+        delay = self.backoff[0]
+        rv = None
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    rv = self._list(path, table, params)
+                rv = self._watch(path, table, params, rv)
+                delay = self.backoff[0]
+            except Gone:
+                rv = None                        # too old: list again, at once
+            except Exception as e:               # network, TLS, 401/403, bad JSON
+                if self._stop.is_set():
+                    return
+                what = f"{path}: {type(e).__name__}"
+                if what not in self._logged:
+                    self._logged.add(what)
+                    hint = (" (the service account needs get/list/watch on it: "
+                            "deploy/daemonset.yaml's ClusterRole)"
+                            if isinstance(e, urllib.error.HTTPError) and e.code in (401, 403)
+                            else "")
+                    self.log(f"kubernetes API {path}: {e}{hint}; retrying with backoff, "
+                             "pods named from the node meanwhile")
+                rv = None
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.backoff[1])
