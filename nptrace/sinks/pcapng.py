@@ -256,7 +256,10 @@ class PcapngSink:
         self.size = 0
         self.ifaces: dict[str, int] = {}
         self._put(section_header(self.node))
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as e:
+            self._failed(e)
 
     def _put(self, b: bytes) -> None:
         try:
