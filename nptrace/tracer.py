@@ -145,6 +145,8 @@ class Tracer:
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
         self.nft = None                # nf_tables tracing of dropped flows (node/nftrace_live.py)
         self.classifier = None
+        self.exact = None              # per-cause counts of every record (sinks/exact.py)
+        self.exact_every_ns = 1_000_000_000
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -190,6 +192,7 @@ class Tracer:
                 for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
+        self._start_exact(names, drops, rsts)
         if self.metrics is not None:
             probes = self.probes
             self.metrics.watch_kernel(lambda: (probes.counts(), probes.stats()),
@@ -210,6 +213,38 @@ class Tracer:
         if self.ready_file:
             Path(self.ready_file).write_text(f"{os.getpid()}\n")
         return elapsed
+
+    def _start_exact(self, names, drops, rsts) -> None:
+        """Every record counted under its cause (bpf/npt_common.h npt_count_cause), labeled
+        per key with the classifier's rules (classify/keylabel.py). The labeler's lookups are
+        the plain ones, not the session recorder's (a key's labeling is not a record's) nor
+        nft tracing's (a synthetic event must not start a trace); routes only fill hints."""
+        from nptrace.classify.keylabel import KeyLabeler
+        from nptrace.classify.verdict import WEAK_DROPS
+        from nptrace.sinks.exact import ExactCounts
+        self.probes.mark_weak_drops(WEAK_DROPS)
+        kn = self.knowledge
+        if kn is not None:
+            ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
+                          service_of=kn.service_of, endpoint_of=kn.endpoint_of,
+                          nf_rule=kn.nf_rule)
+        else:
+            ctx = self.ctx
+        self.exact = ExactCounts(KeyLabeler(ctx))
+        if self.metrics is not None:
+            self.metrics.count_exactly(self.exact)
+
+    def _count_exact(self, now_ns: int) -> None:
+        """Once a second: read the cause keys, update the exact counters, write the summary
+        lines of what was counted and not sent."""
+        if self.exact is None or self.probes is None:
+            return
+        rows = self.exact.update(self.probes.cause_counts(), now_ns)
+        if rows:
+            for s in self.sinks:
+                w = getattr(s, "write_summary", None)
+                if w is not None:
+                    w(rows)
 
     def _nat_peer(self, saddr, sport, daddr, dport):
         if self.nf_links is None or self.probes is None:
@@ -302,6 +337,7 @@ class Tracer:
         # the default 700 allocations only re-walk live flows (1-2 us a record in a storm).
         gc.set_threshold(10_000, 10, 10)
         next_status = time.monotonic() + self.status_every
+        next_exact = time.monotonic_ns() + self.exact_every_ns
         last_decoded = 0
         try:
             while not self.stop_requested:
@@ -328,6 +364,10 @@ class Tracer:
                     self._emit(self.classifier.tick(now))
                     self._tick_sinks(now)
                     self._flush_sinks()
+                if now >= next_exact:
+                    next_exact = now + self.exact_every_ns
+                    self._count_exact(now)
+                    self._flush_sinks()
                 for r in self.recorders:
                     r.tick()
                 if self.reopen_requested:
@@ -342,6 +382,8 @@ class Tracer:
             while self._drain(0) and time.monotonic() < deadline:
                 pass
             self._emit(self.classifier.flush())
+            self._count_exact(time.monotonic_ns())
+            self._flush_sinks()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

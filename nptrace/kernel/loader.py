@@ -24,10 +24,10 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.config import Config
 from nptrace.errors import LoadError
-from nptrace.kernel import natpeers
+from nptrace.kernel import causekeys, natpeers
 from nptrace.kernel.cflags import build_cflags
 from nptrace.kernel.hooks import KPROBE_GROUPS, TRACEPOINTS
-from nptrace.reasons import ReasonTable, interesting_drops
+from nptrace.reasons import SOURCE_DROPS, ReasonTable, interesting_drops
 
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
@@ -131,7 +131,9 @@ class Probes:
         table = self.bpf["drop_reasons"]
         limit = len(table)
         for v in interesting_drops(drops, limit):
-            table[ct.c_int(v)] = ct.c_uint8(1)
+            # bit 1: the rules read the source (npt_common.h NPT_DR_SRC: the cause key)
+            table[ct.c_int(v)] = ct.c_uint8(1 | (2 if drops.name(v) in SOURCE_DROPS else 0))
+        self._drops = drops
         if not len(drops):
             # No enum in BTF (kernel < 5.17): reason is always 0; keep every drop.
             table[ct.c_int(0)] = ct.c_uint8(1)
@@ -232,6 +234,33 @@ class Probes:
         out = {}
         for k, v in self.bpf["counts"].items():
             out[(k.type, k.hook, k.reason, k.ifindex, k.netns)] = int(sum(v))
+        return out
+
+    def mark_weak_drops(self, weak: frozenset) -> None:
+        """Flag the drop reasons that are only evidence (classify.verdict.WEAK_DROPS: the
+        caller's, the kernel layer does not import the classifier): such a drop never becomes
+        its flow's causal fact (npt_common.h NPT_DR_WEAK)."""
+        table = self.bpf["drop_reasons"]
+        for v in interesting_drops(self._drops, len(table)):
+            if self._drops.name(v) in weak:
+                table[ct.c_int(v)] = ct.c_uint8(table[ct.c_int(v)].value | 4)
+
+    def cause_counts(self) -> dict:
+        """{causekeys.CauseKey: (counted, sent)} summed over CPUs (every record but
+        evidence-only ones, exact), and under the key None, {type: (counted, sent)} of the
+        records that found the map full (cause "other")."""
+        out: dict = {}
+        for k, v in self.bpf["cause_counts"].items():
+            out[causekeys.decode_key(bytes(k))] = (sum(x.counted for x in v),
+                                                    sum(x.sent for x in v))
+        other = {}
+        arr = self.bpf["cause_other"]
+        for t in range(len(arr)):
+            vals = arr.getvalue(ct.c_int(t))
+            n = sum(x.counted for x in vals)
+            if n:
+                other[t] = (n, sum(x.sent for x in vals))
+        out[None] = other
         return out
 
     def close(self) -> None:

@@ -186,6 +186,20 @@ class MetricsSink:
                                   ["service", "kind", "cause"], registry=registry)
         self.collector: KernelCollector | None = None
         self._children: dict[tuple, tuple] = {}
+        self.exact = None
+
+    def count_exactly(self, counts) -> None:
+        """Export the four labeled families from the kernel's cause keys (sinks/exact.py
+        ExactCounts): every record, not only the incidents the sample reached. write() then
+        counts nothing."""
+        from nptrace.sinks.exact import ExactCollector
+        for c in (self.resets, self.drops, self.anomalies, self.by_service):
+            self.registry.unregister(c)
+        self.exact = ExactCollector(counts, self.ifaces, self._service)
+        self.registry.register(self.exact)
+
+    def _service(self, name: str | None) -> str:
+        return self.services(name) if name else "none"
 
     def watch_kernel(self, counters: CountersFn, **kw) -> KernelCollector:
         """Register the scrape-time collector of exact kernel counters (KernelCollector's
@@ -195,6 +209,8 @@ class MetricsSink:
         return self.collector
 
     def write(self, v: Verdict) -> None:
+        if self.exact is not None:
+            return
         # labels() validates and locks on every call (a few us each, twice per verdict): the
         # children are kept here by their label values, bounded like the labels themselves
         iface = self.ifaces(v.iface)
