@@ -17,7 +17,7 @@ log() { echo "setup: $*" >&2; }
 export DEBIAN_FRONTEND=noninteractive
 
 pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack
-      nfacct clang bpftool tcpdump kmod procps shellcheck iperf3 python3-matplotlib)
+      nfacct clang bpftool tcpdump kmod procps shellcheck iperf3 python3-matplotlib hping3)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
