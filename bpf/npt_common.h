@@ -335,7 +335,7 @@ static __always_inline int npt_rate_ok(struct npt_event *e, u64 fk)
 BPF_PERCPU_HASH(cause_counts, struct npt_cause_key, struct npt_cause_val, NPT_MAX_CAUSE_KEYS);
 BPF_PERCPU_ARRAY(cause_other, struct npt_cause_val, NPT_T_MAX);
 
-/* Per connection, its first causal record (type, hook, reason): a later record of the flow
+/* Per connection, its first causal record (type, hook, reason, SYN/ACK bits): a later record of the flow
  * (the client's reset received, a retransmitted SYN, the RST on the wire) is counted with it,
  * and user space gives it the better-ranked of its own label and that one's, as the classifier
  * names an incident by its best label. Direct-mapped by flow hash and shared by the CPUs, like
@@ -348,7 +348,9 @@ struct npt_fact_slot {
 	u32 reason;
 	u16 type;
 	u8  hook;
-	u8  _pad;
+	u8  tcpflags;       /* its SYN/ACK bits (npt_cause_key.tcpflags) */
+	u32 srv_end;        /* npt_end_hash of its server end: orients the flow's later records */
+	u32 srv_end2;       /* ...and of the endpoint behind a DNAT (else srv_end) */
 };
 BPF_ARRAY(flow_facts, struct npt_fact_slot, NPT_FACT_FLOWS);
 
@@ -360,23 +362,13 @@ static __always_inline int npt_causal_type(u16 t)
 
 /* The cause key of a record: the packet's tuple with its client end reduced (its port always,
  * its address unless keep_src), the server end kept for the Service lookup. Which end is the
- * client follows nptrace/sinks/collapse.py server_end(): conntrack's original source when
- * DNATed; else the sender of a SYN (a sent reset answering it goes to it), the receiver of a
- * SYN-ACK; else the end with the higher port. */
-static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt_event *e)
+ * client (cli_src): the flow fact's, else npt_client_is_src(), which follows
+ * nptrace/sinks/collapse.py server_end(): conntrack's original source when DNATed; else the
+ * sender of a SYN (a sent reset answering it goes to it), the receiver of a SYN-ACK; else the
+ * end with the higher port. */
+static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt_event *e,
+					     int cli_src)
 {
-	u8 fl = (e->type == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;  /* SYN|ACK */
-	int dnat = (e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT);
-	int cli_src;                /* 1: the packet's source is the client end */
-	if (dnat)
-		cli_src = e->sport == e->ct_osport &&
-			  *(u32 *)e->saddr == *(u32 *)e->ct_osrc;
-	else if (fl == 0x02)
-		cli_src = e->type != NPT_T_RST_SENT;
-	else if (fl == 0x12)
-		cli_src = e->type == NPT_T_RST_SENT;
-	else
-		cli_src = e->sport > e->dport;
 	int keep_src = 0;
 	if (e->type == NPT_T_DROP) {
 		u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
@@ -397,7 +389,7 @@ static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt
 			__builtin_memcpy(k->daddr, e->daddr, 16);
 		k->sport = e->sport;
 	}
-	if (dnat) {
+	if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT)) {
 		__builtin_memcpy(k->odst, e->ct_odst, 16);
 		k->oport = e->ct_odport;
 	}
@@ -409,46 +401,77 @@ static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt
 	k->hook = e->hook;
 	k->dir = e->dir;
 	k->flags = e->flags & (NPT_F_HAS_CT | NPT_F_ENCAP | NPT_F_HAS_SOCK | NPT_F_ICMP_QUOTE);
-	k->tcpflags = fl;
+	k->tcpflags = (e->type == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;
 	k->ct_bits = (e->ct_status & NPT_IPS_SRC_NAT ? NPT_CK_SNAT : 0) |
 		     (e->ct_status & NPT_IPS_DST_NAT ? NPT_CK_DNAT : 0);
 }
 
-/* Count the record under its cause key; the value, to count it sent, or 0 (cause_other). */
+/* 1 when the record's source is the client end of its connection, by the record alone. */
+static __always_inline int npt_client_is_src(struct npt_event *e)
+{
+	u8 fl = (e->type == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;  /* SYN|ACK */
+	if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT))
+		return e->sport == e->ct_osport && *(u32 *)e->saddr == *(u32 *)e->ct_osrc;
+	if (fl == 0x02)
+		return e->type != NPT_T_RST_SENT;
+	if (fl == 0x12)
+		return e->type == NPT_T_RST_SENT;
+	return e->sport > e->dport;
+}
+
+/* Count the record under its cause key; the value, to count it sent, or 0 (cause_other).
+ * A record of a flow with a live fact takes its client end from the fact: the server end the
+ * causal record named (the client's drop of a reset to a closed port has ports and flags that
+ * alone would name the client as the server, one key per connection). */
 static __always_inline struct npt_cause_val *npt_count_cause(struct npt_event *e, u64 fk)
 {
 	u16 t = e->type;
 	if (t == NPT_T_SYNACK_RETX || t == NPT_T_NF_VIEW || e->hook == NPT_H_KPROBE)
 		return 0;                /* evidence only: never a cause of their own */
 	struct npt_cause_key k = {};
-	npt_cause_key_of(&k, e);
+	struct npt_fact_slot *f = 0;
+	int live = 0, cli_src;
+	u8 fl = (t == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;
+	u32 src_end = npt_end_hash(e->saddr, e->sport);
 	if (fk) {
 		u32 i = (u32)(fk ^ (fk >> 31)) & (NPT_FACT_FLOWS - 1);
-		struct npt_fact_slot *f = flow_facts.lookup(&i);
+		f = flow_facts.lookup(&i);
 		if (f) {
 			s64 age = (s64)(e->ts_ns - f->ns);
-			int live = f->key == fk && age < (s64)NPT_FACT_HOLD_NS &&
-				   age > -(s64)NPT_FACT_HOLD_NS;
-			if (live) {
-				if (f->type != t || f->reason != e->reason || f->hook != e->hook) {
-					k.prior_type = f->type;
-					k.prior_reason = f->reason;
-					k.prior_hook = f->hook;
-				}
-			} else if (npt_causal_type(t)) {
-				int weak = 0;
-				if (t == NPT_T_DROP) {
-					u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
-					u8 *dr = drop_reasons.lookup(&r);
-					weak = dr && (*dr & NPT_DR_WEAK);
-				}
-				if (!weak) {
-					f->key = fk;
-					f->ns = e->ts_ns;
-					f->reason = e->reason;
-					f->type = t;
-					f->hook = e->hook;
-				}
+			live = f->key == fk && age < (s64)NPT_FACT_HOLD_NS &&
+			       age > -(s64)NPT_FACT_HOLD_NS;
+		}
+	}
+	cli_src = live ? src_end != f->srv_end && src_end != f->srv_end2 : npt_client_is_src(e);
+	npt_cause_key_of(&k, e, cli_src);
+	if (live) {
+		if (f->type != t || f->reason != e->reason || f->hook != e->hook ||
+		    f->tcpflags != fl) {
+			k.prior_type = f->type;
+			k.prior_reason = f->reason;
+			k.prior_hook = f->hook;
+			k.prior_tcpflags = f->tcpflags;
+		}
+	} else if (f && npt_causal_type(t)) {
+		int weak = 0;
+		if (t == NPT_T_DROP) {
+			u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
+			u8 *dr = drop_reasons.lookup(&r);
+			weak = dr && (*dr & NPT_DR_WEAK);
+		}
+		if (!weak) {
+			f->key = fk;
+			f->ns = e->ts_ns;
+			f->reason = e->reason;
+			f->type = t;
+			f->hook = e->hook;
+			f->tcpflags = fl;
+			if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT)) {
+				f->srv_end = npt_end_hash(e->ct_odst, e->ct_odport);
+				f->srv_end2 = npt_end_hash(e->ct_rsrc, e->ct_rsport);
+			} else {
+				f->srv_end = cli_src ? npt_end_hash(e->daddr, e->dport) : src_end;
+				f->srv_end2 = f->srv_end;
 			}
 		}
 	}

@@ -173,7 +173,8 @@ struct npt_cause_key {
 	__u8  tcpflags;     /* SYN/ACK bits of the packet the record is about (answered_flags) */
 	__u8  ct_bits;      /* NPT_CK_* */
 	__u8  prior_hook;
-	__u8  _pad[2];
+	__u8  prior_tcpflags; /* the prior record's SYN/ACK bits, as tcpflags */
+	__u8  _pad;
 };
 #define NPT_CK_SNAT 0x01    /* nf_conn.status IPS_SRC_NAT */
 #define NPT_CK_DNAT 0x02    /* nf_conn.status IPS_DST_NAT */

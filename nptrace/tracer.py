@@ -147,6 +147,7 @@ class Tracer:
         self.classifier = None
         self.exact = None              # per-cause counts of every record (sinks/exact.py)
         self.exact_every_ns = 1_000_000_000
+        self._next_idle_ns = 0
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -240,6 +241,13 @@ class Tracer:
         if self.exact is None or self.probes is None:
             return
         rows = self.exact.update(self.probes.cause_counts(), now_ns)
+        if now_ns >= self._next_idle_ns:
+            # keep the bounded map for the keys in use: delete those idle for a minute
+            self._next_idle_ns = now_ns + 10_000_000_000
+            idle = self.exact.idle(now_ns)
+            if idle:
+                self.probes.delete_cause_keys(idle)
+                self.exact.forget(idle)
         if rows:
             for s in self.sinks:
                 w = getattr(s, "write_summary", None)

@@ -7,7 +7,7 @@ classifier stays the one source of truth; the records sent to user space only ad
 A key carries the flow's earlier causal record (prior_*, the kernel's flow_facts): the key's
 cause is the better-ranked (verdict.PRIORITY) of its own label and that record's, as an
 incident is named by its best label. The prior is labeled with the key's own addresses (the
-kernel keeps its type, hook and reason, not its tuple).
+kernel keeps its type, hook, reason and SYN/ACK bits, not its tuple).
 
 Pure: the node's lookups come through the Context, as for the classifier. Labels are cached
 per key; `clear()` forgets them when the node's rules or names change (the counts keep
@@ -42,7 +42,7 @@ class KeyLabel(NamedTuple):
 
 
 def event_of(key: CauseKey, typ: int | None = None, hook: int | None = None,
-             reason: int | None = None) -> Event:
+             reason: int | None = None, tcpflags: int | None = None) -> Event:
     """An event the rules can read, from a key (optionally as another type/hook/reason: the
     flow's prior record). The client end's port is 0, its address unspecified where the
     kernel zeroed it."""
@@ -60,8 +60,9 @@ def event_of(key: CauseKey, typ: int | None = None, hook: int | None = None,
             cli, srv, sport = key.saddr, key.daddr, key.dport
         odst, oport = (key.odst, key.oport) if key.ct_bits & CK_DNAT else (srv, sport)
         ct = CtTuples(cli, 0, odst, oport, srv, sport, cli, 0, status)
-    aux = key.tcpflags if t == T_RST_SENT else 0
-    tcpflags = 0 if t == T_RST_SENT else key.tcpflags
+    fl = key.tcpflags if tcpflags is None else tcpflags
+    aux = fl if t == T_RST_SENT else 0
+    tcpflags = 0 if t == T_RST_SENT else fl
     return tuple.__new__(Event, (
         0, _TYPES.get(t, t), _HOOKS.get(h, h), _DIRS.get(key.dir, key.dir), 0, key.ifindex,
         key.netns, r, key.saddr, key.sport, key.daddr, key.dport, key.family, 6, tcpflags, 0,
@@ -120,7 +121,7 @@ class KeyLabeler:
         cause, rname = label_event(ev, ctx)
         if key.prior_type:
             pcause, _ = label_event(event_of(key, key.prior_type, key.prior_hook,
-                                             key.prior_reason), ctx)
+                                             key.prior_reason, key.prior_tcpflags), ctx)
             if pcause is not None and (cause is None or RANK[pcause] < RANK[cause]):
                 cause = pcause
         return cause, rname

@@ -26,7 +26,7 @@ class RawCauseKey(ct.Structure):
         ("type", ct.c_uint16), ("family", ct.c_uint16), ("prior_type", ct.c_uint16),
         ("hook", ct.c_uint8), ("dir", ct.c_uint8), ("flags", ct.c_uint8),
         ("tcpflags", ct.c_uint8), ("ct_bits", ct.c_uint8), ("prior_hook", ct.c_uint8),
-        ("_pad", ct.c_uint8 * 2),
+        ("prior_tcpflags", ct.c_uint8), ("_pad", ct.c_uint8),
     ]
 
 
@@ -37,7 +37,7 @@ class RawCauseVal(ct.Structure):
 LAYOUTS = {"npt_cause_key": RawCauseKey, "npt_cause_val": RawCauseVal}
 CK_SNAT, CK_DNAT = 0x01, 0x02
 # One unpack for the whole key (the same layout as RawCauseKey; the layout test checks sizes)
-CAUSE_KEY = struct.Struct("<16s16s16s4I6H6B2x")
+CAUSE_KEY = struct.Struct("<16s16s16s4I6H7Bx")
 
 
 class CauseKey(NamedTuple):
@@ -61,6 +61,7 @@ class CauseKey(NamedTuple):
     prior_type: int = 0
     prior_hook: int = 0
     prior_reason: int = 0
+    prior_tcpflags: int = 0
 
 
 def _ntop(family: int, raw: bytes) -> str:
@@ -71,11 +72,11 @@ def _ntop(family: int, raw: bytes) -> str:
 
 def decode_key(buf: bytes) -> CauseKey:
     (sa, da, od, netns, ifindex, reason, preason, sport, dport, oport, typ, family, ptype,
-     hook, dir_, flags, tcpflags, ct_bits, phook) = CAUSE_KEY.unpack_from(buf)
+     hook, dir_, flags, tcpflags, ct_bits, phook, pflags) = CAUSE_KEY.unpack_from(buf)
     fam = family or socket.AF_INET
     return CauseKey(typ, hook, reason, netns, ifindex, dir_, _ntop(fam, sa), sport,
                     _ntop(fam, da), dport, fam, flags, tcpflags, ct_bits,
-                    _ntop(fam, od), oport, ptype, phook, preason)
+                    _ntop(fam, od), oport, ptype, phook, preason, pflags)
 
 
 def encode_key(k: CauseKey) -> bytes:
@@ -89,7 +90,7 @@ def encode_key(k: CauseKey) -> bytes:
     return CAUSE_KEY.pack(pton(k.saddr), pton(k.daddr), pton(k.odst), k.netns, k.ifindex,
                           k.reason, k.prior_reason, k.sport, k.dport, k.oport, k.type,
                           k.family, k.prior_type, k.hook, k.dir, k.flags, k.tcpflags,
-                          k.ct_bits, k.prior_hook)
+                          k.ct_bits, k.prior_hook, k.prior_tcpflags)
 
 
 _SYN, _ACK = 0x02, 0x10
@@ -109,15 +110,19 @@ def keeps_source(typ: int, reason: int, reason_name) -> bool:
     return False
 
 
-def key_of(ev, drop_name=lambda v: f"REASON_{v}", prior: tuple = (0, 0, 0)) -> CauseKey:
+def key_of(ev, drop_name=lambda v: f"REASON_{v}", prior: tuple = (0, 0, 0, 0),
+           client_is_src: bool | None = None) -> CauseKey:
     """The key the kernel counts a decoded event under (npt_common.h npt_cause_key_of, in
     Python: the unit tests label recorded events' keys; keep the two identical). prior: the
-    flow's causal fact (type, hook, reason) the kernel would add."""
+    flow's causal fact (type, hook, reason, SYN/ACK bits) the kernel would add; client_is_src
+    the orientation that fact gives (the kernel takes it from the fact's server end)."""
     t = int(ev.type)
     fl = (ev.aux if t == _RST_SENT else ev.tcpflags) & (_SYN | _ACK)
     c = ev.ct
     dnat = c is not None and bool(c.status & _IPS_DST_NAT)
-    if dnat:
+    if client_is_src is not None:
+        cli_src = client_is_src
+    elif dnat:
         cli_src = ev.sport == c.orig_sport and ev.saddr == c.orig_src
     elif fl == _SYN:
         cli_src = t != _RST_SENT
@@ -134,8 +139,14 @@ def key_of(ev, drop_name=lambda v: f"REASON_{v}", prior: tuple = (0, 0, 0)) -> C
     odst, oport = (c.orig_dst, c.orig_dport) if dnat else (zero, 0)
     status = c.status if c is not None else 0
     bits = (CK_SNAT if status & _IPS_SRC_NAT else 0) | (CK_DNAT if status & _IPS_DST_NAT else 0)
-    pt, ph, pr = prior
-    if (pt, ph, pr) == (t, int(ev.hook), ev.reason):
-        pt = ph = pr = 0
+    pt, ph, pr, pf = (tuple(prior) + (0,))[:4]
+    if (pt, ph, pr, pf) == (t, int(ev.hook), ev.reason, fl):
+        pt = ph = pr = pf = 0
     return CauseKey(t, int(ev.hook), ev.reason, ev.netns, ev.ifindex, int(ev.dir), sa, sp, da,
-                    dp, ev.family, ev.flags & _F_KEPT, fl, bits, odst, oport, pt, ph, pr)
+                    dp, ev.family, ev.flags & _F_KEPT, fl, bits, odst, oport, pt, ph, pr, pf)
+
+
+def fact_of(ev) -> tuple:
+    """The flow fact (type, hook, reason, SYN/ACK bits) the kernel keeps for a causal record."""
+    t = int(ev.type)
+    return (t, int(ev.hook), ev.reason, (ev.aux if t == _RST_SENT else ev.tcpflags) & (_SYN | _ACK))

@@ -248,11 +248,22 @@ class Probes:
     def cause_counts(self) -> dict:
         """{causekeys.CauseKey: (counted, sent)} summed over CPUs (every record but
         evidence-only ones, exact), and under the key None, {type: (counted, sent)} of the
-        records that found the map full (cause "other")."""
+        records that found the map full (cause "other"). One BPF_MAP_LOOKUP_BATCH pass (5.6+;
+        two syscalls per key with bcc's items() were most of a storm's user-space CPU at
+        16k keys), items() where batches are refused."""
+        m = self.bpf["cause_counts"]
+        try:
+            items = list(m.items_lookup_batch())
+        except Exception:
+            items = list(m.items())
         out: dict = {}
-        for k, v in self.bpf["cause_counts"].items():
-            out[causekeys.decode_key(bytes(k))] = (sum(x.counted for x in v),
-                                                    sum(x.sent for x in v))
+        raw = self._cause_raw = {}
+        decode = causekeys.decode_key
+        for k, v in items:
+            b = bytes(k)
+            key = decode(b)
+            raw[key] = b
+            out[key] = (sum(x.counted for x in v), sum(x.sent for x in v))
         other = {}
         arr = self.bpf["cause_other"]
         for t in range(len(arr)):
@@ -262,6 +273,24 @@ class Probes:
                 other[t] = (n, sum(x.sent for x in vals))
         out[None] = other
         return out
+
+    def delete_cause_keys(self, keys) -> int:
+        """Delete idle keys (read by the last cause_counts()) so the bounded map keeps room
+        for the keys of the day; how many went. A record counted under one between that read
+        and the delete is lost: the caller picks keys idle for a minute."""
+        m = self.bpf["cause_counts"]
+        raw = getattr(self, "_cause_raw", {})
+        n = 0
+        for key in keys:
+            b = raw.get(key)
+            if b is None:
+                continue
+            try:
+                del m[m.Key.from_buffer_copy(b)]
+                n += 1
+            except KeyError:
+                pass
+        return n
 
     def close(self) -> None:
         if self._nat_mem is not None:

@@ -54,6 +54,7 @@ class ExactCounts:
         self.last_ns: int | None = None
         self.labeled_at: int | None = None
         self.unsent = 0                          # every record summarized so far
+        self.changed: dict = {}                  # key -> when its count last moved
 
     def update(self, raw: Mapping, now_ns: int) -> list[SummaryRow]:
         """Take a read of the cause map ({key: (counted, sent)}, other under None); return
@@ -76,6 +77,7 @@ class ExactCounts:
                 continue
             ds = _sub(sent, old[1]) if counted >= old[0] else sent
             prev[key] = (counted, sent)
+            self.changed[key] = now_ns
             lab = label(key)
             if lab is None:
                 continue
@@ -107,6 +109,17 @@ class ExactCounts:
         rows = [SummaryRow(lab, n, since, now_ns) for lab, n in unsent.items()]
         self.unsent += sum(r.repeat for r in rows)
         return rows
+
+    def idle(self, now_ns: int, idle_ns: int = 60_000_000_000) -> list:
+        """Keys whose count did not move for idle_ns: the caller deletes them from the
+        kernel map (loader.Probes.delete_cause_keys) and then calls forget()."""
+        return [k for k, t in self.changed.items() if now_ns - t >= idle_ns]
+
+    def forget(self, keys) -> None:
+        """Keys deleted from the kernel map: a later record starts them from zero."""
+        for k in keys:
+            self.prev.pop(k, None)
+            self.changed.pop(k, None)
 
     def snapshot(self) -> dict[tuple, int]:
         with self.lock:

@@ -6,6 +6,8 @@ Two sources, one registry (always passed in, never prometheus_client's global on
       nptrace_anomalies_total{cause,iface}, and nptrace_service_events_total{service,kind,
       cause} for the Services (by kube-proxy name) behind them.
     These miss events the ring buffer lost (nptrace_events_lost_total says how many).
+    The live tracer calls count_exactly(): the same four families then come from the kernel's
+    cause keys (sinks/exact.py), every record the kernel saw, and write() counts nothing.
   * KernelCollector reads the in-kernel per-CPU counters at scrape time (client_python
     docs/content/collector/custom.md), so they are exact even under loss:
       nptrace_kernel_events_total{type,hook,reason,iface}, nptrace_events_lost_total,

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context, classify
 from nptrace.classify.keylabel import KeyLabel, KeyLabeler, event_of
-from nptrace.kernel.causekeys import CauseKey, decode_key, encode_key, key_of
+from nptrace.kernel.causekeys import decode_key, encode_key, fact_of, key_of
 from nptrace.sinks.exact import ExactCounts, summary_dict
 from nptrace.sinks.jsonl import JsonLines
 from nptrace.sinks.prometheus import MetricsSink
@@ -37,7 +37,7 @@ def E(**kw):
     return ev.decode(ev.encode(**kw))
 
 
-def K(ev_, prior=(0, 0, 0)):
+def K(ev_, prior=(0, 0, 0, 0)):
     return key_of(ev_, CTX.drop_name, prior)
 
 
@@ -92,15 +92,22 @@ def test_prior_fact_names_a_later_record():
     recv = E(type=RR, hook=ev.Hook.TCP_RECV_RST, flags=ev.F_HAS_SOCK, saddr="10.244.1.5",
              sport=8081, daddr="192.0.2.10", dport=40000)
     assert lab.label(K(recv)).cause == "peer_reset"
-    got = lab.label(K(recv, prior=(int(RS), int(ev.Hook.TCP_SEND_RST), 1)))
-    # ... the prior's label with the key's own tuple: answered flags are the key's (none)
-    assert got.cause in ("peer_reset", "app_reset", "no_listener", "unknown")
+    # the client's received reset of a refused connection: the flow's reset sent names it
+    got = lab.label(K(recv, prior=fact_of(NOLISTEN_RST)))
+    assert (got.kind, got.cause, got.direction) == ("rst", "no_listener", "received")
+    # the client side of a SYN flood: the RST dropped there (no socket) joins its cause too
+    rst_drop = E(type=D, hook=ev.Hook.KFREE_SKB, reason=3, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+                 saddr="10.244.1.5", sport=8081, daddr="192.0.2.10", dport=40000)
+    assert lab.label(K(rst_drop)).cause == "unknown"
+    assert lab.label(K(rst_drop, prior=fact_of(NOLISTEN_RST))).cause == "no_listener"
     weak = E(type=D, hook=ev.Hook.KFREE_SKB, reason=5, saddr="192.0.2.10", sport=40000,
              daddr="10.244.1.5", dport=8081, tcpflags=ev.TCP_SYN)
-    got = lab.label(K(weak, prior=(int(RS), int(ev.Hook.TCP_SEND_RST), 1)))
+    got = lab.label(K(weak, prior=fact_of(NOLISTEN_RST)))
     assert got is not None and got.cause == "no_listener" and got.kind == "drop"
     # a better-ranked own label wins over the prior's
-    assert lab.label(K(RPF, prior=(int(RR), int(ev.Hook.TCP_RECV_RST), 0))).cause == "rp_filter"
+    assert lab.label(K(RPF, prior=fact_of(POLICY_DROP))).cause == "rp_filter"
+    # the fact equal to the record itself adds nothing to the key
+    assert K(RPF, prior=fact_of(RPF)) == K(RPF)
 
 
 def test_service_of_a_dnat_key():
@@ -139,8 +146,8 @@ def test_primary_event_key_label_equals_the_classifier():
     for events in SCENARIOS:
         for v in classify(events, CTX):
             first = next((x for x in events if int(x.type) in (1, 2, 4, 7, 8)), None)
-            prior = (int(first.type), int(first.hook), first.reason) if first else (0, 0, 0)
-            for p in ((0, 0, 0), prior):
+            prior = fact_of(first) if first else (0, 0, 0, 0)
+            for p in ((0, 0, 0, 0), prior):
                 got = lab.label(K(v.event, p))
                 assert got is not None and got.cause == v.cause, (events, v.cause, got)
                 assert got.kind == v.kind and got.direction == v.direction
@@ -204,3 +211,27 @@ def test_a_storm_from_many_client_ports_is_one_key():
     other = E(type=D, hook=ev.Hook.KFREE_SKB, reason=16, ifindex=7, tcpflags=ev.TCP_SYN,
               saddr="198.51.100.8", sport=6001, daddr="10.0.0.2", dport=30080)
     assert K(other) == K(RPF)
+
+
+def test_idle_keys_are_forgotten_and_restart_from_zero():
+    ex = ExactCounts(KeyLabeler(CTX))
+    k = K(RPF)
+    ex.update({k: (10, 10)}, 0)
+    assert ex.idle(30_000_000_000) == []
+    assert ex.idle(60_000_000_000) == [k]
+    ex.forget([k])
+    ex.update({k: (3, 3)}, 61_000_000_000)       # recreated in the kernel: 3 new records
+    assert ex.snapshot()[("drop", "rp_filter", "eth1", None, None)] == 13
+
+
+def test_the_client_side_drop_of_a_reset_keys_by_the_flow_fact():
+    # the kernel orients it by the server end the flow's reset named: one key for every client
+    a = E(type=D, hook=ev.Hook.KFREE_SKB, reason=3, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+          saddr="10.0.0.2", sport=9999, daddr="10.251.130.7", dport=1234)
+    b = E(type=D, hook=ev.Hook.KFREE_SKB, reason=3, tcpflags=ev.TCP_RST | ev.TCP_ACK,
+          saddr="10.0.0.2", sport=9999, daddr="10.251.131.9", dport=4321)
+    assert K(a) != K(b)                       # by ports alone: the client looks like a server
+    ka = key_of(a, CTX.drop_name, fact_of(NOLISTEN_RST), client_is_src=False)
+    kb = key_of(b, CTX.drop_name, fact_of(NOLISTEN_RST), client_is_src=False)
+    assert ka == kb and (ka.saddr, ka.sport, ka.dport) == ("10.0.0.2", 9999, 0)
+    assert KeyLabeler(CTX).label(ka).cause == "no_listener"
