@@ -249,7 +249,7 @@ class Tracer:
                 self.probes.delete_cause_keys(idle)
                 self.exact.forget(idle)
         if rows:
-            for s in self.sinks:
+            for s in self.sinks + self.recorders:
                 w = getattr(s, "write_summary", None)
                 if w is not None:
                     w(rows)
