@@ -7,7 +7,8 @@ counted under its cause. A client namespace floods a server namespace over a vet
                                     -> policy_drop drops, truth: the rule's packet counter
 `nptrace run --json --metrics-addr` (default --max-rate: only a sample reaches user space)
 must export each cause's counter within 0.5% of its truth, and the `repeat` of its JSON
-summary lines plus its incident lines must add up to the counter."""
+summary lines plus its incident lines must add up to the counter; `replay` of the session it
+recorded gives the same sums, and `report` the same summary counts."""
 from __future__ import annotations
 
 import json
@@ -116,8 +117,10 @@ def test_three_cause_storm_is_counted_exactly(topo, tmp_path):
     ready, out, err = tmp_path / "ready", tmp_path / "out.jsonl", tmp_path / "err"
     env = dict(os.environ, NPTRACE_LOCK_FILE=str(tmp_path / "lock"))
     base = (nstat(SRV), rule_packets(SRV))
+    rec = tmp_path / "session"
     proc = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run", "--json",
-                             "--ready-file", str(ready), "--metrics-addr", f"127.0.0.1:{port}"],
+                             "--ready-file", str(ready), "--metrics-addr", f"127.0.0.1:{port}",
+                             "--record", str(rec)],
                             stdout=out.open("w"), stderr=err.open("w"), env=env)
     try:
         deadline = time.monotonic() + 90
@@ -169,10 +172,40 @@ def test_three_cause_storm_is_counted_exactly(topo, tmp_path):
         assert abs(got[cause] - n) <= 0.005 * n, (cause, got[cause], n)
 
     # the JSON lines: summary rows' repeat plus the records the incident lines carry
-    lines = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{")]
+    summary, incidents = line_sums(out.read_text())
+    print(f"summary repeat {summary}, records in incident lines {incidents}")
+    for c in summary:
+        assert summary[c] > 0
+        # within 0.1%: records sent in the last instants may be read after the stop began,
+        # and a client port hping3 reuses joins two connections in one incident
+        assert summary[c] + incidents[c] == pytest.approx(got[c], rel=0.001), \
+            (c, summary[c], incidents[c], got[c])
+
+    # the session replays to the same lines, and its report counts the same summaries
+    r = subprocess.run([sys.executable, "-m", "nptrace.cli", "replay", str(rec), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rsummary, rincidents = line_sums(r.stdout)
+    print(f"replay: summary repeat {rsummary}, records in incident lines {rincidents}")
+    assert rsummary == summary
+    for c in summary:
+        assert rincidents[c] == pytest.approx(incidents[c], rel=0.01), (c, rincidents, incidents)
+    rep = subprocess.run([sys.executable, "-m", "nptrace.cli", "report", str(rec)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert "counted, not sent" in rep.stdout
+    assert f"{summary['rp_filter']}" in rep.stdout, rep.stdout
+
+
+def line_sums(text: str) -> tuple[dict, dict]:
+    """Per cause: the summary lines' repeat (of the kind the truth counts), and the records
+    of that kind the incident lines carry."""
     summary = {"no_listener": 0, "rp_filter": 0, "policy_drop": 0}
     incidents = dict(summary)
-    for d in lines:
+    for x in text.splitlines():
+        if not x.startswith("{"):
+            continue
+        d = json.loads(x)
         c = d.get("cause")
         if c not in summary:
             continue
@@ -181,14 +214,8 @@ def test_three_cause_storm_is_counted_exactly(topo, tmp_path):
                     (c != "no_listener" or d["direction"] == "sent"):
                 summary[c] += d["repeat"]
         elif c == "no_listener":
-            incidents[c] += sum(1 for x in d["evidence"] if x["hook"] == "tcp:tcp_send_reset")
+            incidents[c] += sum(1 for e in d["evidence"] if e["hook"] == "tcp:tcp_send_reset")
         else:
-            incidents[c] += sum(1 for x in d["evidence"] if x["hook"] == "skb:kfree_skb"
-                                and x["what"] in ("IP_RPFILTER", "NETFILTER_DROP"))
-    print(f"summary repeat {summary}, records in incident lines {incidents}")
-    for c in summary:
-        assert summary[c] > 0
-        # within 0.1%: records sent in the last instants may be read after the stop began,
-        # and a client port hping3 reuses joins two connections in one incident
-        assert summary[c] + incidents[c] == pytest.approx(got[c], rel=0.001), \
-            (c, summary[c], incidents[c], got[c])
+            incidents[c] += sum(1 for e in d["evidence"] if e["hook"] == "skb:kfree_skb"
+                                and e["what"] in ("IP_RPFILTER", "NETFILTER_DROP"))
+    return summary, incidents
