@@ -327,6 +327,10 @@ static __always_inline int npt_rate_ok(struct npt_event *e, u64 fk)
 #endif
 /* How long a flow's causal fact is kept: the classifier's window_ns (30 s) */
 #define NPT_FACT_HOLD_NS 30000000000ULL
+/* A record this long after its flow's fact is in a later incident (the classifier's hold_ns:
+ * an incident is cut once its flow is quiet for a second; an approximation, the kernel does
+ * not see the quiet) */
+#define NPT_INCIDENT_HOLD_NS 1000000000ULL
 
 /* Every record counted under its cause key (nptrace_events.h struct npt_cause_key): user space
  * labels each key with the classifier's rules once, so the cause counters are exact at any
@@ -351,6 +355,8 @@ struct npt_fact_slot {
 	u8  tcpflags;       /* its SYN/ACK bits (npt_cause_key.tcpflags) */
 	u32 srv_end;        /* npt_end_hash of its server end: orients the flow's later records */
 	u32 srv_end2;       /* ...and of the endpoint behind a DNAT (else srv_end) */
+	u32 key_hash;       /* npt_cause_key_hash of its own cause key */
+	u32 _pad;
 };
 BPF_ARRAY(flow_facts, struct npt_fact_slot, NPT_FACT_FLOWS);
 
@@ -366,18 +372,39 @@ static __always_inline int npt_causal_type(u16 t)
  * nptrace/sinks/collapse.py server_end(): conntrack's original source when DNATed; else the
  * sender of a SYN (a sent reset answering it goes to it), the receiver of a SYN-ACK; else the
  * end with the higher port. */
-static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt_event *e,
-					     int cli_src)
+/* Hash of a cause key, 22 words. Mirrored by nptrace/kernel/causekeys.py key_hash(); keep
+ * the two identical. Never 0. */
+static __always_inline u32 npt_cause_key_hash(const struct npt_cause_key *k)
 {
-	int keep_src = 0;
-	if (e->type == NPT_T_DROP) {
-		u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
+	const u32 *w = (const u32 *)k;
+	u32 h = 0x811C9DC5u;
+#pragma unroll
+	for (int i = 0; i < (int)(sizeof(*k) / 4); i++)
+		h = (h ^ w[i]) * 0x9E3779B1u;
+	h ^= h >> 16;
+	return h ? h : 1;
+}
+
+/* 1 when the rules read the client address of a record of this type and reason. */
+static __always_inline int npt_keeps_src(u16 type, u32 reason)
+{
+	if (type == NPT_T_DROP) {
+		u32 r = reason < NPT_MAX_REASONS ? reason : NPT_MAX_REASONS - 1;
 		u8 *dr = drop_reasons.lookup(&r);
-		keep_src = dr && (*dr & NPT_DR_SRC);
-	} else if (e->type == NPT_T_ICMP_UNREACH || e->type == NPT_T_WIRE_ICMP) {
-		u32 code = e->reason & 0xff;
-		keep_src = e->reason >> 8 == 3 && (code == 3 || code == 9 || code == 10 || code == 13);
+		return dr && (*dr & NPT_DR_SRC);
 	}
+	if (type == NPT_T_ICMP_UNREACH || type == NPT_T_WIRE_ICMP) {
+		u32 code = reason & 0xff;
+		return reason >> 8 == 3 && (code == 3 || code == 9 || code == 10 || code == 13);
+	}
+	return 0;
+}
+
+/* keep_src: the record's own rules read the client address, or its flow's prior's do (the
+ * prior is labeled with this key's tuple). */
+static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt_event *e,
+					     int cli_src, int keep_src)
+{
 	if (cli_src) {
 		if (keep_src)
 			__builtin_memcpy(k->saddr, e->saddr, 16);
@@ -443,16 +470,19 @@ static __always_inline struct npt_cause_val *npt_count_cause(struct npt_event *e
 		}
 	}
 	cli_src = live ? src_end != f->srv_end && src_end != f->srv_end2 : npt_client_is_src(e);
-	npt_cause_key_of(&k, e, cli_src);
-	if (live) {
-		if (f->type != t || f->reason != e->reason || f->hook != e->hook ||
-		    f->tcpflags != fl) {
-			k.prior_type = f->type;
-			k.prior_reason = f->reason;
-			k.prior_hook = f->hook;
-			k.prior_tcpflags = f->tcpflags;
-		}
-	} else if (f && npt_causal_type(t)) {
+	int prior = live && (f->type != t || f->reason != e->reason || f->hook != e->hook ||
+			     f->tcpflags != fl);
+	npt_cause_key_of(&k, e, cli_src, npt_keeps_src(t, e->reason) ||
+			 (prior && npt_keeps_src(f->type, f->reason)));
+	if (prior) {
+		k.prior_type = f->type;
+		k.prior_reason = f->reason;
+		k.prior_hook = f->hook;
+		k.prior_tcpflags = f->tcpflags;
+		k.prior_late = (s64)(e->ts_ns - f->ns) > (s64)NPT_INCIDENT_HOLD_NS;
+		k.prior_key = f->key_hash;
+	}
+	if (!live && f && npt_causal_type(t)) {
 		int weak = 0;
 		if (t == NPT_T_DROP) {
 			u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
@@ -466,6 +496,7 @@ static __always_inline struct npt_cause_val *npt_count_cause(struct npt_event *e
 			f->type = t;
 			f->hook = e->hook;
 			f->tcpflags = fl;
+			f->key_hash = npt_cause_key_hash(&k);
 			if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT)) {
 				f->srv_end = npt_end_hash(e->ct_odst, e->ct_odport);
 				f->srv_end2 = npt_end_hash(e->ct_rsrc, e->ct_rsport);

@@ -151,7 +151,9 @@ struct npt_count_key {
  * runs classify/rules.py), so user space labels each key once, not each record. High-cardinality
  * fields are zeroed: the client end's port always, the client end's address unless the rules
  * read it (netfilter verdicts: a NetworkPolicy or loadBalancerSourceRanges matches on it).
- * prior_* name the flow's earlier causal record (flow_facts), 0 when none.
+ * prior_* name the flow's earlier causal record (flow_facts), 0 when none; prior_key lets user
+ * space label it by its own key (its tuple, conntrack and direction), the rest is the fallback
+ * when that key is gone.
  * Mirrored by nptrace/kernel/causekeys.py; tests/unit/test_layout.py checks it. */
 struct npt_cause_key {
 	__u8  saddr[16];    /* the packet's source (zero: the client end, not read by the rules) */
@@ -161,6 +163,7 @@ struct npt_cause_key {
 	__u32 ifindex;
 	__u32 reason;
 	__u32 prior_reason;
+	__u32 prior_key;    /* npt_cause_key_hash of the prior record's own key (0: none) */
 	__u16 sport;
 	__u16 dport;
 	__u16 oport;
@@ -174,7 +177,8 @@ struct npt_cause_key {
 	__u8  ct_bits;      /* NPT_CK_* */
 	__u8  prior_hook;
 	__u8  prior_tcpflags; /* the prior record's SYN/ACK bits, as tcpflags */
-	__u8  _pad;
+	__u8  prior_late;   /* 1: the prior is older than the classifier's hold (1 s): it named an
+			       earlier incident, whose cause the classifier keeps for the flow */
 };
 #define NPT_CK_SNAT 0x01    /* nf_conn.status IPS_SRC_NAT */
 #define NPT_CK_DNAT 0x02    /* nf_conn.status IPS_DST_NAT */

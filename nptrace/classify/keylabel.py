@@ -6,7 +6,8 @@ classifier stays the one source of truth; the records sent to user space only ad
 
 A key carries the flow's earlier causal record (prior_*, the kernel's flow_facts): the key's
 cause is the better-ranked (verdict.PRIORITY) of its own label and that record's, as an
-incident is named by its best label. The prior is labeled with the key's own addresses (the
+incident is named by its best label; when the prior is over a second older (prior_late: it
+named an earlier incident) its strong cause wins, as the classifier keeps a flow's root cause. The prior is labeled with the key's own addresses (the
 kernel keeps its type, hook, reason and SYN/ACK bits, not its tuple).
 
 Pure: the node's lookups come through the Context, as for the classifier. Labels are cached
@@ -18,11 +19,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from nptrace.events import CtTuples, Dir, EvType, Event, Hook, IPS_DST_NAT, IPS_SRC_NAT
-from nptrace.kernel.causekeys import CK_DNAT, CK_SNAT, CauseKey
+from nptrace.kernel.causekeys import CK_DNAT, CK_SNAT, CauseKey, encode_key, key_hash
 
 from .rules import rules_for
 from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_RST_RECV, T_RST_SENT,
-                      T_WIRE_RST, WEAK_DROPS, Context, reason_name)
+                      T_WIRE_RST, WEAK_CAUSES, WEAK_DROPS, Context, reason_name)
 
 DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _TYPES = {int(m): m for m in EvType}
@@ -103,6 +104,23 @@ class KeyLabeler:
     def __init__(self, ctx: Context | None = None):
         self.ctx = ctx or Context()
         self.cache: dict[CauseKey, KeyLabel | None] = {}
+        self.by_hash: dict[int, CauseKey] = {}     # key_hash -> key: the priors' own keys
+        self.hashes: dict[CauseKey, int] = {}
+
+    def register(self, keys) -> None:
+        """Keys the kernel map holds (before labeling a read of it): a key's prior_key names
+        one of them."""
+        hashes, by_hash = self.hashes, self.by_hash
+        for k in keys:
+            if k is not None and k not in hashes:
+                h = hashes[k] = key_hash(encode_key(k))
+                by_hash[h] = k
+
+    def unregister(self, keys) -> None:
+        for k in keys:
+            h = self.hashes.pop(k, None)
+            if h is not None and self.by_hash.get(h) == k:
+                del self.by_hash[h]
 
     def clear(self) -> None:
         self.cache.clear()
@@ -120,9 +138,14 @@ class KeyLabeler:
         ev = event_of(key)
         cause, rname = label_event(ev, ctx)
         if key.prior_type:
-            pcause, _ = label_event(event_of(key, key.prior_type, key.prior_hook,
-                                             key.prior_reason, key.prior_tcpflags), ctx)
-            if pcause is not None and (cause is None or RANK[pcause] < RANK[cause]):
+            pkey = self.by_hash.get(key.prior_key) if key.prior_key else None
+            if pkey is not None and pkey != key and not pkey.prior_type:
+                pcause, _ = label_event(event_of(pkey), ctx)    # by its own key: exact
+            else:                    # its key is gone: its kind with this key's tuple
+                pcause, _ = label_event(event_of(key, key.prior_type, key.prior_hook,
+                                                 key.prior_reason, key.prior_tcpflags), ctx)
+            if pcause is not None and (cause is None or RANK[pcause] < RANK[cause]
+                                       or (key.prior_late and pcause not in WEAK_CAUSES)):
                 cause = pcause
         return cause, rname
 

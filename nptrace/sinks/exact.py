@@ -63,6 +63,7 @@ class ExactCounts:
             self.labeler.clear()
             self.labeled_at = now_ns
         since = self.last_ns if self.last_ns is not None else now_ns
+        self.labeler.register(raw.keys())
         label = self.labeler.label
         add: dict[tuple, int] = {}
         unsent: dict[KeyLabel, int] = {}
@@ -120,6 +121,7 @@ class ExactCounts:
         for k in keys:
             self.prev.pop(k, None)
             self.changed.pop(k, None)
+        self.labeler.unregister(keys)
 
     def snapshot(self) -> dict[tuple, int]:
         with self.lock:
