@@ -161,46 +161,7 @@ static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_
 }
 #endif /* NPT_NAT_VIEW */
 
-#if NPT_MAX_RATE
-/* Storm protection, a token bucket per kind (the counter key: type, hook, reason, interface,
- * netns) and CPU: a burst of NPT_MAX_BURST records goes out at once (a hundred clients failing
- * together are all labeled), then NPT_MAX_RATE a second; the rest is only counted (exactly).
- * A person needs a sample of a 100k-resets/s storm, not all of it, and each record costs user
- * space tens of us; the counts map keeps the totals, and a storm of one kind never starves the
- * records of another. User space passes the node-wide --max-rate / --max-burst divided by the
- * CPUs (config.per_cpu): per-CPU buckets need no atomics, and a 64-CPU node must not send 64
- * times what a 2-CPU one does. Credit is kept in nanoseconds: a record costs 1e9 / NPT_MAX_RATE.
- *
- * The sample is of FLOWS, not of records: buckets per kind alone kept one kind of a flow's
- * records and dropped another, and user space then saw a connection's consequence without
- * its cause (a client's reset received, the conntrack-INVALID drop behind it sampled out:
- * labeled peer_reset, about 5% of a 100-client burst). The first record of a flow decides for
- * it, in sample_flows, for NPT_SAMPLE_HOLD_NS: a flow sent keeps sending (its records may take
- * its kind's bucket up to one burst below zero, so the rate stays bounded), a flow not sent
- * stays unsent even when its other kinds have credit. */
-#define NPT_RATE_COST (1000000000ULL / NPT_MAX_RATE)
-#define NPT_RATE_CAP (NPT_RATE_COST * NPT_MAX_BURST)
-struct npt_rate {
-	u64 last_ns;
-	s64 credit_ns;      /* below zero: records of flows already sent, taken on credit */
-};
-BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
-
-#ifndef NPT_SAMPLE_FLOWS
-#define NPT_SAMPLE_FLOWS 16384   /* slots, a power of two */
-#endif
-/* How long a flow's decision holds: the classifier's max_hold (5 s), the longest it waits for
- * the records of one incident. */
-#define NPT_SAMPLE_HOLD_NS 5000000000ULL
-/* One slot per flow hash, direct-mapped and shared by the CPUs (a flow's records come from
- * several: the client's, the node's, the pod's softirqs). Written without a lock: a race of
- * two flows on one slot costs one of them its coherence, never a count. */
-struct npt_sample_slot {
-	u64 key;            /* npt_flow_hash, 0: empty */
-	u64 ns;             /* when its first record was decided; low bit 1: that one was sent */
-};
-BPF_ARRAY(sample_flows, struct npt_sample_slot, NPT_SAMPLE_FLOWS);
-
+/* Flow keys: npt_rate_ok's per-flow sampling and npt_count_cause's flow facts */
 static __always_inline u32 npt_end_hash(const u8 *addr, u16 port)
 {
 	const u32 *w = (const u32 *)addr;
@@ -259,10 +220,50 @@ static __always_inline u64 npt_flow_hash(struct npt_event *e)
 	return k ? k : 1;
 }
 
+#if NPT_MAX_RATE
+/* Storm protection, a token bucket per kind (the counter key: type, hook, reason, interface,
+ * netns) and CPU: a burst of NPT_MAX_BURST records goes out at once (a hundred clients failing
+ * together are all labeled), then NPT_MAX_RATE a second; the rest is only counted (exactly).
+ * A person needs a sample of a 100k-resets/s storm, not all of it, and each record costs user
+ * space tens of us; the counts map keeps the totals, and a storm of one kind never starves the
+ * records of another. User space passes the node-wide --max-rate / --max-burst divided by the
+ * CPUs (config.per_cpu): per-CPU buckets need no atomics, and a 64-CPU node must not send 64
+ * times what a 2-CPU one does. Credit is kept in nanoseconds: a record costs 1e9 / NPT_MAX_RATE.
+ *
+ * The sample is of FLOWS, not of records: buckets per kind alone kept one kind of a flow's
+ * records and dropped another, and user space then saw a connection's consequence without
+ * its cause (a client's reset received, the conntrack-INVALID drop behind it sampled out:
+ * labeled peer_reset, about 5% of a 100-client burst). The first record of a flow decides for
+ * it, in sample_flows, for NPT_SAMPLE_HOLD_NS: a flow sent keeps sending (its records may take
+ * its kind's bucket up to one burst below zero, so the rate stays bounded), a flow not sent
+ * stays unsent even when its other kinds have credit. */
+#define NPT_RATE_COST (1000000000ULL / NPT_MAX_RATE)
+#define NPT_RATE_CAP (NPT_RATE_COST * NPT_MAX_BURST)
+struct npt_rate {
+	u64 last_ns;
+	s64 credit_ns;      /* below zero: records of flows already sent, taken on credit */
+};
+BPF_TABLE("lru_percpu_hash", struct npt_count_key, struct npt_rate, rate, 4096);
+
+#ifndef NPT_SAMPLE_FLOWS
+#define NPT_SAMPLE_FLOWS 16384   /* slots, a power of two */
+#endif
+/* How long a flow's decision holds: the classifier's max_hold (5 s), the longest it waits for
+ * the records of one incident. */
+#define NPT_SAMPLE_HOLD_NS 5000000000ULL
+/* One slot per flow hash, direct-mapped and shared by the CPUs (a flow's records come from
+ * several: the client's, the node's, the pod's softirqs). Written without a lock: a race of
+ * two flows on one slot costs one of them its coherence, never a count. */
+struct npt_sample_slot {
+	u64 key;            /* npt_flow_hash, 0: empty */
+	u64 ns;             /* when its first record was decided; low bit 1: that one was sent */
+};
+BPF_ARRAY(sample_flows, struct npt_sample_slot, NPT_SAMPLE_FLOWS);
+
 /* 1: send the record; 0: only counted (NPT_S_SAMPLED). */
-static __always_inline int npt_rate_ok(struct npt_event *e)
+static __always_inline int npt_rate_ok(struct npt_event *e, u64 fk)
 {
-	u64 now = e->ts_ns, fk = npt_flow_hash(e);
+	u64 now = e->ts_ns;
 	struct npt_sample_slot *s = 0;
 	int follow = -1;                 /* the flow's decision: 1 sent, 0 not, -1 none yet */
 	if (fk) {
@@ -309,6 +310,212 @@ static __always_inline int npt_rate_ok(struct npt_event *e)
 }
 #endif
 
+
+/* drop_reasons values (filled by nptrace/kernel/loader.py from the reason names): bit 0 the
+ * reason is worth a record, bit 1 the rules read the dropped packet's source (the netfilter
+ * verdicts: keep the client address in the cause key), bit 2 the reason is weak (evidence
+ * only: never the flow's causal fact). */
+#define NPT_DR_EVENT 1
+#define NPT_DR_SRC   2
+#define NPT_DR_WEAK  4
+
+#ifndef NPT_MAX_CAUSE_KEYS
+#define NPT_MAX_CAUSE_KEYS 16384
+#endif
+#ifndef NPT_FACT_FLOWS
+#define NPT_FACT_FLOWS 16384    /* slots, a power of two */
+#endif
+/* How long a flow's causal fact is kept: the classifier's window_ns (30 s) */
+#define NPT_FACT_HOLD_NS 30000000000ULL
+/* A record this long after its flow's fact is in a later incident (the classifier's hold_ns:
+ * an incident is cut once its flow is quiet for a second; an approximation, the kernel does
+ * not see the quiet) */
+#define NPT_INCIDENT_HOLD_NS 1000000000ULL
+
+/* Every record counted under its cause key (nptrace_events.h struct npt_cause_key): user space
+ * labels each key with the classifier's rules once, so the cause counters are exact at any
+ * record rate, and the sample sent to the ring only adds evidence. Bounded: a key that finds
+ * the map full is counted in cause_other[type] (exported as cause="other"). */
+BPF_PERCPU_HASH(cause_counts, struct npt_cause_key, struct npt_cause_val, NPT_MAX_CAUSE_KEYS);
+BPF_PERCPU_ARRAY(cause_other, struct npt_cause_val, NPT_T_MAX);
+
+/* Per connection, its first causal record (type, hook, reason, SYN/ACK bits): a later record of the flow
+ * (the client's reset received, a retransmitted SYN, the RST on the wire) is counted with it,
+ * and user space gives it the better-ranked of its own label and that one's, as the classifier
+ * names an incident by its best label. Direct-mapped by flow hash and shared by the CPUs, like
+ * sample_flows and for the same reason (an LRU insert per record costs ~0.6 us, PLATFORM.md);
+ * written without a lock: a race of two flows on one slot costs one of them its fact, never
+ * a count. */
+struct npt_fact_slot {
+	u64 key;            /* npt_flow_hash, 0: empty */
+	u64 ns;
+	u32 reason;
+	u16 type;
+	u8  hook;
+	u8  tcpflags;       /* its SYN/ACK bits (npt_cause_key.tcpflags) */
+	u32 srv_end;        /* npt_end_hash of its server end: orients the flow's later records */
+	u32 srv_end2;       /* ...and of the endpoint behind a DNAT (else srv_end) */
+	u32 key_hash;       /* npt_cause_key_hash of its own cause key */
+	u32 _pad;
+};
+BPF_ARRAY(flow_facts, struct npt_fact_slot, NPT_FACT_FLOWS);
+
+static __always_inline int npt_causal_type(u16 t)
+{
+	return t == NPT_T_DROP || t == NPT_T_RST_SENT || t == NPT_T_ICMP_UNREACH ||
+	       t == NPT_T_ASYM_IFACE || t == NPT_T_ASYM_SRC;
+}
+
+/* The cause key of a record: the packet's tuple with its client end reduced (its port always,
+ * its address unless keep_src), the server end kept for the Service lookup. Which end is the
+ * client (cli_src): the flow fact's, else npt_client_is_src(), which follows
+ * nptrace/sinks/collapse.py server_end(): conntrack's original source when DNATed; else the
+ * sender of a SYN (a sent reset answering it goes to it), the receiver of a SYN-ACK; else the
+ * end with the higher port. */
+/* Hash of a cause key, 22 words. Mirrored by nptrace/kernel/causekeys.py key_hash(); keep
+ * the two identical. Never 0. */
+static __always_inline u32 npt_cause_key_hash(const struct npt_cause_key *k)
+{
+	const u32 *w = (const u32 *)k;
+	u32 h = 0x811C9DC5u;
+#pragma unroll
+	for (int i = 0; i < (int)(sizeof(*k) / 4); i++)
+		h = (h ^ w[i]) * 0x9E3779B1u;
+	h ^= h >> 16;
+	return h ? h : 1;
+}
+
+/* 1 when the rules read the client address of a record of this type and reason. */
+static __always_inline int npt_keeps_src(u16 type, u32 reason)
+{
+	if (type == NPT_T_DROP) {
+		u32 r = reason < NPT_MAX_REASONS ? reason : NPT_MAX_REASONS - 1;
+		u8 *dr = drop_reasons.lookup(&r);
+		return dr && (*dr & NPT_DR_SRC);
+	}
+	if (type == NPT_T_ICMP_UNREACH || type == NPT_T_WIRE_ICMP) {
+		u32 code = reason & 0xff;
+		return reason >> 8 == 3 && (code == 3 || code == 9 || code == 10 || code == 13);
+	}
+	return 0;
+}
+
+/* keep_src: the record's own rules read the client address, or its flow's prior's do (the
+ * prior is labeled with this key's tuple). */
+static __always_inline void npt_cause_key_of(struct npt_cause_key *k, struct npt_event *e,
+					     int cli_src, int keep_src)
+{
+	if (cli_src) {
+		if (keep_src)
+			__builtin_memcpy(k->saddr, e->saddr, 16);
+		__builtin_memcpy(k->daddr, e->daddr, 16);
+		k->dport = e->dport;
+	} else {
+		__builtin_memcpy(k->saddr, e->saddr, 16);
+		if (keep_src)
+			__builtin_memcpy(k->daddr, e->daddr, 16);
+		k->sport = e->sport;
+	}
+	if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT)) {
+		__builtin_memcpy(k->odst, e->ct_odst, 16);
+		k->oport = e->ct_odport;
+	}
+	k->netns = e->netns;
+	k->ifindex = e->ifindex;
+	k->reason = e->reason;
+	k->type = e->type;
+	k->family = e->family;
+	k->hook = e->hook;
+	k->dir = e->dir;
+	k->flags = e->flags & (NPT_F_HAS_CT | NPT_F_ENCAP | NPT_F_HAS_SOCK | NPT_F_ICMP_QUOTE);
+	k->tcpflags = (e->type == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;
+	k->ct_bits = (e->ct_status & NPT_IPS_SRC_NAT ? NPT_CK_SNAT : 0) |
+		     (e->ct_status & NPT_IPS_DST_NAT ? NPT_CK_DNAT : 0);
+}
+
+/* 1 when the record's source is the client end of its connection, by the record alone. */
+static __always_inline int npt_client_is_src(struct npt_event *e)
+{
+	u8 fl = (e->type == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;  /* SYN|ACK */
+	if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT))
+		return e->sport == e->ct_osport && *(u32 *)e->saddr == *(u32 *)e->ct_osrc;
+	if (fl == 0x02)
+		return e->type != NPT_T_RST_SENT;
+	if (fl == 0x12)
+		return e->type == NPT_T_RST_SENT;
+	return e->sport > e->dport;
+}
+
+/* Count the record under its cause key; the value, to count it sent, or 0 (cause_other).
+ * A record of a flow with a live fact takes its client end from the fact: the server end the
+ * causal record named (the client's drop of a reset to a closed port has ports and flags that
+ * alone would name the client as the server, one key per connection). */
+static __always_inline struct npt_cause_val *npt_count_cause(struct npt_event *e, u64 fk)
+{
+	u16 t = e->type;
+	if (t == NPT_T_SYNACK_RETX || t == NPT_T_NF_VIEW || e->hook == NPT_H_KPROBE)
+		return 0;                /* evidence only: never a cause of their own */
+	struct npt_cause_key k = {};
+	struct npt_fact_slot *f = 0;
+	int live = 0, cli_src;
+	u8 fl = (t == NPT_T_RST_SENT ? (u8)e->aux : e->tcpflags) & 0x12;
+	u32 src_end = npt_end_hash(e->saddr, e->sport);
+	if (fk) {
+		u32 i = (u32)(fk ^ (fk >> 31)) & (NPT_FACT_FLOWS - 1);
+		f = flow_facts.lookup(&i);
+		if (f) {
+			s64 age = (s64)(e->ts_ns - f->ns);
+			live = f->key == fk && age < (s64)NPT_FACT_HOLD_NS &&
+			       age > -(s64)NPT_FACT_HOLD_NS;
+		}
+	}
+	cli_src = live ? src_end != f->srv_end && src_end != f->srv_end2 : npt_client_is_src(e);
+	int prior = live && (f->type != t || f->reason != e->reason || f->hook != e->hook ||
+			     f->tcpflags != fl);
+	npt_cause_key_of(&k, e, cli_src, npt_keeps_src(t, e->reason) ||
+			 (prior && npt_keeps_src(f->type, f->reason)));
+	if (prior) {
+		k.prior_type = f->type;
+		k.prior_reason = f->reason;
+		k.prior_hook = f->hook;
+		k.prior_tcpflags = f->tcpflags;
+		k.prior_late = (s64)(e->ts_ns - f->ns) > (s64)NPT_INCIDENT_HOLD_NS;
+		k.prior_key = f->key_hash;
+	}
+	if (!live && f && npt_causal_type(t)) {
+		int weak = 0;
+		if (t == NPT_T_DROP) {
+			u32 r = e->reason < NPT_MAX_REASONS ? e->reason : NPT_MAX_REASONS - 1;
+			u8 *dr = drop_reasons.lookup(&r);
+			weak = dr && (*dr & NPT_DR_WEAK);
+		}
+		if (!weak) {
+			f->key = fk;
+			f->ns = e->ts_ns;
+			f->reason = e->reason;
+			f->type = t;
+			f->hook = e->hook;
+			f->tcpflags = fl;
+			f->key_hash = npt_cause_key_hash(&k);
+			if ((e->flags & NPT_F_HAS_CT) && (e->ct_status & NPT_IPS_DST_NAT)) {
+				f->srv_end = npt_end_hash(e->ct_odst, e->ct_odport);
+				f->srv_end2 = npt_end_hash(e->ct_rsrc, e->ct_rsport);
+			} else {
+				f->srv_end = cli_src ? npt_end_hash(e->daddr, e->dport) : src_end;
+				f->srv_end2 = f->srv_end;
+			}
+		}
+	}
+	struct npt_cause_val zero = {}, *v = cause_counts.lookup_or_try_init(&k, &zero);
+	if (!v) {
+		u32 idx = t < NPT_T_MAX ? t : 0;
+		v = cause_other.lookup(&idx);
+	}
+	if (v)
+		v->counted++;
+	return v;
+}
+
 /* Port/host filter on either end of the tuple. 1 = keep. */
 static __always_inline int npt_wanted(struct npt_event *e)
 {
@@ -340,8 +547,10 @@ static __always_inline void npt_emit(struct npt_event *e)
 		return;
 	}
 	npt_count(e);
+	u64 fk = npt_flow_hash(e);
+	struct npt_cause_val *cv = npt_count_cause(e, fk);
 #if NPT_MAX_RATE
-	if (!npt_rate_ok(e)) {
+	if (!npt_rate_ok(e, fk)) {
 		npt_stat_inc(NPT_S_SAMPLED);
 		return;
 	}
@@ -364,6 +573,8 @@ static __always_inline void npt_emit(struct npt_event *e)
 	if (events.ringbuf_output(e, sizeof(*e), wake) == 0) {
 		if (n)
 			(*n)++;
+		if (cv)
+			cv->sent++;
 	} else {
 		npt_stat_inc(NPT_S_LOST);
 	}

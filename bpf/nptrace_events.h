@@ -144,6 +144,50 @@ struct npt_count_key {
 	__u8  _pad;
 };
 
+
+/* Cause-level accounting (npt_common.h npt_count_cause): every record but evidence-only ones
+ * (SYNACK_RETX, NF_VIEW, kprobes) is counted under this key in the per-CPU `cause_counts`
+ * hash, value struct npt_cause_val. The key is the record projected onto what the classifier's
+ * rules and the Service lookup read (nptrace/classify/keylabel.py builds an event from it and
+ * runs classify/rules.py), so user space labels each key once, not each record. High-cardinality
+ * fields are zeroed: the client end's port always, the client end's address unless the rules
+ * read it (netfilter verdicts: a NetworkPolicy or loadBalancerSourceRanges matches on it).
+ * prior_* name the flow's earlier causal record (flow_facts), 0 when none; prior_key lets user
+ * space label it by its own key (its tuple, conntrack and direction), the rest is the fallback
+ * when that key is gone.
+ * Mirrored by nptrace/kernel/causekeys.py; tests/unit/test_layout.py checks it. */
+struct npt_cause_key {
+	__u8  saddr[16];    /* the packet's source (zero: the client end, not read by the rules) */
+	__u8  daddr[16];
+	__u8  odst[16];     /* conntrack original destination when DNATed (NPT_CK_DNAT) */
+	__u32 netns;
+	__u32 ifindex;
+	__u32 reason;
+	__u32 prior_reason;
+	__u32 prior_key;    /* npt_cause_key_hash of the prior record's own key (0: none) */
+	__u16 sport;
+	__u16 dport;
+	__u16 oport;
+	__u16 type;
+	__u16 family;
+	__u16 prior_type;
+	__u8  hook;
+	__u8  dir;
+	__u8  flags;        /* NPT_F_HAS_CT | NPT_F_ENCAP | NPT_F_HAS_SOCK | NPT_F_ICMP_QUOTE */
+	__u8  tcpflags;     /* SYN/ACK bits of the packet the record is about (answered_flags) */
+	__u8  ct_bits;      /* NPT_CK_* */
+	__u8  prior_hook;
+	__u8  prior_tcpflags; /* the prior record's SYN/ACK bits, as tcpflags */
+	__u8  prior_late;   /* 1: the prior is older than the classifier's hold (1 s): it named an
+			       earlier incident, whose cause the classifier keeps for the flow */
+};
+#define NPT_CK_SNAT 0x01    /* nf_conn.status IPS_SRC_NAT */
+#define NPT_CK_DNAT 0x02    /* nf_conn.status IPS_DST_NAT */
+struct npt_cause_val {
+	__u64 counted;      /* records under the key */
+	__u64 sent;         /* ...of them written to the ring buffer */
+};
+
 /* Index into the `stats` per-CPU array. Mirrored by nptrace/kernel/loader.py Stat (the names
  * Probes.stats() returns); tests/unit/test_layout.py checks the mirror. */
 enum npt_stat {

@@ -32,6 +32,10 @@ def strip(name, prefix: str) -> str:
         name = str(name)
     return name[len(prefix):] if name.startswith(prefix) else name
 
+# Drop reasons whose rules read the dropped packet's source address (a NetworkPolicy's ipBlock,
+# loadBalancerSourceRanges): the kernel keeps the client address in their cause key.
+SOURCE_DROPS = frozenset({"NETFILTER_DROP"})
+
 
 class ReasonTable:
     """Value -> short name for one enum, e.g. 16 -> "IP_RPFILTER"."""

@@ -181,6 +181,9 @@ class Tracer:
         self.prune_every_s = 10.0      # release state of namespaces that went away
         from nptrace.sdnotify import Notifier
         self.notify = Notifier.from_env()   # Type=notify: READY=1 after attach, WATCHDOG=1 per loop
+        self.exact = None              # per-cause counts of every record (sinks/exact.py)
+        self.exact_every_ns = 1_000_000_000
+        self._next_idle_ns = 0
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -258,6 +261,7 @@ class Tracer:
                 for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
+        self._start_exact(names, drops, rsts)
         if self.metrics is not None:
             from nptrace.kernel.hooks import TRACEPOINTS
             from nptrace.sinks import health
@@ -353,6 +357,45 @@ class Tracer:
                     holder.prune(alive)
                 except Exception as e:
                     log(f"warning: releasing state of deleted namespaces: {e}")
+
+    def _start_exact(self, names, drops, rsts) -> None:
+        """Every record counted under its cause (bpf/npt_common.h npt_count_cause), labeled
+        per key with the classifier's rules (classify/keylabel.py). The labeler's lookups are
+        the plain ones, not the session recorder's (a key's labeling is not a record's) nor
+        nft tracing's (a synthetic event must not start a trace); routes only fill hints."""
+        from nptrace.classify.keylabel import KeyLabeler
+        from nptrace.classify.verdict import WEAK_DROPS
+        from nptrace.sinks.exact import ExactCounts
+        self.probes.mark_weak_drops(WEAK_DROPS)
+        kn = self.knowledge
+        if kn is not None:
+            ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
+                          service_of=kn.service_of, endpoint_of=kn.endpoint_of,
+                          nf_rule=kn.nf_rule)
+        else:
+            ctx = self.ctx
+        self.exact = ExactCounts(KeyLabeler(ctx))
+        if self.metrics is not None:
+            self.metrics.count_exactly(self.exact)
+
+    def _count_exact(self, now_ns: int) -> None:
+        """Once a second: read the cause keys, update the exact counters, write the summary
+        lines of what was counted and not sent."""
+        if self.exact is None or self.probes is None:
+            return
+        rows = self.exact.update(self.probes.cause_counts(), now_ns)
+        if now_ns >= self._next_idle_ns:
+            # keep the bounded map for the keys in use: delete those idle for a minute
+            self._next_idle_ns = now_ns + 10_000_000_000
+            idle = self.exact.idle(now_ns)
+            if idle:
+                self.probes.delete_cause_keys(idle)
+                self.exact.forget(idle)
+        if rows:
+            for s in self.sinks + self.recorders:
+                w = getattr(s, "write_summary", None)
+                if w is not None:
+                    w(rows)
 
     def _nat_peer(self, saddr, sport, daddr, dport):
         if self.nf_links is None or self.probes is None:
@@ -459,6 +502,7 @@ class Tracer:
         next_status = time.monotonic() + self.status_every
         next_second = time.monotonic() + 1.0
         next_prune = time.monotonic() + self.prune_every_s
+        next_exact = time.monotonic_ns() + self.exact_every_ns
         last_decoded = 0
         try:
             sig = self.signals
@@ -502,6 +546,10 @@ class Tracer:
                     self._emit(self.classifier.tick(now))
                     self._tick_sinks(now)
                     self._flush_sinks()
+                if now >= next_exact:
+                    next_exact = now + self.exact_every_ns
+                    self._count_exact(now)
+                    self._flush_sinks()
                 for r in self.recorders:
                     r.tick()
                 if self.reopen_requested:
@@ -516,6 +564,8 @@ class Tracer:
             while self._drain(0) and time.monotonic() < deadline:
                 pass
             self._emit(self.classifier.flush())
+            self._count_exact(time.monotonic_ns())
+            self._flush_sinks()
             self._report_losses()
         except OSError as e:
             # A sink's write to a full disk (--pcap says its own path, sinks/pcapng.py): what

@@ -17,7 +17,7 @@ log() { echo "setup: $*" >&2; }
 export DEBIAN_FRONTEND=noninteractive
 
 pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack
-      nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib
+      nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib hping3
       podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
       strace                             # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test
       prometheus)                        # tests/privileged/test_fleet_metrics.py runs the server binary

@@ -234,6 +234,34 @@ def _pyspy_row(r: dict) -> Row:
                "samples)", pyspy.stage_text(r["stages"]), "", "info", None, r["samples"])
 
 
+def bench_keys(n_keys: int = 10_000, per_key: int = 100_000) -> dict:
+    """The exact-count path (sinks/exact.py) the live loop runs once a second instead of
+    labeling records: n_keys cause keys of distinct servers, labeled once each with the
+    classifier's rules (classify/keylabel.py), then one update where each key counted per_key
+    more records. Its cost is per key, not per record: records/s is what one second of that
+    update would account for."""
+    from nptrace.classify import Context
+    from nptrace.classify.keylabel import KeyLabeler
+    from nptrace.kernel.causekeys import CauseKey
+    from nptrace.sinks.exact import ExactCounts
+    ctx = Context(drop_name=lambda v: "NO_SOCKET" if v == NO_SOCKET else f"REASON_{v}",
+                  rst_name=lambda v: "NO_SOCKET" if v == 1 else f"REASON_{v}")
+    keys = [CauseKey(int(ev.EvType.RST_SENT), int(ev.Hook.TCP_SEND_RST), 1, 4026531840, 2, 0,
+                     f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}", 9999, "0.0.0.0", 0, 2,
+                     0, ev.TCP_SYN, 0, "0.0.0.0", 0) for i in range(n_keys)]
+    ex = ExactCounts(KeyLabeler(ctx))
+    t0 = time.perf_counter()
+    ex.update({k: (1, 0) for k in keys}, 1)
+    first = time.perf_counter() - t0
+    raw = {k: (1 + per_key, 10) for k in keys}
+    t0 = time.perf_counter()
+    ex.update(raw, 2)
+    again = time.perf_counter() - t0
+    return {"keys": n_keys, "first_us_per_key": first / n_keys * 1e6,
+            "update_us_per_key": again / n_keys * 1e6,
+            "records_per_s": n_keys * per_key / again if again else None}
+
+
 def run(b) -> Section:
     sec = Section("pipeline")
     dec = bench_decoder(b.scale(64 << 20, 16 << 20))
@@ -245,8 +273,9 @@ def run(b) -> Section:
     # a higher rate in quick mode: its loop lasts well under a second
     spy = pyspy_pipeline(n, b.scale(8, 2), b.logdir / "pipeline.pyspy.txt",
                          rate=b.scale(250, 500))
+    keys = bench_keys(b.scale(10_000, 2_000))
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
-                "pyspy": spy,
+                "pyspy": spy, "keys": keys,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
                 "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET}
     sec.rows = [
@@ -261,6 +290,11 @@ def run(b) -> Section:
                   True),
         _pipe_row("pipeline: storm mix, 4 records/reset, labeled resets/s", mix, False),
         _pyspy_row(spy),
+        Row("pipeline", f"exact counts by cause key ({keys['keys']} keys): us per new key "
+            "(labeled once), per active key and second", f"{keys['first_us_per_key']:.1f} us; "
+            f"{keys['update_us_per_key']:.2f} us",
+            f"{si(keys['records_per_s'], '/s')} records accounted", "info", None,
+            keys["records_per_s"]),
     ]
     return sec
 

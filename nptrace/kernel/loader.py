@@ -24,10 +24,10 @@ from pathlib import Path
 from nptrace import events as ev
 from nptrace.config import Config
 from nptrace.errors import LoadError
-from nptrace.kernel import natpeers
+from nptrace.kernel import causekeys, natpeers
 from nptrace.kernel.cflags import build_cflags
 from nptrace.kernel.hooks import KPROBE_GROUPS, TRACEPOINTS
-from nptrace.reasons import ReasonTable, interesting_drops
+from nptrace.reasons import SOURCE_DROPS, ReasonTable, interesting_drops
 
 BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
@@ -132,7 +132,9 @@ class Probes:
         table = self.bpf["drop_reasons"]
         limit = len(table)
         for v in interesting_drops(drops, limit):
-            table[ct.c_int(v)] = ct.c_uint8(1)
+            # bit 1: the rules read the source (npt_common.h NPT_DR_SRC: the cause key)
+            table[ct.c_int(v)] = ct.c_uint8(1 | (2 if drops.name(v) in SOURCE_DROPS else 0))
+        self._drops = drops
         if not len(drops):
             # No enum in BTF (kernel < 5.17): reason is always 0; keep every drop.
             table[ct.c_int(0)] = ct.c_uint8(1)
@@ -240,6 +242,62 @@ class Probes:
         for k, v in self.bpf["counts"].items():
             out[(k.type, k.hook, k.reason, k.ifindex, k.netns)] = int(sum(v))
         return out
+
+    def mark_weak_drops(self, weak: frozenset) -> None:
+        """Flag the drop reasons that are only evidence (classify.verdict.WEAK_DROPS: the
+        caller's, the kernel layer does not import the classifier): such a drop never becomes
+        its flow's causal fact (npt_common.h NPT_DR_WEAK)."""
+        table = self.bpf["drop_reasons"]
+        for v in interesting_drops(self._drops, len(table)):
+            if self._drops.name(v) in weak:
+                table[ct.c_int(v)] = ct.c_uint8(table[ct.c_int(v)].value | 4)
+
+    def cause_counts(self) -> dict:
+        """{causekeys.CauseKey: (counted, sent)} summed over CPUs (every record but
+        evidence-only ones, exact), and under the key None, {type: (counted, sent)} of the
+        records that found the map full (cause "other"). One BPF_MAP_LOOKUP_BATCH pass (5.6+;
+        two syscalls per key with bcc's items() were most of a storm's user-space CPU at
+        16k keys), items() where batches are refused."""
+        m = self.bpf["cause_counts"]
+        try:
+            items = list(m.items_lookup_batch())
+        except Exception:
+            items = list(m.items())
+        out: dict = {}
+        raw = self._cause_raw = {}
+        decode = causekeys.decode_key
+        for k, v in items:
+            b = bytes(k)
+            key = decode(b)
+            raw[key] = b
+            out[key] = (sum(x.counted for x in v), sum(x.sent for x in v))
+        other = {}
+        arr = self.bpf["cause_other"]
+        for t in range(len(arr)):
+            vals = arr.getvalue(ct.c_int(t))
+            n = sum(x.counted for x in vals)
+            if n:
+                other[t] = (n, sum(x.sent for x in vals))
+        out[None] = other
+        return out
+
+    def delete_cause_keys(self, keys) -> int:
+        """Delete idle keys (read by the last cause_counts()) so the bounded map keeps room
+        for the keys of the day; how many went. A record counted under one between that read
+        and the delete is lost: the caller picks keys idle for a minute."""
+        m = self.bpf["cause_counts"]
+        raw = getattr(self, "_cause_raw", {})
+        n = 0
+        for key in keys:
+            b = raw.get(key)
+            if b is None:
+                continue
+            try:
+                del m[m.Key.from_buffer_copy(b)]
+                n += 1
+            except KeyError:
+                pass
+        return n
 
     def close(self) -> None:
         if self._nat_mem is not None:

@@ -126,6 +126,10 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
                 sink.offset = off
                 sink.write(it.verdict)
             loss()
+        if r.summaries:    # what the live run counted and did not send, as it printed it
+            off = int(r.headers[-1].get("epoch_offset_ns", 0)) if r.headers else 0
+            lines.offset = off
+            lines.write_summary(r.summaries)
         lines.close()      # the summary lines of storm windows still open
         loss()
         out.flush()

@@ -290,6 +290,11 @@ SCHEMAS = {
     "counters": Record({}, {"ts_ns": NS, "counts": ListOf(Tuple(U16, U16, U32, U32, NETNS, COUNT)),
                             "stats": MapOf(Str(64), COUNT, 64)}),
     "stop": Record({}, {"why": Str(16), "ts_ns": NS, "records": COUNT, "dropped": COUNT}),
+    # records the kernel counted under a cause and did not send, as the live run labeled them
+    # (sinks/exact.py SummaryRow: the summary lines of `run`)
+    "summary": Record({"cause": NAME, "kind": Str(16), "repeat": COUNT},
+                      {"ts_ns": NS, "since_ns": NS, "direction": Opt(Str(16)),
+                       "hook": NAME, "reason": NAME, "service": Opt(NAME), "iface": Opt(NAME)}),
 }
 
 
@@ -784,6 +789,16 @@ class SessionWriter:
         rows = [[int(x) for x in k] + [int(n)] for k, n in counts.items()]
         self._append({"rec": "counters", "ts_ns": int(ts_ns if ts_ns is not None else time.monotonic_ns()),
                       "counts": rows, "stats": {k: int(v) for k, v in stats.items()}})
+
+    def write_summary(self, rows) -> None:
+        """The live run's summary rows (sinks/exact.py SummaryRow): records counted under
+        their cause in the kernel and not sent, so replay and report give the same totals."""
+        for r in rows:
+            lab = r.label
+            self._append({"rec": "summary", "ts_ns": int(r.until_ns), "since_ns": int(r.since_ns),
+                          "kind": lab.kind, "direction": lab.direction, "hook": lab.hook,
+                          "reason": lab.reason, "cause": lab.cause, "service": lab.service,
+                          "iface": lab.iface, "repeat": int(r.repeat)})
 
     def tick(self) -> None:
         """From the main loop: flush what is due, rotate by age, honour reopen()."""

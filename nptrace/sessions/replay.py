@@ -81,6 +81,7 @@ class Replay:
     def __init__(self, paths):
         self.headers, self._records, self.problems = read_session(paths)
         self.counters: dict[str, dict] = {}
+        self.summaries: list = []      # the live run's summary rows (sinks/exact.py SummaryRow)
         self.events = 0
         self.undecodable: Counter = Counter()
 
@@ -121,6 +122,8 @@ class Replay:
                 run.known.put(d["name"], d["key"], d["value"])
             elif rec.kind == "counters":
                 self.counters[run.run_id] = dict(d, _header=h)
+            elif rec.kind == "summary":
+                self.summaries.append(summary_row(d, h))
         if pending is not None:
             yield from self._feed(run, pending)
         yield from self._end_run(run, last_header)
@@ -160,6 +163,16 @@ class Replay:
         """A daemon start ended (next run or end of input): its open incidents are due."""
         if run is not None:
             yield from self._items(run.classifier.flush(), header)
+
+
+def summary_row(d: dict, header: dict):
+    """A recorded summary record as the live run's SummaryRow: counted, not sent, labeled as
+    the live run labeled it (a count of records has no events to label again)."""
+    from nptrace.classify.keylabel import KeyLabel
+    from nptrace.sinks.exact import SummaryRow
+    lab = KeyLabel(d["kind"], d["cause"], d.get("direction"), d.get("iface"), d.get("service"),
+                   d.get("hook", ""), d.get("reason", ""))
+    return SummaryRow(lab, int(d["repeat"]), int(d.get("since_ns", 0)), int(d.get("ts_ns", 0)))
 
 
 def replay(paths, problems: list | None = None) -> Iterator[Verdict]:

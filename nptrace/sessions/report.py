@@ -85,6 +85,14 @@ def build_report(r: Replay, top: int = 10) -> str:
     if not by_cause:
         lines.append("no resets or drops recorded")
     lines += _table("cause", by_cause)
+    if r.summaries:
+        # the records the kernel counted under their cause and did not send (summary lines)
+        counted: Counter = Counter()
+        for row in r.summaries:
+            lab = row.label
+            counted[f"{lab.cause} {lab.kind}" + (f"/{lab.direction}" if lab.direction else "")] \
+                += row.repeat
+        lines += _table("counted, not sent (cause kind)", counted)
     if any(k != "-" for k in by_service):
         lines += _table("service", by_service)
     lines += _table("interface", by_iface)

@@ -41,6 +41,22 @@ class Console:
                     f"{v.event.saddr}:{v.event.sport} -> {v.event.daddr}:{v.event.dport})") + "\n")
                 self.stream.flush()
 
+    def write_summary(self, rows) -> None:
+        """Records the kernel counted under their cause but did not send (sinks/exact.py):
+        one line per cause, Service, interface and direction a second."""
+        for r in rows:
+            lab = r.label
+            self.by_cause[lab.cause] += r.repeat
+            self.by_service[lab.service or "-"] += r.repeat
+            ts = time.strftime("%H:%M:%S", time.localtime((r.until_ns + self.offset) / 1e9))
+            what = lab.kind + (f"/{lab.direction}" if lab.direction else "")
+            self.stream.write(printable(
+                f"{ts} {lab.cause:<18} {what:<14} x{r.repeat} more, counted in the kernel  "
+                f"{lab.iface or '-'}  [{lab.hook} {lab.reason}]"
+                + (f" svc={lab.service}" if lab.service else "")) + "\n")
+        if rows:
+            self.stream.flush()
+
     def tick(self, now_ns: int) -> None:
         if self.collapse is not None:
             self._items(self.collapse.due(now_ns))

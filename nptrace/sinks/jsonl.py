@@ -218,6 +218,16 @@ class JsonLines:
         except (BrokenPipeError, ValueError):
             pass
 
+    def write_summary(self, rows) -> None:
+        """Once a second from the live loop: one line per label whose records the kernel
+        counted but did not send (sinks/exact.py summary_dict), so that `repeat` summed over
+        all lines gives every record."""
+        from nptrace.sinks.exact import summary_dict
+        if rows:
+            pre = self.node_prefix
+            self.stream.write("".join(pre + _encode(summary_dict(r, self.offset))[1:] + "\n"
+                                      for r in rows))
+
     def tick(self, now_ns: int) -> None:
         """From the live loop: write the summaries of storm windows that ended."""
         if self.collapse is not None:

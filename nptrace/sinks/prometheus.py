@@ -6,6 +6,8 @@ Two sources, one registry (always passed in, never prometheus_client's global on
       nptrace_anomalies_total{cause,iface}, and nptrace_service_events_total{service,kind,
       cause} for the Services (by kube-proxy name) behind them.
     These miss events the ring buffer lost (nptrace_events_lost_total says how many).
+    The live tracer calls count_exactly(): the same four families then come from the kernel's
+    cause keys (sinks/exact.py), every record the kernel saw, and write() counts nothing.
   * KernelCollector reads the in-kernel per-CPU counters at scrape time (client_python
     docs/content/collector/custom.md), so they are exact even under loss:
       nptrace_kernel_events_total{type,hook,reason,iface}, nptrace_events_lost_total,
@@ -189,10 +191,24 @@ class MetricsSink:
         # user-space losses (nptrace/losses.py stages; the ring's is nptrace_events_lost_total)
         self.losses = Counter("nptrace_user_losses", "Records or messages lost or skipped in "
                               "user space, by stage", ["stage"], registry=registry)
+        self.exact = None
 
     def loss(self, stage: str, n: int | None, _message: str = "") -> None:
         if stage != "ring_lost":      # the kernel's own counter, read at scrape time
             self.losses.labels(stage).inc(n or 1)
+
+    def count_exactly(self, counts) -> None:
+        """Export the four labeled families from the kernel's cause keys (sinks/exact.py
+        ExactCounts): every record, not only the incidents the sample reached. write() then
+        counts nothing."""
+        from nptrace.sinks.exact import ExactCollector
+        for c in (self.resets, self.drops, self.anomalies, self.by_service):
+            self.registry.unregister(c)
+        self.exact = ExactCollector(counts, self.ifaces, self._service)
+        self.registry.register(self.exact)
+
+    def _service(self, name: str | None) -> str:
+        return self.services(name) if name else "none"
 
     def watch_kernel(self, counters: CountersFn, **kw) -> KernelCollector:
         """Register the scrape-time collector of exact kernel counters (KernelCollector's
@@ -202,6 +218,8 @@ class MetricsSink:
         return self.collector
 
     def write(self, v: Verdict) -> None:
+        if self.exact is not None:
+            return
         # labels() validates and locks on every call (a few us each, twice per verdict): the
         # children are kept here by their label values, bounded like the labels themselves
         iface = self.ifaces(v.iface)

@@ -94,6 +94,10 @@ class Recorder:
         """SIGHUP (safe inside a signal handler: only sets a flag)."""
         self.writer.reopen()
 
+    def write_summary(self, rows) -> None:
+        """Summary rows of the exact cause counts (the tracer's once-a-second update)."""
+        self.writer.write_summary(rows)
+
     def write(self, _verdict) -> None:
         """Verdicts are not recorded: replay derives them again from the raw records."""
 

@@ -1,4 +1,5 @@
-"""The Python mirrors in nptrace/events.py and nptrace/kernel/natpeers.py (the NAT map) and
+"""The Python mirrors in nptrace/events.py, nptrace/kernel/natpeers.py (the NAT map),
+nptrace/kernel/causekeys.py (the cause keys) and
 the stat names of nptrace/kernel/loader.py must equal bpf/nptrace_events.h, checked by clang."""
 import ctypes as ct
 import re
@@ -9,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from nptrace import events
-from nptrace.kernel import loader, natpeers
+from nptrace.kernel import causekeys, loader, natpeers
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
-LAYOUTS = {**events.LAYOUTS, **natpeers.LAYOUTS}
+LAYOUTS = {**events.LAYOUTS, **natpeers.LAYOUTS, **causekeys.LAYOUTS}
 PRELUDE = """
 typedef unsigned char __u8; typedef unsigned short __u16;
 typedef unsigned int __u32; typedef unsigned long long __u64;
@@ -51,6 +52,7 @@ def test_struct_format_equals_ctypes():
     assert events.RECORD.size == ct.sizeof(events.RawEvent)
     assert events.COUNT_KEY.size == ct.sizeof(events.RawCountKey)
     assert natpeers.NAT_KEY.size == ct.sizeof(natpeers.NatKey)
+    assert causekeys.CAUSE_KEY.size == ct.sizeof(causekeys.RawCauseKey)
 
 
 def test_abi_version_matches_header():
@@ -75,3 +77,16 @@ def test_stat_names_cover_header():
     assert names == {s.name for s in loader.Stat}
     size = int(re.search(r"\bNPT_S_MAX\s*=\s*(\d+)", body).group(1))
     assert max(loader.Stat) < size
+
+
+def test_cause_key_round_trip():
+    k = causekeys.CauseKey(type=1, hook=1, reason=12, netns=4026531840, ifindex=3, dir=0,
+                           saddr="10.0.0.1", sport=0, daddr="10.0.0.2", dport=80, family=2,
+                           flags=1, tcpflags=2, ct_bits=2, odst="10.96.0.10", oport=443,
+                           prior_type=2, prior_hook=2, prior_reason=3)
+    raw = causekeys.encode_key(k)
+    assert len(raw) == ct.sizeof(causekeys.RawCauseKey)
+    c = causekeys.RawCauseKey.from_buffer_copy(raw)
+    assert (c.reason, c.dport, c.oport, c.type, c.prior_type, c.prior_hook, c.ct_bits) == \
+        (12, 80, 443, 1, 2, 2, 2)
+    assert causekeys.decode_key(raw) == k
