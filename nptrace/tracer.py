@@ -250,12 +250,13 @@ class Tracer:
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
                            route_iface=kn.route_iface, nat_peer=self._nat_peer,
-                           pod_of=self.pods.pod_of)
+                           pod_of=self.pods.pod_of, pod_of_netns=self.pods.pod_of_netns)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of"):
+                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of",
+                             "pod_of_netns"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         if self.metrics is not None:
