@@ -84,6 +84,11 @@ def _run_options(fn):
         click.option("--metrics-addr", metavar="[HOST:]PORT",
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
+        click.option("--metrics-final-scrape", type=click.FloatRange(0), default=0,
+                     metavar="SECONDS",
+                     help="At stop, keep serving the final counts until one more scrape, at "
+                          "most SECONDS (e.g. the scrape interval): the last incidents reach "
+                          "Prometheus too. 0: stop at once."),
         click.option("--node-name", metavar="NAME",
                      help="The node's name on every output (JSON lines, session header, pcapng, "
                           "nptrace_build_info); default $NODE_NAME (the DaemonSet's downward "
@@ -138,7 +143,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @one_line_errors
 def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
-        node_name, snaplen, pcap_mb, pcap_files, **filters):
+        metrics_final_scrape, node_name, snaplen, pcap_mb, pcap_files, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -161,8 +166,8 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
-                      metrics_addr=metrics_addr, pcap=pcap,
-                      pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
+                      metrics_addr=metrics_addr, metrics_final_scrape_s=metrics_final_scrape,
+                      pcap=pcap, pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
                       node=node)
     from nptrace.sinks.fmt import output_mode
     as_json = output_mode(output, as_json) == "json"

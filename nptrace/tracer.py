@@ -253,12 +253,13 @@ class Tracer:
             lookups = dict(iface_name=names.iface, service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
                            route_iface=kn.route_iface, nat_peer=self._nat_peer,
-                           pod_of=self.pods.pod_of)
+                           pod_of=self.pods.pod_of, pod_of_netns=self.pods.pod_of_netns)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of"):
+                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of",
+                             "pod_of_netns"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         self._start_exact(names, drops, rsts)
@@ -603,13 +604,24 @@ class Tracer:
                     obj.close()
             return close
 
+        def final_scrape():
+            # Every incident is flushed into the counters by now (run()'s classifier flush)
+            # and the kernel maps are still open: one more scrape sees the run's final
+            # numbers, which a stop would otherwise take away from Prometheus.
+            wait, srv = self.outputs.metrics_final_scrape_s, self.metrics_server
+            if not wait or srv is None or not hasattr(srv, "wait_scrape") or not started:
+                return
+            log(f"final counts on {srv.url}: waiting up to {wait:g}s for one more scrape")
+            if not srv.wait_scrape(wait):
+                log(f"no scrape within {wait:g}s: the last counts were not scraped")
+
         def health_stop():
             if self.health is not None:
                 self.health.stop()     # /healthz answers 503 from here on
 
         steps = [("notify", self.notify.stopping), ("health", health_stop),
                  ("read counters", read_stats),
-                 ("loss report", self._report_losses),
+                 ("loss report", self._report_losses), ("final scrape", final_scrape),
                  ("tc programs", closer("tc")), ("netfilter links", closer("nf_links")),
                  ("nft trace tables", closer("nft")), ("pod names", closer("pods")),
                  ("ring reader", closer("reader"))]

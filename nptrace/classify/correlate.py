@@ -479,7 +479,7 @@ class Classifier:
         t = ev.type
         return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
                              primary.rname, cause, conf, hint, iface, service, ordered,
-                             len(pending) + extra, ctx)
+                             len(pending) + extra, ctx, _pods(ev, ordered, ctx))
 
 
 def _primary_key(l: Labeled):
@@ -497,20 +497,46 @@ _object_new = object.__new__
 _object_setattr = object.__setattr__
 
 
+def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
+    """The incident's pods, asked once when it is made (the lookups a session records): the
+    pod at either end of the packet, else the pod whose namespace the event is in; with a DNAT
+    mapping, the client's and the endpoint's."""
+    pod_of = ctx.pod_of
+    out = None
+    pod = pod_of(ev.daddr) or pod_of(ev.saddr) or (ctx.pod_of_netns(ev.netns) if ev.netns else None)
+    if pod is not None:
+        out = {"pod": pod}
+    nat = ev.ct if ev.ct is not None and ev.ct.dnat else None
+    if nat is None:
+        for l in labeled:
+            c = l.ev.ct
+            if c is not None and c.dnat:
+                nat = c
+                break
+    if nat is not None:
+        for key, addr in (("client_pod", nat.orig_src), ("endpoint_pod", nat.reply_src)):
+            p = pod_of(addr)
+            if p is not None:
+                if out is None:
+                    out = {}
+                out[key] = p
+    return out
+
+
 def _make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
-                  labeled, events, ctx) -> "Verdict":
+                  labeled, events, ctx, pods=None) -> "Verdict":
     """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
     storm's per-incident budget): the same instance, its __dict__ set in one step."""
     v = _object_new(Verdict)
     _object_setattr(v, "__dict__", {
         "event": event, "kind": kind, "direction": direction, "hook": hook, "reason": reason,
         "cause": cause, "confidence": confidence, "hint": hint, "iface": iface,
-        "service": service, "labeled": labeled, "events": events, "ctx": ctx})
+        "service": service, "labeled": labeled, "events": events, "ctx": ctx, "pods": pods})
     return v
 
 
 _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
-                   "hint", "iface", "service", "labeled", "events", "ctx")
+                   "hint", "iface", "service", "labeled", "events", "ctx", "pods")
 
 
 def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> str:

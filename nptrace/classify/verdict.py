@@ -89,6 +89,10 @@ class Verdict:
     labeled: tuple = ()       # the incident's Labeled events, oldest first
     events: int = 1           # kernel events this incident gathers
     ctx: "Context | None" = field(default=None, repr=False, compare=False)
+    # {"pod", "client_pod", "endpoint_pod"}: the pods named when the incident was made
+    # (correlate.py, through the Context's pod lookups, so a session records them whatever
+    # the live output was), only the keys that named one; None when none did.
+    pods: dict | None = field(default=None, compare=False)
 
     @property
     def nat(self):
@@ -136,6 +140,9 @@ class Context:
     # address -> "namespace/name" of the pod that has it (node/pods.py: the Kubernetes API's
     # node-scoped watch, else crictl), or None; answered from a cache, never blocking.
     pod_of: Callable[[str], str | None] = lambda addr: None
+    # network-namespace inode -> "namespace/name" of the pod whose sandbox it is (crictl
+    # inspectp's netns path; via the API, the pod whose address the namespace holds), or None.
+    pod_of_netns: Callable[[int], str | None] = lambda netns: None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
     window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept

@@ -213,7 +213,7 @@ def attach_tc(p: Plan, probes, kernel_flags: list[str], drops, log: Log):
         # Reading the kernel sk_buff behind a tc context (netns, conntrack) needs
         # CAP_PERFMON's probe_read in tc programs; where the verifier refuses it,
         # fall back to the attach-time netns map and no conntrack on tc events.
-        log(f"tc programs refused ({e}); retrying without kernel sk_buff reads "
+        log(f"tc programs refused ({str(e).splitlines()[0]}); retrying without kernel sk_buff reads "
             "(tc events carry no conntrack tuples)")
         probes.close()
     probes = load(p, kernel_flags, drops, kskb=False)

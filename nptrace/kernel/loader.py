@@ -45,8 +45,22 @@ class Stat(enum.IntEnum):
     FLOW_KEPT = 4
 
 
+# bcc 0.26 prepends `#define bpf_probe_read_kernel bpf_probe_read` when it cannot find the
+# helper's address in /proc/kallsyms, and without CAP_SYSLOG (perf_event_paranoid 2) every
+# address there reads 0: under the unit's sandbox (ProtectKernelLogs= also drops CAP_SYSLOG)
+# and in the DaemonSet. The legacy helper exists for tracing programs only, so the tc programs
+# were refused ("unknown func bpf_probe_read#4") and fell back, and the netfilter program did
+# not load. bpf_probe_read_kernel is in every kernel nptrace runs on (Linux 5.5, commit
+# 6ae08ae3dea2; the BTF offsets need 5.4+): use the real helpers whatever kallsyms shows.
+REAL_PROBE_READ = """#undef bpf_probe_read_kernel
+#undef bpf_probe_read_kernel_str
+#undef bpf_probe_read_user
+#undef bpf_probe_read_user_str
+"""
+
+
 def source_text(families=FAMILIES) -> str:
-    parts = []
+    parts = [REAL_PROBE_READ]
     for name in families:
         path = BPF_DIR / name
         if not path.exists() and name not in FAMILIES[:3]:
@@ -163,10 +177,12 @@ class Probes:
         """(ingress fd, egress fd) of the SCHED_CLS programs, for nptrace/kernel/tc.py to attach."""
         from bcc import BPF
         try:
-            ing = self.bpf.load_func("npt_tc_ingress", BPF.SCHED_CLS)
-            egr = self.bpf.load_func("npt_tc_egress", BPF.SCHED_CLS)
+            with _capture_stderr() as log:     # libbcc prints the verifier log on fd 2
+                ing = self.bpf.load_func("npt_tc_ingress", BPF.SCHED_CLS)
+                egr = self.bpf.load_func("npt_tc_egress", BPF.SCHED_CLS)
         except Exception as e:
-            raise LoadError(f"tc programs failed to load: {e}") from None
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise LoadError(f"tc programs failed to load: {first}", _tail(log["text"])) from None
         return ing.fd, egr.fd
 
     def nat_peer(self, saddr: str, sport: int, daddr: str, dport: int):

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from nptrace.errors import NptraceError
 from nptrace.sinks.prometheus import parse_addr
 
-__all__ = ["Health", "HealthServer", "build_info_collector", "probe_states", "serve"]
+__all__ = ["Health", "HealthServer", "Scrapes", "build_info_collector", "probe_states", "serve"]
 
 # Seconds without a main-loop turn after which the tracer is not live: the unit's WatchdogSec.
 LIVENESS_S = float(os.environ.get("NPTRACE_LIVENESS_S", "30"))
@@ -118,10 +118,36 @@ def build_info_collector(version: str, node: str = "", **extra: str):
     return BuildInfo()
 
 
+class Scrapes:
+    """Which /metrics answers were read whole: a scrape's counts are those of when its
+    encoding began, so wait_after() waits for one that began after the call."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.next_seq = 0          # the next scrape's number
+        self.last_served = -1      # the newest scrape answered in full
+
+    def begin(self) -> int:
+        with self.cond:
+            seq, self.next_seq = self.next_seq, self.next_seq + 1
+            return seq
+
+    def served(self, seq: int) -> None:
+        with self.cond:
+            self.last_served = max(self.last_served, seq)
+            self.cond.notify_all()
+
+    def wait_after(self, timeout: float) -> bool:
+        with self.cond:
+            first = self.next_seq
+            return self.cond.wait_for(lambda: self.last_served >= first, timeout)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "nptrace"
     registry = None          # set per server (a subclass)
     health: Health | None = None
+    scrapes: Scrapes | None = None
 
     def do_GET(self):        # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -134,12 +160,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif path in ("/metrics", "/"):
             from prometheus_client.exposition import choose_encoder
             encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+            seq = self.scrapes.begin()
             try:
                 body = encoder(self.registry)
             except Exception as e:       # a collector failing must not take the port down
                 self._send(500, f"metrics: {e}\n".encode(), "text/plain; charset=utf-8")
                 return
             self._send(200, body, ctype)
+            self.scrapes.served(seq)
         else:
             self._send(404, b"not found: /metrics, /healthz, /readyz, /livez\n", "text/plain")
 
@@ -157,8 +185,13 @@ class _Handler(BaseHTTPRequestHandler):
 class HealthServer:
     """MetricsServer's interface (url, port, host, close)."""
 
-    def __init__(self, httpd, thread, host: str, port: int):
+    def __init__(self, httpd, thread, host: str, port: int, scrapes: Scrapes | None = None):
         self.httpd, self.thread, self.host, self.port = httpd, thread, host, port
+        self.scrapes = scrapes or Scrapes()
+
+    def wait_scrape(self, timeout: float) -> bool:
+        """True once a scrape that began after this call was answered, False after timeout."""
+        return self.httpd is not None and self.scrapes.wait_after(timeout)
 
     @property
     def url(self) -> str:
@@ -176,7 +209,9 @@ def serve(addr: str, registry, health: Health | None = None) -> HealthServer:
     """Serve /metrics and the health paths on a daemon thread; port 0 picks a free port."""
     import socket
     host, port = parse_addr(addr)
-    handler = type("Handler", (_Handler,), {"registry": registry, "health": health})
+    scrapes = Scrapes()
+    handler = type("Handler", (_Handler,), {"registry": registry, "health": health,
+                                            "scrapes": scrapes})
 
     class Server(ThreadingHTTPServer):
         daemon_threads = True
@@ -194,4 +229,4 @@ def serve(addr: str, registry, health: Health | None = None) -> HealthServer:
         raise NptraceError(f"bad metrics address {addr!r}: {e}") from None
     t = threading.Thread(target=httpd.serve_forever, name="nptrace-metrics", daemon=True)
     t.start()
-    return HealthServer(httpd, t, host, httpd.server_address[1])
+    return HealthServer(httpd, t, host, httpd.server_address[1], scrapes)

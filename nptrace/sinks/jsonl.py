@@ -27,7 +27,7 @@ def epoch_evidence(xs: list[dict], epoch_offset_ns: int) -> list[dict]:
 def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
                  since_ns: int | None = None, events: int | None = None) -> dict:
     """The stable JSON contract of a labeled event (README "Output"). `pod`, `client_pod` and
-    `endpoint_pod` only where the Context's pod_of names one."""
+    `endpoint_pod` only where the classifier named one (Verdict.pods)."""
     e = v.event
     d = {
         "ts": (e.ts_ns + epoch_offset_ns) / 1e9,
@@ -58,15 +58,9 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         d["client"] = f"{nat.orig_src}:{nat.orig_sport}"
         d["frontend"] = f"{nat.orig_dst}:{nat.orig_dport}"
         d["endpoint"] = f"{nat.reply_src}:{nat.reply_sport}"
-    pod_of = (v.ctx or _NO_CTX).pod_of
-    pod = pod_of(e.daddr) or pod_of(e.saddr)
-    if pod is not None:
-        d["pod"] = pod
-    if nat is not None:
-        for key, addr in (("client_pod", nat.orig_src), ("endpoint_pod", nat.reply_src)):
-            p = pod_of(addr)
-            if p is not None:
-                d[key] = p
+    pods = v.pods
+    if pods:
+        d.update(pods)
     if e.outer_saddr is not None:
         d["outer"] = {"saddr": e.outer_saddr, "daddr": e.outer_daddr, "vni": e.vni}
     d["repeat"] = repeat
@@ -140,9 +134,9 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
     for l in labeled:
         if l.ev.ct is not None:
             return _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
-    ctx = v.ctx or _NO_CTX
-    if ctx.pod_of(e.daddr) is not None or ctx.pod_of(e.saddr) is not None:
+    if v.pods:
         return _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
+    ctx = v.ctx or _NO_CTX
     iface_name = ctx.iface_name
     parts = []
     for l in labeled[:MAX_EVIDENCE]:

@@ -17,6 +17,7 @@ class Outputs:
     record_max_age_s: float = 3600.0
     record_max_total_bytes: int = 1 << 30
     metrics_addr: str | None = None
+    metrics_final_scrape_s: float = 0.0   # at stop, serve the final counts until one scrape
     pcap: str | None = None
     pcap_max_file_bytes: int = 0       # -C: rotate past it (0: never)
     pcap_max_files: int = 0            # -W: with -C, reuse FILE0..FILE<N-1>

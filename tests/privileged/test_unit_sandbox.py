@@ -74,14 +74,14 @@ def test_the_sandbox_is_the_units(unit, tmp_path):
 
 def test_unit_traces_a_lab_reset_and_exits_0(unit, tmp_path, shipped_headers):
     from nptrace import lab
-    lab.up("no-listener", prefix=PREFIX)
+    ifaces = [a for w in lab.up("no-listener", prefix=PREFIX).watch for a in ("--iface", w)]
     state = tmp_path / "state"
     # a 1 s watchdog instead of the unit's 30 s, so this short run must feed it several times
     sb = us.Sandbox(unit, binds={"/var/lib/nptrace": str(state)},
                     env={**ENV, "WATCHDOG_USEC": "1000000"})
     try:
         with sb:
-            p = sb.popen(unit_command(unit, "--json"), stdout=subprocess.PIPE,
+            p = sb.popen(unit_command(unit, "--json", *ifaces), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
             try:
                 sb.wait_ready(p)
@@ -105,6 +105,12 @@ def test_unit_traces_a_lab_reset_and_exits_0(unit, tmp_path, shipped_headers):
     assert "Traceback" not in err
     # ProtectKernelModules=yes hides the node's headers: the minimal tree is compiled against
     assert f"kernel headers: shipped (nptrace's minimal tree {shipped_headers})" in err, err[-2000:]
+    # the full view under the unit: no CAP_SYSLOG means kallsyms addresses read 0, which made
+    # bcc swap in the legacy bpf_probe_read (refused in tc and netfilter programs)
+    assert "(tc via tcx)" in err and "without kernel sk_buff reads" not in err, err[-3000:]
+    assert "netfilter:post_routing" in err and "netfilter-hook view not attached" not in err, \
+        err[-3000:]
+    assert " insns" not in err and "unknown func" not in err, err[-3000:]   # no verifier log
 
 
 def test_usage_error_exits_2_and_is_not_restarted(unit):

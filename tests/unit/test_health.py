@@ -120,3 +120,23 @@ def test_pcapng_section_names_the_node():
     assert b"node: node-a" in section_header("node-a")
     import socket      # no name given: the host's, as every other output falls back to
     assert f"node: {socket.gethostname()}".encode() in section_header()
+
+
+def test_final_scrape_waits_for_a_scrape_that_begins_after_the_stop():
+    import threading
+    reg = CollectorRegistry()
+    c = Counter("npt_final", "x", registry=reg)
+    srv = health.serve("127.0.0.1:0", reg)
+    try:
+        get(srv.url)                                  # before the stop: does not count
+        assert not srv.wait_scrape(0.2)
+        c.inc()                                        # the stop's flush
+        seen = []
+        t = threading.Timer(0.2, lambda: seen.append(get(srv.url)[1]))
+        t.start()
+        assert srv.wait_scrape(5)
+        t.join()
+        assert "npt_final_total 1.0" in seen[0]
+    finally:
+        srv.close()
+    assert not srv.wait_scrape(0.1)                   # closed: nothing to wait for

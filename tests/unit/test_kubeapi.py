@@ -198,14 +198,16 @@ def test_in_cluster_config(tmp_path):
 def test_without_an_api_pods_come_from_crictl():
     calls = []
 
-    def crictl():
+    def crictl(netns=None):
         calls.append(1)
+        netns[4026532999] = "shop/web-7"
         return {"10.0.0.7": "shop/web-7"}
     p = PodNames("node-1", api=None, crictl=crictl, refresh_s=0.05).start()
     try:
         assert wait_for(lambda: p.pod_of("10.0.0.7") == "shop/web-7")
         assert wait_for(lambda: len(calls) >= 2)      # refreshed
         assert p.source.startswith("crictl")
+        assert p.pod_of_netns(4026532999) == "shop/web-7" and p.pod_of_netns(1) is None
     finally:
         p.close()
 
@@ -257,3 +259,54 @@ def test_replay_names_the_pods_the_live_run_named(tmp_path):
     got = [verdict_dict(it.verdict, 0) for it in Replay(tmp_path).items()]
     assert [d.get("pod") for d in live] == ["shop/web-1", None]
     assert [d.get("pod") for d in got] == [d.get("pod") for d in live]
+
+
+def test_console_run_session_replays_with_pods(tmp_path):
+    """The pod lookup is the classifier's, per incident: a run that printed no JSON (the
+    console, the DaemonSet's default) records the answers, and replay --json names the pods."""
+    from nptrace.reasons import ReasonTable
+    from nptrace.sessions.format import SessionWriter, make_header
+    from nptrace.sessions.replay import Replay
+    from nptrace.sinks.console import Console
+    from nptrace.sinks.recorder import Recorder
+    rsts = ReasonTable({1: "SK_RST_REASON_NO_SOCKET"}, "SK_RST_REASON_")
+    drops = ReasonTable({3: "SKB_DROP_REASON_NO_SOCKET"}, "SKB_DROP_REASON_")
+    w = SessionWriter(tmp_path, header=make_header(epoch_offset_ns=0, drops=drops, resets=rsts,
+                                                   node="node-1", kernel="6.18.0"))
+    rec = Recorder(w)
+    pods, netns = {"10.244.1.5": "shop/web-1"}, {4026532100: "shop/db-0"}
+    c = Classifier(Context(rst_name=rsts.name, drop_name=drops.name,
+                           pod_of=rec.lookup("pod_of", pods.get),
+                           pod_of_netns=rec.lookup("pod_of_netns", netns.get)))
+    import io
+    console = Console(0, stream=io.StringIO())
+    live = []
+    for i, (addr, ns) in enumerate((("10.244.1.5", 0), ("127.0.0.1", 4026532100),
+                                    ("10.0.0.9", 4026532101))):
+        raw = ev.encode(ts_ns=10**9 * i, type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST,
+                        reason=1, aux=ev.TCP_SYN, saddr=addr, sport=8081, daddr=addr,
+                        dport=40000 + i, netns=ns)
+        rec.on_raw(raw)
+        live += list(c.feed(ev.decode(raw)))
+    live += list(c.flush())
+    for v in live:
+        console.write(v)                         # what the live run printed: no JSON
+    rec.close()
+    got = [verdict_dict(it.verdict, 0) for it in Replay(tmp_path).items()]
+    assert [d.get("pod") for d in got] == ["shop/web-1", "shop/db-0", None]
+    assert [v.pods and v.pods.get("pod") for v in live] == ["shop/web-1", "shop/db-0", None]
+
+
+def test_pod_of_a_namespace_from_crictl_and_by_address():
+    from nptrace.node import pods as P
+    doc = {"status": {"network": {"ip": "10.244.1.5"}},
+           "info": {"runtimeSpec": {"linux": {"namespaces": [
+               {"type": "pid"}, {"type": "network", "path": "/var/run/netns/cni-1234"}]}}}}
+    assert P.sandbox_netns(doc) == "/var/run/netns/cni-1234"
+    assert P.sandbox_ips(doc) == ["10.244.1.5"]
+    assert P.sandbox_netns({"status": {}}) is None                  # hostNetwork
+    got = P.netns_pods_by_address({"10.244.1.5": "shop/web-1"}.get,
+                                  lambda: {11: "cni-1234", 12: "npt-node1"},
+                                  {"cni-1234": ("127.0.0.1", "10.244.1.5"),
+                                   "npt-node1": ("192.168.10.11",)}.get)
+    assert got == {11: "shop/web-1"}
