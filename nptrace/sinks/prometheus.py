@@ -49,7 +49,7 @@ UNKNOWN_IFACE = "unknown"  # an ifindex whose name could not be found
 # against it).
 METRIC_NAMES = frozenset({
     "nptrace_resets_total", "nptrace_drops_total", "nptrace_anomalies_total",
-    "nptrace_service_events_total",
+    "nptrace_service_events_total", "nptrace_incidents_total",
     "nptrace_kernel_events_total", "nptrace_events_lost_total", "nptrace_events_emitted_total",
     "nptrace_events_filtered_total", "nptrace_events_sampled_total", "nptrace_flows_tracked",
     "nptrace_probe_up",
@@ -186,8 +186,15 @@ class MetricsSink:
         self.by_service = Counter("nptrace_service_events",
                                   "Labeled resets, drops and anomalies by kube-proxy Service",
                                   ["service", "kind", "cause"], registry=registry)
+        # Incidents (one per line `run` prints before collapsing: the events of one connection),
+        # beside the record counters above, which count every kernel record under its cause
+        # once count_exactly() is on: `report`'s cause table and alerting on failed
+        # connections use this one.
+        self.incidents = Counter("nptrace_incidents", "Incidents (failed connections) by kind "
+                                 "and cause", ["kind", "cause", "iface"], registry=registry)
         self.collector: KernelCollector | None = None
         self._children: dict[tuple, tuple] = {}
+        self._incident_children: dict[tuple, object] = {}
         # user-space losses (nptrace/losses.py stages; the ring's is nptrace_events_lost_total)
         self.losses = Counter("nptrace_user_losses", "Records or messages lost or skipped in "
                               "user space, by stage", ["stage"], registry=registry)
@@ -218,12 +225,17 @@ class MetricsSink:
         return self.collector
 
     def write(self, v: Verdict) -> None:
-        if self.exact is not None:
-            return
         # labels() validates and locks on every call (a few us each, twice per verdict): the
         # children are kept here by their label values, bounded like the labels themselves
         iface = self.ifaces(v.iface)
         kind = v.kind
+        ik = (kind, v.cause, iface)
+        child = self._incident_children.get(ik)
+        if child is None:
+            child = self._incident_children[ik] = self.incidents.labels(*ik)
+        child.inc()
+        if self.exact is not None:
+            return       # the record families come from the kernel's cause keys
         key = (kind, v.cause, iface, v.direction, self.services(v.service))
         pair = self._children.get(key)
         if pair is None:

@@ -157,13 +157,20 @@ def test_prometheus_scrapes_a_traced_run_and_every_dashboard_query_has_data(
             lab.down(sc, prefix=prefix)
     assert p.returncode == 0, err[-3000:]
     assert "final counts on" in err and "not scraped" not in err, err[-3000:]
-    # The counters behind the per-cause panels (the panel's selector and grouping, without
-    # rate()), as of the last scrape: the target is gone, so its series are stale now and an
-    # instant selector returns nothing; a range keeps the samples.
+    # Incidents per cause, as of the last scrape (report's cause table counts incidents; the
+    # nptrace_resets/drops/anomalies families count every kernel record under its cause).
+    # The target is gone, so its series are stale now and an instant selector returns
+    # nothing; a range keeps the samples.
     live = Counter()
+    for s in query(base, 'sum by (cause) (max_over_time(nptrace_incidents_total'
+                         '{instance=~".*"}[5m]))'):
+        live[s["metric"]["cause"]] += int(float(s["value"][1]))
+    # every record the incidents gather is in the record families, under some cause
+    records = Counter()
     for m in ("nptrace_resets_total", "nptrace_drops_total", "nptrace_anomalies_total"):
         for s in query(base, f'sum by (cause) (max_over_time({m}{{instance=~".*"}}[5m]))'):
-            live[s["metric"]["cause"]] += int(float(s["value"][1]))
+            records[s["metric"]["cause"]] += int(float(s["value"][1]))
+    assert sum(records.values()) >= sum(live.values()) > 0, (dict(records), dict(live))
     empty = [(t, q) for t, q in dashboard_queries() if not results[q]]
     assert not empty, empty
     causes, text = report_causes(sessions)
