@@ -183,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class HealthServer:
-    """MetricsServer's interface (url, port, host, close)."""
+    """The metrics and health server: url, port, host, close."""
 
     def __init__(self, httpd, thread, host: str, port: int, scrapes: Scrapes | None = None):
         self.httpd, self.thread, self.host, self.port = httpd, thread, host, port

@@ -27,7 +27,6 @@ belongs to the main thread.
 """
 from __future__ import annotations
 
-import errno
 import threading
 from typing import Callable, Mapping
 
@@ -269,41 +268,3 @@ def parse_addr(addr: str) -> tuple[str, int]:
     # An unbracketed IPv6 address takes the last ":N" as the port: the DaemonSet passes
     # $(NODE_IP):9464, and status.hostIP is unbracketed on IPv6 nodes.
     return host, int(port)
-
-
-class MetricsServer:
-    def __init__(self, httpd, thread, host: str, port: int):
-        self.httpd, self.thread, self.host, self.port = httpd, thread, host, port
-
-    @property
-    def url(self) -> str:
-        h = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{h}:{self.port}/metrics"
-
-    def close(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
-
-
-def serve(addr: str, registry: CollectorRegistry) -> MetricsServer:
-    """Start prometheus_client's HTTP server on a daemon thread. Port 0 picks a free port
-    (tests); the bound port is MetricsServer.port."""
-    from prometheus_client import start_http_server
-    host, port = parse_addr(addr)
-    try:
-        got = start_http_server(port, addr=host, registry=registry)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise NptraceError(f"metrics address {addr} in use: stop the other exporter or "
-                               "choose another --metrics-addr") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise NptraceError(f"metrics address {addr}: no such local address") from None
-        raise NptraceError(f"cannot serve metrics on {addr}: {e.strerror or e}") from None
-    except (ValueError, UnicodeError) as e:   # unresolvable host name
-        raise NptraceError(f"bad metrics address {addr!r}: {e}") from None
-    # prometheus_client < 0.19 returns None: no handle to stop it or read the port.
-    httpd, thread = got if isinstance(got, tuple) else (None, None)
-    bound = httpd.server_address[1] if httpd is not None else port
-    return MetricsServer(httpd, thread, host, bound)

@@ -11,6 +11,7 @@ from nptrace import events as ev
 from nptrace.classify import Context, classify
 from nptrace.errors import NptraceError
 from nptrace.sinks import prometheus as P
+from nptrace.sinks.health import serve
 
 NS = 4026531840
 CTX = Context(drop_name=lambda v: {16: "IP_RPFILTER"}.get(v, f"REASON_{v}"),
@@ -173,7 +174,7 @@ def test_serve_and_scrape_a_real_endpoint():
     reg, sink = watched()
     for v in verdicts():
         sink.write(v)
-    srv = P.serve("127.0.0.1:0", reg)
+    srv = serve("127.0.0.1:0", reg)
     try:
         assert srv.port > 0
         with urllib.request.urlopen(srv.url, timeout=10) as r:
@@ -200,7 +201,7 @@ def test_port_in_use_is_one_line():
     port = s.getsockname()[1]
     try:
         with pytest.raises(NptraceError) as ex:
-            P.serve(f"127.0.0.1:{port}", CollectorRegistry())
+            serve(f"127.0.0.1:{port}", CollectorRegistry())
     finally:
         s.close()
     assert str(ex.value).startswith(f"metrics address 127.0.0.1:{port} in use")
@@ -209,4 +210,4 @@ def test_port_in_use_is_one_line():
 
 def test_address_not_on_this_host_is_one_line():
     with pytest.raises(NptraceError, match="no such local address"):
-        P.serve("192.0.2.123:0", CollectorRegistry())     # TEST-NET-1: never local; no traffic sent
+        serve("192.0.2.123:0", CollectorRegistry())     # TEST-NET-1: never local; no traffic sent
