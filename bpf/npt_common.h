@@ -85,6 +85,8 @@ static __always_inline void npt_count(struct npt_event *e)
 	u64 zero = 0, *v = counts.lookup_or_try_init(&k, &zero);
 	if (v)
 		(*v)++;
+	else            /* the map is full (NPT_MAX_COUNTS kinds): never counted nowhere */
+		npt_stat_inc(NPT_S_COUNT_FULL);
 }
 
 #ifndef NPT_NF_NAT_ONLY

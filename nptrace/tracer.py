@@ -532,6 +532,8 @@ class Tracer:
                     log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
                         f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
                         f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked"
+                        + (f", {st['count_full']} past the full counts map"
+                           if st.get("count_full") else "")
                         + (f"; losses so far: {more}" if more else ""))
                 timeout = 100   # woken sooner only every WAKE_EVERY records a CPU emits
                 if end is not None:
@@ -661,6 +663,10 @@ class Tracer:
         if lost:
             log(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
                 "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
+        if stats.get("count_full"):
+            log(f"WARNING: {stats['count_full']} events found the exact counts map full (more "
+                "kinds of record than its slots): counted in nptrace_events_count_full_total "
+                "only, not per kind")
         if stats.get("sampled"):
             log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
         if out_errors and not self.output_failed:

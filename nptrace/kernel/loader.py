@@ -43,6 +43,7 @@ class Stat(enum.IntEnum):
     FILTERED = 2
     SAMPLED = 3
     FLOW_KEPT = 4
+    COUNT_FULL = 5
 
 
 # bcc 0.26 prepends `#define bpf_probe_read_kernel bpf_probe_read` when it cannot find the

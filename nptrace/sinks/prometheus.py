@@ -50,7 +50,8 @@ METRIC_NAMES = frozenset({
     "nptrace_resets_total", "nptrace_drops_total", "nptrace_anomalies_total",
     "nptrace_service_events_total", "nptrace_incidents_total",
     "nptrace_kernel_events_total", "nptrace_events_lost_total", "nptrace_events_emitted_total",
-    "nptrace_events_filtered_total", "nptrace_events_sampled_total", "nptrace_flows_tracked",
+    "nptrace_events_filtered_total", "nptrace_events_sampled_total",
+    "nptrace_events_count_full_total", "nptrace_flows_tracked",
     "nptrace_probe_up",
     "nptrace_kernel_counters_up",
 })
@@ -141,7 +142,10 @@ class KernelCollector:
                                ("emitted", "Event records written to the ring buffer"),
                                ("filtered", "Events the in-kernel port/host filters rejected"),
                                ("sampled", "Events counted but not sent to user space: over "
-                                           "--max-rate (whole connections are left out)")):
+                                           "--max-rate (whole connections are left out)"),
+                               ("count_full", "Events the exact per-kind counts map had no "
+                                              "room for (more kinds than its 16384 slots): "
+                                              "counted only here")):
                 c = CounterMetricFamily(f"nptrace_events_{key}", help_)
                 c.add_metric([], int(stats.get(key, 0)))
                 yield c

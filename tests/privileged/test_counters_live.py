@@ -75,3 +75,36 @@ def test_counts_exact_when_ring_overflows(netns):
               f"{len(got)} records left in the ring")
     finally:
         probes.close()
+
+
+def test_a_full_counts_map_still_counts_every_record(netns):
+    """More kinds of record than the counts map has slots: the records that find it full are
+    counted in the count_full stat, so counts + count_full is every record (emitted + lost)."""
+    from nptrace import reasons
+    from nptrace.config import Config
+    from nptrace.kernel import btf, offsets
+    from nptrace.kernel.loader import Probes
+
+    ns, _inode = netns
+    b = btf.default()
+    drops, _ = reasons.load_tables(b)
+    # two slots: a refused connect alone makes three kinds (the SYN's drop, the RST sent,
+    # the RST received)
+    probes = Probes(Config(max_counts=2), offsets.cflags(b), drops, TRACEPOINTS)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", GENERATOR,
+                            "200", str(CLOSED_PORT)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 5
+        while True:
+            counted = sum(probes.counts().values())
+            st = probes.stats()
+            if counted + st["count_full"] == st["emitted"] + st["lost"] or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(probes.counts()) <= 2
+        assert st["count_full"] > 0, st
+        assert counted + st["count_full"] == st["emitted"] + st["lost"], (counted, st)
+    finally:
+        probes.close()
