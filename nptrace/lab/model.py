@@ -16,6 +16,7 @@ Steps change the lab while the trigger's connections are held open (triggers wit
   {kind = "add_pod", host = POD}       the pod (re)appears with its addresses and server; a
                                        host with ``pending = true`` exists only from this step
   {kind = "run", host = H, argv = [...]} one command on a host
+  {kind = "wait", seconds = S}         time passing (a pod's termination grace period)
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface
 OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
 BACKENDS = ("iptables", "iptables-legacy", "nft")
 HOST_KINDS = ("client", "router", "node", "pod")
-STEP_KINDS = ("rules", "delete_pod", "add_pod", "run")
+STEP_KINDS = ("rules", "delete_pod", "add_pod", "run", "wait")
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -220,7 +221,7 @@ def validate(spec: Spec) -> None:
         kind = st.get("kind")
         if kind not in STEP_KINDS:
             raise UsageError(f"{where}: step kind {kind!r} is not one of {', '.join(STEP_KINDS)}")
-        if kind != "rules" and st.get("host") not in spec.hosts:
+        if kind not in ("rules", "wait") and st.get("host") not in spec.hosts:
             raise UsageError(f"{where}: {kind} step on unknown host {st.get('host')!r}")
         if kind in ("delete_pod", "add_pod") and spec.hosts[st["host"]]["kind"] != "pod":
             raise UsageError(f"{where}: {kind} step on {st['host']}, which is not a pod")

@@ -68,7 +68,7 @@ def _check_tools(backend: str) -> None:
 
 def _info(spec: Spec, backend: str, prefix: str) -> LabInfo:
     ns = netns.lab_namespaces(spec, prefix)
-    gone = {h for h, d in spec.hosts.items() if d.get("gone")}
+    gone = {h for h, d in spec.hosts.items() if d.get("gone") or d.get("pending")}   # not there now
     watch = [f"{ns[n]}/{i}" for n in spec.nodes() for i in spec.hosts[n].get("watch", spec.hosts[n]["ifaces"])]
     nodes = {n: [f"{i} {a}" for i, d in spec.hosts[n]["ifaces"].items() for a in d.get("addrs", [])]
              for n in spec.nodes()}
@@ -190,6 +190,8 @@ def run_steps(spec: Spec, state: dict, prefix: str) -> None:
             _delete_pod(spec, st["host"], ns, state)
         elif kind == "add_pod":
             _add_pod(spec, st["host"], ns, state["backend"], state)
+        elif kind == "wait":
+            time.sleep(float(st["seconds"]))
         elif kind == "run":
             netns.sh(["ip", "netns", "exec", ns[st["host"]], *map(str, st["argv"])])
         netns.save_state(prefix, state)
