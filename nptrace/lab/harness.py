@@ -64,6 +64,12 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
                         time.sleep(pause)
                         attempts += lab.trigger(name, count=count, prefix=prefix)
                     time.sleep(settle)   # let the last records reach user space
+                    if inode_sink is not None:   # pods a scenario's steps (re)created
+                        for ns in (lab.status(prefix=prefix) or {}).get("namespaces", []):
+                            try:
+                                inode_sink[f"{ns}@after"] = os.stat(f"/run/netns/{ns}").st_ino
+                            except OSError:
+                                pass
                 finally:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGINT)

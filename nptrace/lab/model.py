@@ -4,8 +4,19 @@ A scenario file holds: name, story (one line), cause, service ("ns/name:port"), 
 notes, [topology] and [services] tables deep-merged into data/topology.toml, [[trigger]]
 entries (who connects where, expected client-visible outcomes), optional [[lb_view]]
 health-check probes, optional [kube_proxy] switches (faults, no_local), optional
-``backends`` (default: all), and optional [variants.NAME] tables deep-merged over the
-scenario itself.
+``backends`` (default: all), optional [[step]] entries, and optional [variants.NAME]
+tables deep-merged over the scenario itself.
+
+Steps change the lab while the trigger's connections are held open (triggers with a
+``then`` table: the second exchange comes after every step), in order:
+  {kind = "rules", services = {...}}   kube-proxy re-renders every node's rules with these
+                                       [services] tables merged in (an endpoint removed)
+  {kind = "delete_pod", host = POD}    the pod is deleted: its veth goes first (CNI DEL), so
+                                       its sockets die without a FIN reaching anyone
+  {kind = "add_pod", host = POD}       the pod (re)appears with its addresses and server; a
+                                       host with ``pending = true`` exists only from this step
+  {kind = "run", host = H, argv = [...]} one command on a host
+  {kind = "wait", seconds = S}         time passing (a pod's termination grace period)
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface
 OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
 BACKENDS = ("iptables", "iptables-legacy", "nft")
 HOST_KINDS = ("client", "router", "node", "pod")
+STEP_KINDS = ("rules", "delete_pod", "add_pod", "run", "wait")
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -102,12 +114,15 @@ class Spec:
     faults: frozenset
     no_local: str
     backends: tuple[str, ...]
+    steps: list = field(default_factory=list)
 
     def host_ns(self, host: str, prefix: str) -> str:
         return f"{prefix}{host}"
 
-    def pods(self, node: str | None = None) -> list[str]:
-        return [h for h, d in self.hosts.items() if d["kind"] == "pod" and (node is None or d["node"] == node)]
+    def pods(self, node: str | None = None, pending: bool = False) -> list[str]:
+        """Pod hosts (on ``node``); those that only appear in a step (``pending``) with pending=True."""
+        return [h for h, d in self.hosts.items() if d["kind"] == "pod" and (node is None or d["node"] == node)
+                and (pending or not d.get("pending"))]
 
     def nodes(self) -> list[str]:
         return [h for h, d in self.hosts.items() if d["kind"] == "node"]
@@ -141,6 +156,13 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
         backends=tuple(raw.get("backends", BACKENDS)),
     )
+    for st in raw.get("step", []):
+        st = dict(st)
+        if st.get("kind") == "rules":   # the Service tables after the change, compiled now
+            after = deep_merge(services_raw, st.get("services", {}))
+            st["compiled"] = _with_scale([_service(k, v, hosts) for k, v in sorted(after.items())],
+                                         int(kp.get("scale", 0)), topo["service_cidr"])
+        spec.steps.append(st)
     validate(spec)
     return spec
 
@@ -195,6 +217,18 @@ def validate(spec: Spec) -> None:
         if bad or not t.get("expect"):
             raise UsageError(f"{where}: trigger expect must list outcomes from {OUTCOMES}, got {t.get('expect')}")
         ipaddress.ip_address(t["dst"])
+    for st in spec.steps:
+        kind = st.get("kind")
+        if kind not in STEP_KINDS:
+            raise UsageError(f"{where}: step kind {kind!r} is not one of {', '.join(STEP_KINDS)}")
+        if kind not in ("rules", "wait") and st.get("host") not in spec.hosts:
+            raise UsageError(f"{where}: {kind} step on unknown host {st.get('host')!r}")
+        if kind in ("delete_pod", "add_pod") and spec.hosts[st["host"]]["kind"] != "pod":
+            raise UsageError(f"{where}: {kind} step on {st['host']}, which is not a pod")
+        if kind == "run" and not st.get("argv"):
+            raise UsageError(f"{where}: run step without argv")
+    if spec.steps and not any(t.get("then") for t in spec.trigger):
+        raise UsageError(f"{where}: [[step]] entries need a trigger with a `then` table (held connections)")
     for b in spec.backends:
         if b not in BACKENDS:
             raise UsageError(f"{where}: backend {b!r} is not one of {', '.join(BACKENDS)}")

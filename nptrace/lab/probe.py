@@ -4,6 +4,12 @@ Run by path (stdlib only) inside the client namespace; reads a JSON spec on stdi
 ``{"targets": [{"src": ADDR|null, "dst": ADDR, "port": N, "count": N, "timeout": S,
 "payload": STR}]}`` and writes a JSON list of attempts on stdout.
 
+A target with ``"then": {"payload": STR, "timeout": S}`` holds its connection open after the
+first answer (a long-lived connection): once every attempt is answered or failed, the probe
+prints ``{"held": N}`` on stdout and waits for one line on stdin (the runner changes the lab
+meanwhile: a rollout), then sends the second payload on every held connection; the attempt's
+outcome is then the second exchange's, in phase "after".
+
 All sockets are non-blocking and started together, so 100 attempts against a silent drop
 cost one timeout, not 100. Outcome of one attempt, from what the socket API reports:
   ok           connected, sent the payload, got at least one byte back
@@ -33,7 +39,7 @@ _CONNECT_ERRORS = {
 
 class _Attempt:
     __slots__ = ("sock", "src", "sport", "dst", "dport", "t0", "deadline", "phase",
-                 "payload", "outcome", "error", "elapsed", "reply", "read_all", "buf")
+                 "payload", "outcome", "error", "elapsed", "reply", "read_all", "buf", "then", "held")
 
     def __init__(self, t, now):
         self.src, self.dst, self.dport = t.get("src") or "", t["dst"], int(t["port"])
@@ -43,6 +49,7 @@ class _Attempt:
         self.outcome = self.error = self.reply = None
         self.elapsed = 0.0
         self.read_all, self.buf = bool(t.get("read_all")), b""
+        self.then, self.held = t.get("then"), False
 
     def finish(self, outcome, error=""):
         self.outcome, self.error = outcome, error
@@ -112,6 +119,9 @@ def _on_event(a, sel):
     sel.unregister(s)
     if a.read_all and a.buf:
         data = a.buf
+    if data and a.then and not a.held:
+        a.held, a.reply = True, data.decode(errors="replace").splitlines()[0][:200]
+        return
     if data:
         a.reply = data.decode(errors="replace").splitlines()[0][:200] if data.strip() else ""
         a.finish("ok")
@@ -119,14 +129,43 @@ def _on_event(a, sel):
         a.finish("closed", "EOF")
 
 
-def run(targets):
+def _second(a, sel, now):
+    """Phase 2 of a held connection: send the second payload, wait for its answer."""
+    a.phase, a.t0 = "after", now
+    a.deadline = now + float(a.then.get("timeout", 2.0))
+    try:
+        a.sock.send(a.then.get("payload", "again\n").encode())
+    except OSError as e:
+        a.finish("reset" if e.errno in (errno.ECONNRESET, errno.EPIPE) else "error", _errname(e.errno))
+        return
+    sel.register(a.sock, selectors.EVENT_READ, a)
+
+
+def run(targets, control=None):
     sel = selectors.DefaultSelector()
     now = time.monotonic()
     attempts = [_Attempt(t, now) for t in targets for _ in range(int(t.get("count", 1)))]
     for a in attempts:
         _start(a, sel)
+    _loop(attempts, sel)
+    held = [a for a in attempts if a.held and a.outcome is None]
+    if any(a.then for a in attempts):
+        if control is not None:
+            control(len(held))
+        now = time.monotonic()
+        for a in held:
+            _second(a, sel, now)
+        _loop(attempts, sel)
+    for a in attempts:
+        if a.sock is not None:
+            a.sock.close()
+    sel.close()
+    return [a.as_dict() for a in attempts]
+
+
+def _loop(attempts, sel):
     while True:
-        pending = [a for a in attempts if a.outcome is None]
+        pending = [a for a in attempts if a.outcome is None and not (a.held and a.phase != "after")]
         if not pending:
             break
         now = time.monotonic()
@@ -143,20 +182,21 @@ def run(targets):
             continue
         for key, _ in sel.select(timeout=wait):
             _on_event(key.data, sel)
-    for a in attempts:
-        if a.sock is not None:
-            a.sock.close()
-    sel.close()
-    return [a.as_dict() for a in attempts]
+
+
+def _wait_for_go(n):
+    sys.stdout.write(json.dumps({"held": n}) + "\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
 
 
 def main():
-    spec = json.load(sys.stdin)
+    spec = json.loads(sys.stdin.readline())
     # one socket per attempt, all open at once: lift the soft fd limit (often 1024) to the hard one
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    json.dump(run(spec["targets"]), sys.stdout)
+    json.dump(run(spec["targets"], _wait_for_go), sys.stdout)
     sys.stdout.write("\n")
     return 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import model, netns
 from .errors import LabError, NotUp, UsageError
-from .hostplan import host_steps
+from .hostplan import host_steps, kube_proxy_steps, pod_veth
 from .model import BACKENDS, Spec
 
 PROBE = str(Path(__file__).with_name("probe.py"))
@@ -68,7 +68,7 @@ def _check_tools(backend: str) -> None:
 
 def _info(spec: Spec, backend: str, prefix: str) -> LabInfo:
     ns = netns.lab_namespaces(spec, prefix)
-    gone = {h for h, d in spec.hosts.items() if d.get("gone")}
+    gone = {h for h, d in spec.hosts.items() if d.get("gone") or d.get("pending")}   # not there now
     watch = [f"{ns[n]}/{i}" for n in spec.nodes() for i in spec.hosts[n].get("watch", spec.hosts[n]["ifaces"])]
     nodes = {n: [f"{i} {a}" for i, d in spec.hosts[n]["ifaces"].items() for a in d.get("addrs", [])]
              for n in spec.nodes()}
@@ -109,18 +109,20 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
         raise LabError(f"scenario {st['scenario']} is already up under prefix {prefix!r}; "
                        f"run `nptrace lab down {st['scenario']}` first")
     ns = netns.lab_namespaces(spec, prefix)
+    pending = {h for h, d in spec.hosts.items() if d.get("pending")}   # appear in a step
+    live = {h: n for h, n in ns.items() if h not in pending}
     leftovers = sorted(set(ns.values()) & netns.existing_namespaces())
     if leftovers:
         raise LabError(f"namespace(s) {', '.join(leftovers)} exist from an earlier run; "
                        f"run `nptrace lab down --all` first")
     state = {"scenario": name, "variant": variant, "backend": backend, "prefix": prefix,
-             "namespaces": sorted(ns.values()), "pids": [], "started": time.time()}
+             "namespaces": sorted(live.values()), "pids": [], "started": time.time()}
     netns.save_state(prefix, state)  # before anything exists, so `down` can clean a half-made lab
     try:
-        netns.make_namespaces(ns.values())
+        netns.make_namespaces(live.values())
         netns.wire(spec, ns)
         procs = []
-        for host in sorted(spec.hosts, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
+        for host in sorted(set(spec.hosts) - pending, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
             for argv in netns.run_batched(ns[host], host_steps(spec, host, backend)):
                 procs.append(netns.spawn(ns[host], argv, netns.log_dir(prefix) / f"{host}.log"))
                 state["pids"].append(procs[-1].pid)
@@ -135,6 +137,64 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
         _teardown(prefix, state)
         raise
     return _info(spec, backend, prefix)
+
+
+def _rules_step(spec: Spec, st: dict, ns: dict, backend: str) -> None:
+    """kube-proxy's next sync: every node's rules re-rendered from the changed Services, loaded
+    the way kube-proxy loads them (iptables-restore --noflush rewrites every chain it declares;
+    nft replaces its table in one transaction). Conntrack entries are left alone, as kube-proxy
+    leaves TCP entries alone."""
+    import dataclasses
+    after = dataclasses.replace(spec, services=st["compiled"])
+    for node in spec.nodes():
+        for step in kube_proxy_steps(after, node, backend):
+            if step.argv[0] == "nft":
+                netns.sh(["ip", "netns", "exec", ns[node], *step.argv],
+                         input="delete table ip kube-proxy\n" + step.input)
+            elif step.input is not None:   # the jumps are there already
+                netns.sh(["ip", "netns", "exec", ns[node], *step.argv], input=step.input)
+
+
+def _delete_pod(spec: Spec, pod: str, ns: dict, state: dict) -> None:
+    node = spec.hosts[pod]["node"]
+    netns.sh(["ip", "-n", ns[node], "link", "del", pod_veth(pod)], check=False)
+    netns.delete_namespaces([ns[pod]])
+    state["namespaces"] = [n for n in state["namespaces"] if n != ns[pod]]
+
+
+def _add_pod(spec: Spec, pod: str, ns: dict, backend: str, state: dict) -> None:
+    node = spec.hosts[pod]["node"]
+    bridge = next(i for i, d in spec.hosts[node]["ifaces"].items() if d.get("type") == "bridge")
+    netns.make_namespaces([ns[pod]])
+    state["namespaces"] = sorted({*state["namespaces"], ns[pod]})
+    netns.save_state(state["prefix"], state)
+    v = pod_veth(pod)
+    netns.sh(["ip", "-n", ns[node], "link", "add", v, "type", "veth", "peer", "name", "eth0", "netns", ns[pod]])
+    netns.sh(["ip", "-n", ns[node], "link", "set", v, "master", bridge, "up"])
+    procs = []
+    for argv in netns.run_batched(ns[pod], host_steps(spec, pod, backend)):
+        procs.append(netns.spawn(ns[pod], argv, netns.log_dir(state["prefix"]) / f"{pod}.log"))
+        state["pids"].append(procs[-1].pid)
+    netns.save_state(state["prefix"], state)
+    netns.wait_ready(procs)
+
+
+def run_steps(spec: Spec, state: dict, prefix: str) -> None:
+    """Apply the scenario's [[step]] entries to the lab that is up (see model.py)."""
+    ns = netns.lab_namespaces(spec, prefix)
+    for st in spec.steps:
+        kind = st["kind"]
+        if kind == "rules":
+            _rules_step(spec, st, ns, state["backend"])
+        elif kind == "delete_pod":
+            _delete_pod(spec, st["host"], ns, state)
+        elif kind == "add_pod":
+            _add_pod(spec, st["host"], ns, state["backend"], state)
+        elif kind == "wait":
+            time.sleep(float(st["seconds"]))
+        elif kind == "run":
+            netns.sh(["ip", "netns", "exec", ns[st["host"]], *map(str, st["argv"])])
+        netns.save_state(prefix, state)
 
 
 def _teardown(prefix: str, state: dict) -> None:
@@ -197,6 +257,29 @@ def _run_probe(netns_name: str, targets: list[dict], timeout: float) -> list[dic
     return json.loads(p.stdout)
 
 
+def _run_probe_held(netns_name: str, targets: list[dict], timeout: float, between) -> list[dict]:
+    """The probe with held connections: ``between()`` runs once they are all established."""
+    p = subprocess.Popen(["ip", "netns", "exec", netns_name, sys.executable, PROBE], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        p.stdin.write(json.dumps({"targets": targets}) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        if not line.startswith("{\"held\""):
+            raise LabError(f"probe in {netns_name} failed: {p.stderr.read().strip()[-500:]}")
+        between()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=timeout + 30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if p.returncode != 0:
+        raise LabError(f"probe in {netns_name} failed: {err.strip()[-500:]}")
+    return json.loads(out)
+
+
 def trigger(name: str, count: int = 50, prefix: str | None = None) -> list[Attempt]:
     """Make ``count`` real connections (spread over the scenario's trigger entries) at once."""
     if count < 1:
@@ -211,12 +294,26 @@ def trigger(name: str, count: int = 50, prefix: str | None = None) -> list[Attem
     for t, n in zip(entries, per):
         if n:
             target = {"src": t.get("src"), "dst": t["dst"], "port": t["port"], "count": n,
-                      "timeout": t.get("timeout", 2.0), "payload": t.get("payload", "hello\n")}
+                      "timeout": t.get("timeout", 2.0), "payload": t.get("payload", "hello\n"),
+                      "then": t.get("then")}
             by_host.setdefault(t["from"], []).append((target, t))
+    if spec.steps:
+        if st.get("stepped"):
+            raise LabError(f"scenario {name} changed the lab in its first trigger (its steps: a rollout); "
+                           f"run `nptrace lab down {name}` and `up` again to trigger it again")
+        if len(by_host) != 1:
+            raise LabError(f"scenario {name}: held connections must all come from one host")
     attempts = []
     for host, pairs in by_host.items():
         ns = f"{prefix}{host}"
-        results = _run_probe(ns, [p[0] for p in pairs], max(p[0]["timeout"] for p in pairs))
+        tmax = max(p[0]["timeout"] + (p[0]["then"] or {}).get("timeout", 0) for p in pairs)
+        if spec.steps:
+            def between():
+                st["stepped"] = True
+                run_steps(spec, st, prefix)
+            results = _run_probe_held(ns, [p[0] for p in pairs], tmax, between)
+        else:
+            results = _run_probe(ns, [p[0] for p in pairs], tmax)
         i = 0
         for target, t in pairs:
             for r in results[i:i + target["count"]]:

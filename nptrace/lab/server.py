@@ -8,6 +8,8 @@ Listener modes, ``PORT:MODE[:ARG]``:
   echo            read one request, answer ``ok <name> peer=<addr>:<port>`` (the peer shows
                   whether the client address survived: SNAT or not), close.
   delay:S         like echo but wait S seconds before answering (idle connection).
+  hold            answer every request line like echo and keep the connection open until
+                  the peer closes: a long-lived connection (a rollout's in-flight traffic).
   reset           read one request, then close with SO_LINGER {on, 0}: the kernel sends a
                   RST instead of a FIN (tcp_disconnect from tcp_close), i.e. the app aborts.
   hc:NS/NAME:N    kube-proxy's healthCheckNodePort answer for Service NS/NAME with N local
@@ -39,6 +41,12 @@ def _echo(conn, peer, name, delay=0.0):
     if delay:
         time.sleep(delay)
     conn.sendall(f"ok {name} peer={peer[0]}:{peer[1]}\n".encode())
+
+
+def _hold(conn, peer, name):
+    conn.settimeout(None)
+    while conn.recv(4096):
+        conn.sendall(f"ok {name} peer={peer[0]}:{peer[1]}\n".encode())
 
 
 def _reset(conn, peer, name):
@@ -85,6 +93,8 @@ def _handler(mode, arg):
         return lambda c, p, n: _echo(c, p, n, float(arg))
     if mode == "reset":
         return _reset
+    if mode == "hold":
+        return _hold
     if mode == "hc":
         return lambda c, p, n: _hc(c, p, n, arg)
     raise SystemExit(f"server: unknown mode {mode!r}")

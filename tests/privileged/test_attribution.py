@@ -17,6 +17,19 @@ PREFIX = f"npt-at{os.getpid() % 10000}-"
 CASES = [(sc, b, None) for sc in lab.scenarios() for b in sc.backends] + \
     [(sc, "iptables", v) for sc in lab.scenarios() for v in sc.variants]
 SCORES = []
+# Cases the lab reproduces and nptrace does not yet label right: strict, so a fix shows up as
+# a failure that asks for the entry to go.
+KNOWN_GAPS = {
+    ("rollout-in-flight", "iptables", "address-reused"):
+        "labeled app_reset (endpoint lost its state): the service map still lists 10.244.0.10 "
+        "as web's endpoint when the new pod's listener resets the old connections (issue 20)",
+}
+
+
+def _case(sc, b, v):
+    gap = KNOWN_GAPS.get((sc.name, b, v))
+    marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+    return pytest.param(sc, b, v, marks=marks, id=f"{sc.name}{'/' + v if v else ''}@{b}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,8 +39,7 @@ def matrix():
         print("\n" + matrix_markdown(SCORES))
 
 
-@pytest.mark.parametrize("sc,backend,variant", CASES,
-                         ids=[f"{sc.name}{'/' + v if v else ''}@{b}" for sc, b, v in CASES])
+@pytest.mark.parametrize("sc,backend,variant", [_case(*c) for c in CASES])
 def test_scenario_gets_its_cause(sc, backend, variant):
     s = score(sc.name, sc.cause, COUNT, backend=backend, variant=variant, prefix=PREFIX,
               observe=sc.observe)

@@ -32,9 +32,11 @@ def test_predicts_the_scenario_cause(path):
 
 
 def test_every_scenario_has_a_fixture():
+    """Except the scenarios whose fault is made by [[step]]s between the trigger's two halves
+    (a rollout): explain predicts from a snapshot taken before, when the path is healthy."""
     from nptrace import lab
     have = {json.loads(p.read_text())["scenario"] for p in CASES}
-    assert have == {s.name for s in lab.scenarios()}
+    assert have == {s.name for s in lab.scenarios() if not lab.model.compile_spec(s.name).steps}
 
 
 def test_facts_round_trip():

@@ -54,7 +54,35 @@ def test_causes_cover_the_issue_list():
         "rp-filter-asymmetric": "rp_filter", "missing-snat": "snat", "wrong-interface": "wrong_iface",
         "networkpolicy-drop": "policy_drop", "no-listener": "no_listener", "stale-endpoint": "proxy",
         "conntrack-invalid": "conntrack_invalid", "app-reset": "app_reset", "healthy": None,
+        "rollout-in-flight": "proxy", "container-restart": "app_reset",
     }
+
+
+def test_rollout_steps_remove_the_endpoint_then_the_pod():
+    """Issue 20 item 1: the rules lose web-0 before web-0 is deleted; (b) a new pod takes its
+    address; the container restart keeps web-0 an endpoint and never re-renders the rules."""
+    a = model.compile_spec("rollout-in-flight")
+    assert [s["kind"] for s in a.steps] == ["rules", "wait", "delete_pod", "run"]
+    [web] = [svc for svc in a.steps[0]["compiled"] if svc.name == "web"]
+    assert "10.244.0.10" not in {e.ip for e in web.endpoints}
+    assert all(t.get("then") for t in a.trigger)
+    assert "other-0" not in a.pods() and "other-0" not in model.compile_spec("rollout-in-flight").hosts
+    b = model.compile_spec("rollout-in-flight", "address-reused")
+    assert b.steps[-1] == {"kind": "add_pod", "host": "other-0"}
+    assert b.hosts["other-0"]["ifaces"]["eth0"]["addrs"][0].startswith("10.244.0.10/")
+    assert "other-0" in b.pods(pending=True) and "other-0" not in b.pods()
+    r = model.compile_spec("container-restart")
+    assert "rules" not in {s["kind"] for s in r.steps} and r.steps[-1]["host"] == "web-0"
+
+
+def test_steps_need_held_connections(tmp_path, monkeypatch):
+    raw = (model.DATA / "scenarios" / "12-container-restart.toml").read_text()
+    (tmp_path / "scenarios").mkdir()
+    (tmp_path / "topology.toml").write_text((model.DATA / "topology.toml").read_text())
+    (tmp_path / "scenarios" / "x.toml").write_text(raw.replace('then = {', 'x_then = {'))
+    monkeypatch.setattr(model, "DATA", tmp_path)
+    with pytest.raises(model.UsageError, match="held connections"):
+        model.compile_spec("container-restart")
 
 
 def test_nft_backend_for_required_scenarios():
