@@ -34,6 +34,13 @@ def _run_options(fn):
         click.option("-o", "--output", "output", type=click.Choice(["text", "json"]),
                      default=None, help="text: readable lines; json: one JSON object per "
                      "incident per line on stdout (status goes to stderr)."),
+        click.option("--local", is_flag=True,
+                     help="Console times in local time with its UTC offset (default: UTC, "
+                          "RFC 3339 with milliseconds; JSON `ts` is epoch seconds either way)."),
+        click.option("-n", "no_names", is_flag=True,
+                     help="No names the node resolved on the printed lines: addresses and "
+                          "ifindexes, no Service, pod or interface names (causes are still "
+                          "decided with them; metrics, -w and --record keep them)."),
         click.option("-c", "--count", "count", type=click.IntRange(1), default=None,
                      metavar="N", help="Exit after N incidents (after the filters)."),
         click.option("--duration", type=float, metavar="SECONDS",
@@ -141,7 +148,7 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @_run_options
 @filter_options(offline=False)
 @one_line_errors
-def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
+def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
         metrics_final_scrape, node_name, snaplen, pcap_mb, pcap_files, **filters):
     """Trace resets and drops and print each with its cause.
@@ -178,8 +185,9 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
     sink = JsonLines(tracer.epoch_offset_ns, collapse=storm, node=node) if as_json \
-        else Console(tracer.epoch_offset_ns, collapse=storm)
-    tracer.sinks.append(sink)
+        else Console(tracer.epoch_offset_ns, collapse=storm, local=local)
+    from nptrace.sinks.fmt import Unnamed
+    tracer.sinks.append(Unnamed(sink) if no_names else sink)
     try:
         tracer.start()
         if flt:   # printed lines and the pcap; metrics keep every incident
@@ -198,7 +206,7 @@ def run(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_
 @_run_options
 @filter_options(offline=False)
 @one_line_errors
-def dump_bpf(as_json, output, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
+def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
              max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
              record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
              pcap_files, **_filters):

@@ -21,3 +21,9 @@ def printable(text) -> str:
     if s.replace("\n", "").isprintable():
         return s
     return "".join(c if c.isprintable() or c == "\n" else f"\\u{ord(c):04x}" for c in s)
+
+
+def hostport(addr: str, port) -> str:
+    """addr:port, IPv6 as [addr]:port (RFC 3986), for every text that joins the two: console
+    lines, hints, JSON evidence details and the client/frontend/endpoint strings."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"

@@ -545,6 +545,9 @@ def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> 
     if "{iface}" in hint:
         hint = hint.replace("{iface}", iface if isinstance(iface, str) and iface
                             else f"ifindex {ev.ifindex}")
+    if ":" in ev.saddr:     # IPv6: [addr]:port wherever the text joins the two
+        hint = hint.replace("{saddr}:{sport}", f"[{ev.saddr}]:{ev.sport}").replace(
+            "{daddr}:{port}", f"[{ev.daddr}]:{ev.dport}")
     if "{port}" in hint:
         hint = hint.replace("{port}", str(ev.dport))
     if "{sport}" in hint:

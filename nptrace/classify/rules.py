@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from nptrace.events import Event, F_ENCAP, F_HAS_SOCK, TCP_ACK, TCP_SYN
+from nptrace.text import hostport
 
 from .verdict import (APP_RESETS, D_INGRESS, T_ASYM_IFACE, T_ASYM_SRC, T_DROP, T_ICMP,
                       T_RST_RECV, T_RST_SENT, T_WIRE_ICMP, T_WIRE_RST, Context)
@@ -230,9 +231,9 @@ def rule_stale_conntrack(ev, rname, history, ctx):
     service = ctx.service_of(c.orig_dst, c.orig_dport)
     if not service or ctx.endpoint_of(c.reply_src, c.reply_sport) == service:
         return None
-    ep = f"{c.reply_src}:{c.reply_sport}"
+    ep = hostport(c.reply_src, c.reply_sport)
     return ("proxy", 0.85, STALE_CONNTRACK_HINT.format(
-        frontend=f"{c.orig_dst}:{c.orig_dport}", service=service, ep=ep, what=what,
+        frontend=hostport(c.orig_dst, c.orig_dport), service=service, ep=ep, what=what,
         odst=c.orig_dst, epaddr=c.reply_src))
 
 
@@ -261,7 +262,7 @@ def rule_no_listener(ev, rname, history, ctx):
             and ev.answered_flags & (TCP_SYN | TCP_ACK) == TCP_SYN:
         host, port = (ev.saddr, ev.sport) if ev.type == T_RST_SENT else (ev.daddr, ev.dport)
         return ("no_listener", 0.9,
-                f"nothing listens on {host}:{port}: compare {{service}}'s targetPort with the "
+                f"nothing listens on {hostport(host, port)}: compare {{service}}'s targetPort with the "
                 "port the container really listens on (ss -ltn in the pod)")
     return None
 

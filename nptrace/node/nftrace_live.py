@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from nptrace.text import hostport
 from nptrace.node import nftrace
 from nptrace.node.nlmsg import (NFGENMSG_LEN, NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE,
                                 NLMSG_ERROR, attrs, error_of, messages, request)
@@ -396,7 +397,7 @@ class TracedRules:
             to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
         return {"tag": tag, "where": where, "text": text or "(rule text not readable)",
                 "service": service, "to_pod": to_pod, "source": "nft trace",
-                "note": f"seen by nft trace: {d.saddr}:{d.sport} -> {d.daddr}:{d.dport} dropped "
+                "note": f"seen by nft trace: {hostport(d.saddr, d.sport)} -> {hostport(d.daddr, d.dport)} dropped "
                         f"at {d.where()}"}
 
     # -- background drain -----------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections import Counter
 
 import click
@@ -14,8 +13,8 @@ from nptrace.sessions.filteropts import OnlyMatching, filter_from, filter_option
 from nptrace.sessions.format import Problem, SessionError
 from nptrace.sessions.merge import merge
 from nptrace.sessions.replay import Replay
-from nptrace.sessions.report import flow_text, build_report
-from nptrace.sinks import jsonl
+from nptrace.sessions.report import flow_text, loss_dict, render_text, report_data
+from nptrace.sinks import fmt, jsonl
 from nptrace.text import printable
 
 
@@ -34,13 +33,11 @@ def _warn_and_fail(problems: list[Problem]) -> None:
 
 def loss_line(p: Problem) -> str:
     """The JSON stream's loss marker (README "Output"): a line of kind "loss" says records are
-    missing or were skipped there, so a consumer counting verdicts knows its count is short.
-    {"kind": "loss", "loss": <problem kind>, "records": n or null, "bytes": n or null,
-     "path": file or null, "offset": byte or null, "message": text}"""
-    in_records = p.kind not in ("torn_tail", "corrupt", "no_stop")
-    return jsonl.loss_line(p.kind, records=p.dropped if in_records else None,
-                           nbytes=None if in_records else p.dropped, path=p.path or None,
-                           offset=p.offset if p.path else None, message=p.message)
+    missing or were skipped there, so a consumer counting verdicts knows its count is short
+    (report.loss_dict has its keys)."""
+    d = loss_dict(p)
+    return jsonl.loss_line(d["loss"], records=d["records"], nbytes=d["bytes"], path=d["path"],
+                           offset=d["offset"], message=d["message"])
 
 
 class _LossLines:
@@ -70,13 +67,74 @@ def _terminal_safe(fn):
     return wrapper
 
 
+def _output_options(choices: tuple[str, ...], json_help: str):
+    """-o/--output (--json its alias), --local and -n, the same on every offline command as
+    on `run` (sinks/fmt.py)."""
+    opts = [
+        click.option("-o", "--output", "output", type=click.Choice(choices), default=None,
+                     help="text: readable lines (default); json: " + json_help
+                     + ("; table: aligned columns, printed at the end." if "table" in choices
+                        else ".")),
+        click.option("--json", "as_json", is_flag=True, help="Alias of -o json."),
+        click.option("--local", is_flag=True,
+                     help="Times in local time with its UTC offset (default: UTC, RFC 3339 "
+                          "with milliseconds, 2026-01-01T10:40:00.250Z)."),
+        click.option("-n", "no_names", is_flag=True,
+                     help="No names the node resolved: addresses and ifindexes, no Service, "
+                          "pod or interface names (causes are still decided with them)."),
+    ]
+
+    def deco(fn):
+        for o in reversed(opts):
+            fn = o(fn)
+        return fn
+    return deco
+
+
+def _same(v):
+    return v
+
+
 _PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
                         type=click.Path(dir_okay=True, file_okay=True))
 
 
+class _TableRows:
+    """replay -o table: the incidents as rows (sinks/fmt.py table_row), printed at the end
+    so the columns align; with --collapse a storm's summary row says `repeat`."""
+
+    def __init__(self, collapse, local: bool):
+        self.collapse, self.local, self.offset = collapse, local, 0
+        self.node, self.rows = "", []
+
+    def set_node(self, node: str) -> None:
+        self.node = node
+
+    def write(self, v) -> None:
+        for item in (self.collapse.add(v) if self.collapse is not None else [(v, 1)]):
+            self._row(*item[:2])
+
+    def _row(self, v, repeat: int) -> None:
+        row = fmt.table_row(v, v.event.ts_ns + self.offset, self.node, self.local)
+        if self.collapse is not None:
+            row["repeat"] = repeat
+        self.rows.append(row)
+
+    def close(self) -> None:
+        if self.collapse is not None:
+            for item in self.collapse.drain():
+                self._row(*item[:2])
+
+    def text(self) -> str:
+        if not self.rows:
+            return "no resets or drops recorded"
+        cols = fmt.TABLE_COLS + (["repeat"] if self.collapse is not None else [])
+        return fmt.table(self.rows, cols)
+
+
 @click.command("replay")
 @_PATHS
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line, as `run --json`.")
+@_output_options(fmt.OUTPUTS, "one JSON object per line, as `run -o json`")
 @click.option("--output-pcap", "--pcap", "pcap", metavar="FILE",
               help="Also write the verdicts as reconstructed packets to a pcapng FILE.")
 @click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
@@ -85,7 +143,7 @@ _PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
 @filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def replay_command(paths, as_json, pcap, collapse, **filters):
+def replay_command(paths, output, as_json, local, no_names, pcap, collapse, **filters):
     """Label a recorded session again with this nptrace's classifier (no root needed).
 
     \b
@@ -97,18 +155,26 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
     \b
     Examples:
       nptrace replay /var/lib/nptrace
-      nptrace replay /var/lib/nptrace --json | jq -r .cause | sort | uniq -c
+      nptrace replay /var/lib/nptrace -o json | jq -r .cause | sort | uniq -c
+      nptrace replay /var/lib/nptrace -o table --cause rp_filter --since 10m
       nptrace replay nptrace-20260101T120000Z-....nps --pcap resets.pcapng
     """
     from nptrace.sinks.collapse import storm_collapse
     from nptrace.sinks.console import Console
     from nptrace.sinks.jsonl import JsonLines
+    mode = fmt.output_mode(output, as_json)
+    as_json = mode == "json"
     flt = filter_from(filters)     # bad filter values before the files are read
     r = OnlyMatching(Replay(paths), flt)
     out = sys.stdout
-    storm = storm_collapse(collapse, as_json)
-    lines = JsonLines(0, out, collapse=storm) if as_json else Console(0, out, collapse=storm)
-    console = None if as_json else lines
+    storm = storm_collapse(collapse, mode != "text")
+    if mode == "table":
+        lines = _TableRows(storm, local)
+    else:
+        lines = JsonLines(0, out, collapse=storm) if as_json else \
+            Console(0, out, collapse=storm, local=local)
+    console = lines if mode == "text" else None
+    named = fmt.unnamed if no_names else _same
     sink = None
     if pcap:
         from nptrace.sinks.pcapng import PcapngSink
@@ -118,10 +184,10 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
         for it in r.items():
             off = int(it.header.get("epoch_offset_ns", 0))
             lines.offset = off
-            if as_json:     # the recording node's name, as the live line had it
+            if mode != "text":     # the recording node's name, as the live line had it
                 node = it.header.get("node")
                 lines.set_node(node if isinstance(node, str) and node != "?" else "")
-            lines.write(it.verdict)
+            lines.write(named(it.verdict))
             if sink is not None:
                 sink.offset = off
                 sink.write(it.verdict)
@@ -132,6 +198,8 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
             lines.write_summary(r.summaries)
         lines.close()      # the summary lines of storm windows still open
         loss()
+        if mode == "table":
+            out.write(printable(lines.text()) + "\n")
         out.flush()
     finally:
         if sink is not None:
@@ -145,10 +213,11 @@ def replay_command(paths, as_json, pcap, collapse, **filters):
 @_PATHS
 @click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True,
               help="How many flows to list.")
+@_output_options(("text", "json"), "one JSON document with every number the text prints")
 @filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def report_command(paths, top, **filters):
+def report_command(paths, top, output, as_json, local, no_names, **filters):
     """Summarize recorded sessions: causes, Services, interfaces, top flows, a timeline, and
     the exact kernel counts with ring-buffer loss.
 
@@ -156,23 +225,29 @@ def report_command(paths, top, **filters):
     Examples:
       nptrace report /var/lib/nptrace
       nptrace report node-a/ node-b/ --top 20
+      nptrace report /var/lib/nptrace -o json | jq .by_cause
     """
+    mode = fmt.output_mode(output, as_json)
     flt = filter_from(filters)
     r = OnlyMatching(Replay(paths), flt)
-    click.echo(printable(build_report(r, top=top)))
+    d = report_data(r, top=top, local=local, no_names=no_names)
+    if mode == "json":
+        click.echo(json.dumps(d, indent=2))
+    else:
+        click.echo(printable(render_text(d)))
     _warn_and_fail(r.problems)
 
 
 @click.command("merge")
 @_PATHS
-@click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per line: `run --json`'s keys plus node and story.")
+@_output_options(fmt.OUTPUTS, "one JSON object per line, `run -o json`'s keys plus node "
+                 "and story")
 @click.option("--window", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
               metavar="SECONDS", help="How far apart two sightings of a tuple still join.")
 @filter_options(offline=True)
 @one_line_errors
 @_terminal_safe
-def merge_command(paths, as_json, window, **filters):
+def merge_command(paths, output, as_json, local, no_names, window, **filters):
     """Interleave several nodes' sessions by wall time; one connection is one story.
 
     \b
@@ -182,9 +257,14 @@ def merge_command(paths, as_json, window, **filters):
     \b
     Examples:
       nptrace merge node-a/ node-b/ node-c/
-      nptrace merge node-*/ --json | jq 'select(.story == 7)'
+      nptrace merge node-*/ -o json | jq 'select(.story == 7)'
+      nptrace merge node-*/ -o table --service default/web
     """
     from nptrace.sinks.jsonl import verdict_dict
+    mode = fmt.output_mode(output, as_json)
+    as_json = mode == "json"
+    named = fmt.unnamed if no_names else _same
+    rows: list[dict] = []
     problems: list = []
     stories: dict[int, dict] = {}
     out = sys.stdout
@@ -193,17 +273,18 @@ def merge_command(paths, as_json, window, **filters):
         v, it = m.verdict, m.item
         if flt and not flt.matches(v, it.epoch_ns, m.node, it.header.get("services", [])):
             continue
+        v = named(v)
         off = int(it.header.get("epoch_offset_ns", 0))
         if as_json:
             d = verdict_dict(v, off)
             d["node"], d["story"] = m.node, m.story
             out.write(json.dumps(d, separators=(",", ":")) + "\n")
+        elif mode == "table":
+            rows.append({**fmt.table_row(v, it.epoch_ns, m.node, local), "story": f"#{m.story}"})
         else:
-            e = v.event
-            ts = time.strftime("%H:%M:%S", time.gmtime(it.epoch_ns / 1e9)) + f".{it.epoch_ns // 1_000_000 % 1000:03d}"
             what = v.kind + (f"/{v.direction}" if v.direction else "")
-            out.write(printable(f"{ts} {m.node:<14} #{m.story:<5} {v.cause:<18} {what:<14} "
-                                f"{e.saddr}:{e.sport} -> {e.daddr}:{e.dport}  {v.iface or '-'}  "
+            out.write(printable(f"{fmt.ts(it.epoch_ns, local)} {m.node:<14} #{m.story:<5} "
+                                f"{v.cause:<18} {what:<14} {fmt.flow(v)}  {fmt.iface(v)}  "
                                 f"[{v.hook} {v.reason}]" + (f" svc={v.service}" if v.service else ""))
                       + "\n")
         s = stories.setdefault(m.story, {"nodes": [], "causes": Counter(), "n": 0, "flow": flow_text(v)})
@@ -211,6 +292,9 @@ def merge_command(paths, as_json, window, **filters):
             s["nodes"].append(m.node)
         s["causes"][v.cause] += 1
         s["n"] += 1
+    if mode == "table" and rows:
+        out.write(printable(fmt.table(rows, ["time", "node", "story"] + fmt.TABLE_COLS[2:]))
+                  + "\n")
     out.flush()
     if not as_json:
         crossed = {k: s for k, s in stories.items() if len(s["nodes"]) > 1}

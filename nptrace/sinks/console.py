@@ -1,22 +1,24 @@
 """Readable lines for a person at a terminal (stdout), and the summary at exit. Every line
 goes through printable(): names come from the node and may hold terminal escapes. With a
 StormCollapse (sinks/collapse.py), a storm's alike incidents past the burst are printed as one
-`... and N more like this since HH:MM:SS` line per window; the summary counts every one."""
+`... and N more like this since TIME` line per window; the summary counts every one."""
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter
 from typing import TextIO
 
 from nptrace.classify import Verdict
+from nptrace.sinks import fmt
 from nptrace.sinks.collapse import StormCollapse
+from nptrace.text import hostport
 from nptrace.text import printable  # noqa: F401 (sessions/commands.py and others import it here)
 
 class Console:
     def __init__(self, epoch_offset_ns: int, stream: TextIO | None = None,
-                 collapse: StormCollapse | None = None):
+                 collapse: StormCollapse | None = None, local: bool = False):
         self.stream = stream or sys.stdout
+        self.local = local      # --local: local time with its offset, else UTC (sinks/fmt.py)
         self.offset = epoch_offset_ns
         self.by_cause: Counter = Counter()
         self.by_service: Counter = Counter()
@@ -35,10 +37,11 @@ class Console:
             if repeat == 1:
                 self._print(v)
             else:
-                ts = time.strftime("%H:%M:%S", time.localtime((since + self.offset) / 1e9))
+                ts = fmt.ts(since + self.offset, self.local)
+                e = v.event
                 self.stream.write(printable(
                     f"         ... and {repeat} more {v.cause} like this since {ts} (last: "
-                    f"{v.event.saddr}:{v.event.sport} -> {v.event.daddr}:{v.event.dport})") + "\n")
+                    f"{hostport(e.saddr, e.sport)} -> {hostport(e.daddr, e.dport)})") + "\n")
                 self.stream.flush()
 
     def write_summary(self, rows) -> None:
@@ -63,14 +66,10 @@ class Console:
 
     def _print(self, v: Verdict) -> None:
         e = v.event
-        ts = time.strftime("%H:%M:%S", time.localtime((e.ts_ns + self.offset) / 1e9))
-        flow = f"{e.saddr}:{e.sport} -> {e.daddr}:{e.dport}"
-        nat = v.nat
-        if nat is not None:   # client -> NodePort -> pod, the way an SRE thinks of it
-            flow = (f"{nat.orig_src}:{nat.orig_sport} -> {nat.orig_dst}:{nat.orig_dport}"
-                    f" -> {nat.reply_src}:{nat.reply_sport}")
+        ts = fmt.ts(e.ts_ns + self.offset, self.local)
+        flow = fmt.flow(v)
         what = f"{v.kind}" + (f"/{v.direction}" if v.direction else "")
-        self.stream.write(printable(f"{ts} {v.cause:<18} {what:<14} {flow}  {v.iface or '-'}"
+        self.stream.write(printable(f"{ts} {v.cause:<18} {what:<14} {flow}  {fmt.iface(v)}"
                                     f"  [{v.hook} {v.reason}]"
                                     + (f" svc={v.service}" if v.service else "")) + "\n")
         self.stream.write(printable(f"         hint: {v.hint}") + "\n")

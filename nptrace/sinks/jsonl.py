@@ -11,6 +11,7 @@ from typing import TextIO
 
 from nptrace.classify import HOOKS, MAX_EVIDENCE, Context, Verdict, evidence_dicts
 from nptrace.sinks.collapse import StormCollapse
+from nptrace.text import hostport
 
 # One encoder for every line: json.dumps(..., separators=...) builds a new one per call.
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
@@ -55,9 +56,9 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         }
     nat = v.nat
     if nat is not None:
-        d["client"] = f"{nat.orig_src}:{nat.orig_sport}"
-        d["frontend"] = f"{nat.orig_dst}:{nat.orig_dport}"
-        d["endpoint"] = f"{nat.reply_src}:{nat.reply_sport}"
+        d["client"] = hostport(nat.orig_src, nat.orig_sport)
+        d["frontend"] = hostport(nat.orig_dst, nat.orig_dport)
+        d["endpoint"] = hostport(nat.reply_src, nat.reply_sport)
     pods = v.pods
     if pods:
         d.update(pods)
@@ -121,14 +122,16 @@ def _evid(hook: int, what: str, iface, label: str) -> tuple[str, str]:
 def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
                  since_ns: int | None = None, events: int | None = None) -> str:
     """_encode(verdict_dict(...)) for the common incident (no conntrack entry, no NAT mapping,
-    no outer header), built from cached fragments; the other ones through verdict_dict. The
+    no outer header, IPv4), built from cached fragments; the other ones through verdict_dict. The
     same text, and the same Context lookups in the same order. (An f-string writes an int and
     a float as the encoder does: int.__repr__, float.__repr__; events hold no bools.)"""
     e = v.event
     labeled = v.labeled
     if events is None:
         events = v.events
-    if e.ct is not None or e.outer_saddr is not None or type(v.confidence) is not float \
+    # IPv6 through verdict_dict too: its evidence details write [addr]:port (one `in` here)
+    if e.ct is not None or e.outer_saddr is not None or ":" in e.saddr \
+            or type(v.confidence) is not float \
             or type(repeat) is not int or type(events) is not int:
         return _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
     for l in labeled:

@@ -233,7 +233,7 @@ def test_report(tmp_path):
     assert "top flows" in text and "192.168.2.10:5000 -> 10.0.0.2:30080" in text
     assert "192.0.2.10:50000 -> 10.0.0.2:30080 -> 10.244.2.5:8080" in text
     assert "timeline (per minute, UTC)" in text
-    assert "2023-11-14 22:13" in text and "2023-11-14 22:14" in text
+    assert "2023-11-14T22:13:00.000Z" in text and "2023-11-14T22:14:00.000Z" in text
     assert "DROP           skb:kfree_skb            IP_RPFILTER" in text
     assert "1 lost" in text and "WARNING: 1 event records were lost" in text
     r = invoke(report_command, [tmp_path / "a", "--top", "1"])
