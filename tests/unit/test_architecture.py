@@ -184,3 +184,15 @@ def test_one_importer_per_library(module, lib):
             if any(x == lib or x.startswith(lib + ".") for x in mods):
                 users.append(m)
     assert set(users) <= {module} | {m for m in users if m.startswith("nptrace.bench")}, users
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no __init__.py: pytest imports test files by basename, so two of one name
+    (one unit, one privileged) stop `make test` at collection."""
+    seen: dict[str, Path] = {}
+    dup = []
+    for p in sorted((PKG.parent / "tests").rglob("test_*.py")):
+        if p.name in seen:
+            dup.append(f"{seen[p.name]} and {p}")
+        seen.setdefault(p.name, p)
+    assert not dup, dup
