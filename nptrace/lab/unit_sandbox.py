@@ -144,7 +144,14 @@ class Unit:
             src = binds.get(p, p)
             sh.append(f"mkdir -p {shlex.quote(p)}; mount --bind {shlex.quote(src)} {shlex.quote(p)}")
         if self.yes("PrivateTmp"):
+            # nptrace itself must stay reachable when its checkout or venv is under /tmp (a
+            # CI clone): set it aside, mount the fresh /tmp, and bind it back where it was
+            keep = _under_tmp()
+            for i, k in enumerate(keep):
+                sh += [f"mkdir -p /run/npt-keep{i}", f"mount --bind {shlex.quote(k)} /run/npt-keep{i}"]
             sh += ["mount -t tmpfs -o mode=1777 tmpfs /tmp", "mount -t tmpfs -o mode=1777 tmpfs /var/tmp"]
+            for i, k in enumerate(keep):
+                sh += [f"mkdir -p {shlex.quote(k)}", f"mount --bind /run/npt-keep{i} {shlex.quote(k)}"]
         if self.yes("ProtectHome"):
             sh += [f"[ ! -d {d} ] || mount -t tmpfs -o ro,mode=0755 tmpfs {d}" for d in ("/home", "/root")]
         if self.yes("ProtectKernelModules"):
@@ -275,3 +282,12 @@ def systemd_run_argv(unit: Unit, command: list[str]) -> list[str]:
         for v in vs:
             argv += ["-p", f"{k}={v}"]
     return argv + ["--", *command]
+
+
+def _under_tmp() -> list[str]:
+    """The project tree and the Python environment running it, where they lie under /tmp or
+    /var/tmp (outermost only): what PrivateTmp would hide from the emulated unit."""
+    import sys
+    roots = sorted({str(Path(__file__).resolve().parents[2]), str(Path(sys.prefix).resolve())})
+    tmp = [r for r in roots if r.startswith(("/tmp/", "/var/tmp/"))]
+    return [r for r in tmp if not any(r != o and r.startswith(o + "/") for o in tmp)]

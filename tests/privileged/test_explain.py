@@ -32,7 +32,12 @@ def scenario(request):
     lab.down(name)
 
 
-@pytest.mark.parametrize("scenario", [s.name for s in lab.scenarios()], indirect=True)
+# explain predicts from a snapshot of the node: scenarios whose fault a step makes later
+# (rules re-rendered, a pod deleted while connections are open) are out of its reach
+STATIC = [s.name for s in lab.scenarios() if not lab.model.compile_spec(s.name).steps]
+
+
+@pytest.mark.parametrize("scenario", STATIC, indirect=True)
 def test_explain_predicts_the_scenario(scenario):
     name, info = scenario
     spec = model.compile_spec(name, None)

@@ -57,7 +57,8 @@ def test_metrics_recording_and_pcap_on_the_real_kernel(netns, tmp_path):
     from nptrace.sessions.format import SessionWriter, make_header
     from nptrace.sinks.jsonl import verdict_dict
     from nptrace.sinks.pcapng import PcapngSink
-    from nptrace.sinks.prometheus import MetricsSink, serve
+    from nptrace.sinks.health import serve
+    from nptrace.sinks.prometheus import MetricsSink
     from nptrace.sinks.recorder import Recorder
 
     ns, inode = netns
