@@ -155,6 +155,7 @@ def test_prometheus_scrapes_a_traced_run_and_every_dashboard_query_has_data(
     finally:
         for sc, prefix in up:
             lab.down(sc, prefix=prefix)
+            lab.down_all(prefix=prefix)    # and whatever of the prefix a step left behind
     assert p.returncode == 0, err[-3000:]
     assert "final counts on" in err and "not scraped" not in err, err[-3000:]
     # Incidents per cause, as of the last scrape (report's cause table counts incidents; the
