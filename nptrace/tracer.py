@@ -243,6 +243,7 @@ class Tracer:
             self.knowledge = kn = NodeKnowledge(names)
             watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
             kn.preload(watched)
+            kn.start_watch()    # a rollout's new rules are followed within a second
             from nptrace.node.nftrace_live import TracedRules
             self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
             from nptrace.node import kubeapi
@@ -375,7 +376,8 @@ class Tracer:
                           nf_rule=kn.nf_rule)
         else:
             ctx = self.ctx
-        self.exact = ExactCounts(KeyLabeler(ctx))
+        self.exact = ExactCounts(KeyLabeler(ctx),
+                                 generation=(lambda: kn.generation) if kn is not None else None)
         if self.metrics is not None:
             self.metrics.count_exactly(self.exact)
 
@@ -617,6 +619,10 @@ class Tracer:
             if not srv.wait_scrape(wait):
                 log(f"no scrape within {wait:g}s: the last counts were not scraped")
 
+        def rules_watch_stop():
+            if self.knowledge is not None:
+                self.knowledge.stop_watch()
+
         def health_stop():
             if self.health is not None:
                 self.health.stop()     # /healthz answers 503 from here on
@@ -625,7 +631,7 @@ class Tracer:
                  ("read counters", read_stats),
                  ("loss report", self._report_losses), ("final scrape", final_scrape),
                  ("tc programs", closer("tc")), ("netfilter links", closer("nf_links")),
-                 ("nft trace tables", closer("nft")), ("pod names", closer("pods")),
+                 ("rules watch", rules_watch_stop), ("nft trace tables", closer("nft")), ("pod names", closer("pods")),
                  ("ring reader", closer("reader"))]
         # session files: their last counter snapshot reads the live maps, so before probes
         steps += [(f"session {i}", r.close) for i, r in enumerate(self.recorders)]

@@ -1,7 +1,9 @@
 """What the live classifier may ask about the node: kube-proxy services and netfilter rules per
-network namespace, and which interface a route leaves by. Each answer is cached and refreshed
-on a timer, so the per-event cost is a dict lookup; the I/O (iptables-save, nft, ip route)
-happens at most once per `refresh_s` per namespace.
+network namespace, and which interface a route leaves by. Each answer is cached, so the
+per-event cost is a dict lookup. Rules are re-read when they change: a watch thread compares
+each ruleful namespace's fingerprint (nf_tables generation id, legacy dump digest) every second
+and re-reads in the background; besides, every answer is re-read after `refresh_s`. Routes
+follow `refresh_s` alone.
 
 The classifier only sees plain callables built from this (classify.Context), so the same
 classifier runs over recorded sessions with the rules the recording kept.
@@ -9,6 +11,7 @@ classifier runs over recorded sessions with the rules the recording kept.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 from nptrace.kernel import nsenter
@@ -32,6 +35,13 @@ class NodeKnowledge:
         self._route_budget = ROUTE_LOOKUPS_PER_S
         self._ct: dict[int, tuple[float, dict | None]] = {}
         self._ct_drop: dict[int, int] = {}
+        self._smaps: tuple = ()                  # the non-None maps, for _lookup
+        self._checked: dict[int, float] = {}     # when check_changes last saw a map current
+        self._prints: dict[int, tuple] = {}      # rules_source.fingerprint at the last read
+        self.generation = 0                      # moves when any map was re-read changed
+        self._lock = threading.Lock()
+        self._watch: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # -- netfilter rules ---------------------------------------------------------------
     def _netns_arg(self, inode: int) -> str | None | bool:
@@ -44,13 +54,34 @@ class NodeKnowledge:
     def rules(self, inode: int):
         now = self.clock()
         hit = self._maps.get(inode)
-        if hit is not None and now - hit[0] < self.refresh_s:
+        if hit is not None and now - max(hit[0], self._checked.get(inode, hit[0])) < self.refresh_s:
             return hit[1]
+        smap = self._load(inode)
+        with self._lock:
+            while len(self._maps) >= MAX_NAMESPACES:         # pod churn: oldest first
+                old = next(iter(self._maps))
+                del self._maps[old]
+                self.errors.pop(old, None)
+                self._checked.pop(old, None)
+                self._prints.pop(old, None)
+            if hit is not None and hit[1] is not smap:
+                self.generation += 1
+            self._maps.pop(inode, None)                      # re-inserted last: oldest stays first
+            self._maps[inode] = (now, smap)
+            self._snapshot()
+        return smap
+
+    def _load(self, inode: int):
+        """The namespace's ServiceMap read now (None when it has no readable rules)."""
         ns = self._netns_arg(inode)
         smap = None
         if ns is not False:
             try:
-                from nptrace.node.rules_source import load_service_map, local_addresses
+                from nptrace.node.rules_source import fingerprint, load_service_map, local_addresses
+                try:
+                    self._prints[inode] = fingerprint(ns)
+                except Exception:
+                    self._prints.pop(inode, None)
                 smap = load_service_map(ns)
                 # the namespace's own addresses: which filter hook a packet crossed (INPUT or
                 # FORWARD) and whether `--src/--dst-type LOCAL` matches
@@ -60,20 +91,79 @@ class NodeKnowledge:
                 self.errors.pop(inode, None)
             except Exception as e:   # no rules readable: the classifier says so in its hint
                 self.errors[inode] = str(e).splitlines()[0] if str(e) else type(e).__name__
-        while len(self._maps) >= MAX_NAMESPACES:         # pod churn: oldest first
-            old = next(iter(self._maps))
-            del self._maps[old]
-            self.errors.pop(old, None)
-        self._maps.pop(inode, None)                      # re-inserted last: oldest stays first
-        self._maps[inode] = (now, smap)
         return smap
+
+    def _snapshot(self) -> None:
+        """The maps _lookup walks, rebuilt on every change (under _lock): the watch thread
+        replaces entries while the classifier looks up, and a dict must not change size
+        under an iteration."""
+        self._smaps = tuple(m for _, m in self._maps.values() if m is not None)
+
+    # -- following rule changes ------------------------------------------------------------
+    def check_changes(self) -> int:
+        """Re-read the rules of every namespace that has some (the host, nodes' and
+        kube-proxy's namespaces, not the pods' empty ones) whose fingerprint moved: the
+        nf_tables generation id (a netlink query, about a millisecond) and the legacy dump's
+        digest. A rollout re-renders a Service's endpoints; until the map follows, a new pod
+        on a removed endpoint's address would be taken for that endpoint. Returns how many
+        maps were re-read."""
+        from nptrace.node.rules_source import fingerprint
+        n = 0
+        for inode, (_, smap) in list(self._maps.items()):
+            if not smap:
+                continue
+            ns = self._netns_arg(inode)
+            if ns is False:
+                continue
+            try:
+                fp = fingerprint(ns)
+            except Exception:
+                continue
+            self._checked[inode] = self.clock()
+            if fp == self._prints.get(inode):
+                continue
+            new = self._load(inode)
+            with self._lock:
+                if inode in self._maps:
+                    self._maps[inode] = (self.clock(), new)
+                    self.generation += 1
+                    self._snapshot()
+            n += 1
+        return n
+
+    def start_watch(self, every_s: float = 1.0) -> None:
+        """check_changes every `every_s` in a thread of its own: a re-read of a large ruleset
+        takes seconds (iptables-nft-save of 10,000 Services: 2 s) and must not stall the ring."""
+        if self._watch is not None:
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                try:
+                    self.check_changes()
+                except Exception:   # a namespace that went away mid-read: next turn
+                    pass
+
+        self._watch = threading.Thread(target=loop, name="npt-rules-watch", daemon=True)
+        self._watch.start()
+
+    def stop_watch(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(timeout=5)
+            self._watch = None
 
     def prune(self, alive) -> int:
         """Forget the rules and routes of namespaces not in `alive` (netns.live_namespaces()):
         a deleted pod's namespace must not keep its ServiceMap. Returns how many went."""
-        gone = [i for i in self._maps if i not in alive]
-        for i in gone:
-            del self._maps[i]
+        with self._lock:
+            gone = [i for i in self._maps if i not in alive]
+            for i in gone:
+                del self._maps[i]
+                self._checked.pop(i, None)
+                self._prints.pop(i, None)
+            self._snapshot()
         for i in [i for i in self.errors if i not in alive]:
             del self.errors[i]
         for k in [k for k in self._routes if k[0] not in alive]:
@@ -127,9 +217,7 @@ class NodeKnowledge:
             self.rules(i)
 
     def _lookup(self, addr: str, port: int, kind: str | None = None) -> str | None:
-        for _, smap in self._maps.values():
-            if smap is None:
-                continue
+        for smap in self._smaps:
             try:
                 s = smap.lookup(addr, port)
             except Exception:

@@ -151,6 +151,8 @@ class _IptState:
         self.kind: dict[str, str] = {}  # table label ("filter", "ip6 filter") -> table name
         self.sections: set[str] = set()
         self.nat_lines: dict[tuple[str, str], list[str]] = {}  # (table, chain) -> [rest], for nat.py
+        self.seps: list[tuple[str, str, str | None, tuple[str, int]]] = []  # (chain, svc, proto, ep)
+        self.sep_jumps: set[str] = set()   # KUBE-SEP-<suffix> chains some rule jumps to
 
     def open_table(self, name: str, family: str, new: bool = False) -> str:
         """The label of a table section: ``filter``, ``ip6 filter``; a repeated section of the
@@ -171,6 +173,8 @@ class _IptState:
         if not chain.startswith("KUBE-"):
             return
         b = self.b
+        if "-j KUBE-SEP-" in rest:
+            self.sep_jumps.add(rest.partition("-j KUBE-SEP-")[2].partition(" ")[0])
         if "KUBE-MARK-DROP" in rest:
             comment, _ = _comment_of(rest)
             self.markdrops.append((table, chain, text, rest, comment))
@@ -222,7 +226,9 @@ class _IptState:
             if name is None or hp is None:
                 return
             pm = _RE_PROTO.search(body)
-            b.info(name, norm_proto(pm.group(1)) if pm else None).endpoints[hp] = None
+            # an endpoint only while a Service chain still jumps here (finish()): a chain left
+            # behind by a restore that re-rendered the Service without it is not one
+            self.seps.append((chain, name, norm_proto(pm.group(1)) if pm else None, hp))
         elif chain.startswith(("KUBE-SVC-", "KUBE-SVL-", "KUBE-XLB-")):
             if " -> " not in rest and not chain.startswith("KUBE-XLB-"):
                 return
@@ -259,6 +265,10 @@ class _IptState:
 
     def finish(self) -> None:
         b = self.b
+        # a dump with no jump to any KUBE-SEP chain is partial (one chain listed): keep them all
+        for chain, name, proto, hp in self.seps:
+            if not self.sep_jumps or chain[len("KUBE-SEP-"):] in self.sep_jumps:
+                b.info(name, proto).endpoints[hp] = None
         scope = None
         for s in self.np_scopes:
             scope = s if scope is None else scope.union(s)

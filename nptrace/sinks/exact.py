@@ -44,9 +44,14 @@ def _sub(new: int, old: int) -> int:
 
 
 class ExactCounts:
-    def __init__(self, labeler: KeyLabeler, relabel_ns: int = 10_000_000_000):
+    def __init__(self, labeler: KeyLabeler, relabel_ns: int = 10_000_000_000,
+                 generation: Callable[[], int] | None = None):
         self.labeler = labeler
         self.relabel_ns = relabel_ns
+        # the node's rules moved (node/knowledge.py generation): keys are labeled anew at once,
+        # not at the next timed relabel
+        self.generation = generation
+        self.labeled_gen = generation() if generation is not None else None
         self.prev: dict = {}                     # key -> (counted, sent) at the last update
         self.prev_other: dict = {}
         self.totals: dict[tuple, int] = {}       # (kind, cause, iface, direction, service) -> n
@@ -59,9 +64,12 @@ class ExactCounts:
     def update(self, raw: Mapping, now_ns: int) -> list[SummaryRow]:
         """Take a read of the cause map ({key: (counted, sent)}, other under None); return
         the summary rows of what was counted and not sent since the last update."""
-        if self.labeled_at is None or now_ns - self.labeled_at >= self.relabel_ns:
+        gen = self.generation() if self.generation is not None else None
+        if self.labeled_at is None or now_ns - self.labeled_at >= self.relabel_ns \
+                or gen != self.labeled_gen:
             self.labeler.clear()
             self.labeled_at = now_ns
+            self.labeled_gen = gen
         since = self.last_ns if self.last_ns is not None else now_ns
         self.labeler.register(raw.keys())
         label = self.labeler.label

@@ -19,11 +19,7 @@ CASES = [(sc, b, None) for sc in lab.scenarios() for b in sc.backends] + \
 SCORES = []
 # Cases the lab reproduces and nptrace does not yet label right: strict, so a fix shows up as
 # a failure that asks for the entry to go.
-KNOWN_GAPS = {
-    ("rollout-in-flight", "iptables", "address-reused"):
-        "labeled app_reset (endpoint lost its state): the service map still lists 10.244.0.10 "
-        "as web's endpoint when the new pod's listener resets the old connections (issue 20)",
-}
+KNOWN_GAPS: dict = {}
 
 
 # Cases whose score moved between runs of the same code in this session (to be made

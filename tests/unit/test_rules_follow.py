@@ -1,0 +1,137 @@
+"""Node knowledge follows rule changes (node/knowledge.py check_changes): a rollout's new
+endpoints are seen within the watch period, not at the next 10 s refresh."""
+from nptrace.node import knowledge, rules_source
+
+
+class Names:
+    host = 1
+
+    def netns_name(self, inode):
+        return "host" if inode == 1 else f"ns{inode}"
+
+
+class Map:
+    """A ServiceMap stand-in: one endpoint address -> Service."""
+
+    def __init__(self, eps):
+        self.eps = eps
+
+    def __bool__(self):
+        return bool(self.eps)
+
+    def lookup(self, addr, port):
+        name = self.eps.get(addr)
+        return type("S", (), {"name": name, "kind": "endpoint"}) if name else None
+
+    def with_local_addrs(self, addrs):
+        return self
+
+
+def _node(monkeypatch, rules):
+    """rules: {netns name: (fingerprint, {endpoint addr: service})}, mutable by the test."""
+    monkeypatch.setattr(rules_source, "load_service_map", lambda ns: Map(dict(rules[ns or "host"][1])))
+    monkeypatch.setattr(rules_source, "fingerprint", lambda ns: rules[ns or "host"][0])
+    monkeypatch.setattr(rules_source, "local_addresses", lambda ns: ())
+    now = [0.0]
+    kn = knowledge.NodeKnowledge(Names(), clock=lambda: now[0])
+    return kn, now
+
+
+def test_a_removed_endpoint_is_forgotten_at_the_next_check(monkeypatch):
+    rules = {"host": ((7, None), {"10.244.0.10": "default/web"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1})
+    assert kn.endpoint_of("10.244.0.10", 8080) == "default/web"
+    gen = kn.generation
+    rules["host"] = ((8, None), {"10.244.0.11": "default/web"})    # kube-proxy's next sync
+    now[0] = 1.0
+    assert kn.check_changes() == 1
+    assert kn.endpoint_of("10.244.0.10", 8080) is None
+    assert kn.endpoint_of("10.244.0.11", 8080) == "default/web"
+    assert kn.generation > gen
+
+
+def test_unchanged_rules_are_not_reread_and_stay_current(monkeypatch):
+    rules = {"host": ((7, None), {"10.244.0.10": "default/web"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1})
+    reads = []
+    monkeypatch.setattr(rules_source, "load_service_map", lambda ns: reads.append(ns) or Map({}))
+    gen = kn.generation
+    for t in range(1, 30):
+        now[0] = float(t)
+        assert kn.check_changes() == 0
+        kn.rules(1)     # checked current by the watch: no timed re-read either
+    assert not reads and kn.generation == gen
+
+
+def test_empty_namespaces_are_not_watched(monkeypatch):
+    rules = {"host": ((1, None), {"10.244.0.10": "default/web"}), "ns5": ((1, None), {})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1, 5})
+    asked = []
+    monkeypatch.setattr(rules_source, "fingerprint", lambda ns: asked.append(ns) or (1, None))
+    kn.check_changes()
+    assert asked == [None]      # the host only: a pod's empty namespace costs nothing
+
+
+def test_the_watch_thread_starts_and_stops(monkeypatch):
+    rules = {"host": ((1, None), {"10.244.0.10": "default/web"})}
+    kn, _ = _node(monkeypatch, rules)
+    kn.preload({1})
+    kn.start_watch(every_s=0.01)
+    rules["host"] = ((2, None), {})
+    import time
+    for _ in range(200):
+        if kn.endpoint_of("10.244.0.10", 8080) is None:
+            break
+        time.sleep(0.01)
+    kn.stop_watch()
+    assert kn.endpoint_of("10.244.0.10", 8080) is None and kn._watch is None
+
+
+def test_exact_counts_relabel_when_rules_move():
+    from nptrace.sinks.exact import ExactCounts
+    cleared = []
+
+    class Labeler:
+        def clear(self):
+            cleared.append(1)
+
+        def register(self, keys):
+            pass
+
+        def label(self, key):
+            raise AssertionError("no keys")
+
+    gen = [0]
+    ex = ExactCounts(Labeler(), generation=lambda: gen[0])
+    ex.update({}, 1)
+    ex.update({}, 2)
+    assert len(cleared) == 1
+    gen[0] = 1
+    ex.update({}, 3)
+    assert len(cleared) == 2
+
+
+def test_a_chain_left_behind_by_a_restore_names_no_endpoint():
+    """iptables-restore --noflush rewrites the chains it declares: a Service re-rendered without
+    web-0 no longer jumps to web-0's KUBE-SEP chain, which may stay in the table."""
+    from nptrace.services import parse_iptables_save
+    dump = """*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-WEB - [0:0]
+:KUBE-SEP-OLD - [0:0]
+:KUBE-SEP-NEW - [0:0]
+-A KUBE-SERVICES -d 10.96.0.80/32 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-WEB
+-A KUBE-SEP-OLD -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.0.10:8080
+-A KUBE-SEP-NEW -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.1.10:8080
+-A KUBE-SVC-WEB -m comment --comment "default/web:http -> 10.244.1.10:8080" -j KUBE-SEP-NEW
+COMMIT
+"""
+    m = parse_iptables_save(dump)
+    assert m.lookup("10.244.0.10", 8080) is None
+    assert m.lookup("10.244.1.10", 8080).name == "default/web:http"
+    # one chain listed alone (no jumps in the dump): its endpoint still counts
+    alone = "\n".join(ln for ln in dump.splitlines() if "KUBE-SVC-WEB" not in ln or ln.startswith(":"))
+    assert parse_iptables_save(alone).lookup("10.244.0.10", 8080) is not None
