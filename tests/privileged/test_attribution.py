@@ -25,11 +25,9 @@ KNOWN_GAPS: dict = {}
 # Cases whose score moved between runs of the same code in this session (to be made
 # deterministic, not hidden: each flake is named in the session's closing note).
 FLAKY = {
-    "rollout-in-flight": "new scenario: in one of three full runs 138 of 304 events of the "
-                         "iptables-legacy form came out unknown (the stale endpoint's neighbour "
-                         "timing); 100% in the other runs",
     "wrong-interface": "in one full run 7 of 697 events came out snat (99.0%, under the 99% bar) "
-                       "on iptables and iptables-legacy; 100% in the other runs",
+                       "on iptables and iptables-legacy; 100% in the other runs (6 runs in a "
+                       "row clean in session 7, not reproduced)",
 }
 
 
