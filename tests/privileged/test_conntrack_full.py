@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nptrace.config import Config, IfaceSpec
-from nptrace.tracer import Tracer
+from nodelab import client_node, sh, traced
 
 pytestmark = pytest.mark.privileged
 PID = os.getpid() % 100000
@@ -26,54 +25,29 @@ CTMAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
 CTCOUNT = Path("/proc/sys/net/netfilter/nf_conntrack_count")
 
 
-def sh(*cmd):
-    subprocess.run(cmd, check=True, capture_output=True)
-
-
 @pytest.fixture
 def full_node():
     if not CTMAX.exists():
         pytest.skip("no nf_conntrack in this kernel")
-    made = []
     saved = CTMAX.read_text().strip()
-    try:
-        for ns in (CLI, NODE):
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-        sh("ip", "link", "add", "c0", "netns", CLI, "type", "veth", "peer", "name", "nc0", "netns", NODE)
-        for ns, dev, addr in ((CLI, "c0", "10.96.0.1/24"), (NODE, "nc0", "10.96.0.2/24")):
-            sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # kube-proxy-like NodePort DNAT: conntrack is in use in the node namespace
-        sh("ip", "netns", "exec", NODE, "iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp",
-           "--dport", "30080", "-j", "DNAT", "--to-destination", "10.96.1.5:8080")
-        for i in range(LIMIT):
-            sh("ip", "netns", "exec", NODE, "conntrack", "-I", "-p", "tcp", "-s", f"10.1.{i // 200}.{i % 200 + 1}",
-               "-d", "10.2.0.1", "--sport", "1000", "--dport", "80", "-r", "10.2.0.1",
-               "-q", f"10.1.{i // 200}.{i % 200 + 1}", "--reply-port-src", "80", "--reply-port-dst", "1000",
-               "--state", "ESTABLISHED", "-t", "600", "-u", "ASSURED,SEEN_REPLY")
-        host = int(CTCOUNT.read_text())
-        if host > LIMIT // 2:
-            pytest.skip(f"the host namespace holds {host} conntrack entries: lowering the global "
-                        f"limit to {LIMIT} would drop its own connections")
-        CTMAX.write_text(str(LIMIT))
-        yield
-    finally:
-        CTMAX.write_text(saved)
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-class Collect:
-    def __init__(self):
-        self.verdicts = []
-
-    def write(self, v):
-        self.verdicts.append(v)
-
-    def close(self):
-        pass
+    with client_node("10.96", CLI, NODE):
+        try:
+            # kube-proxy-like NodePort DNAT: conntrack is in use in the node namespace
+            sh("ip", "netns", "exec", NODE, "iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp",
+               "--dport", "30080", "-j", "DNAT", "--to-destination", "10.96.1.5:8080")
+            for i in range(LIMIT):
+                sh("ip", "netns", "exec", NODE, "conntrack", "-I", "-p", "tcp", "-s", f"10.1.{i // 200}.{i % 200 + 1}",
+                   "-d", "10.2.0.1", "--sport", "1000", "--dport", "80", "-r", "10.2.0.1",
+                   "-q", f"10.1.{i // 200}.{i % 200 + 1}", "--reply-port-src", "80", "--reply-port-dst", "1000",
+                   "--state", "ESTABLISHED", "-t", "600", "-u", "ASSURED,SEEN_REPLY")
+            host = int(CTCOUNT.read_text())
+            if host > LIMIT // 2:
+                pytest.skip(f"the host namespace holds {host} conntrack entries: lowering the global "
+                            f"limit to {LIMIT} would drop its own connections")
+            CTMAX.write_text(str(LIMIT))
+            yield
+        finally:
+            CTMAX.write_text(saved)
 
 
 def connect(n):
@@ -87,19 +61,11 @@ def connect(n):
 
 
 def test_full_table_is_conntrack_full(full_node, tmp_path, monkeypatch):
-    monkeypatch.setenv("NPTRACE_LOCK_FILE", str(tmp_path / "lock"))
-    monkeypatch.setenv("NPTRACE_STATE_DIR", str(tmp_path / "state"))
-    sink = Collect()
-    t = Tracer(Config(ifaces=(IfaceSpec(NODE, "nc0"),)), [sink])
-    t.status_every = 0
-    t.start()
-    try:
+    with traced(NODE, tmp_path, monkeypatch) as (t, sink):
         gen = threading.Thread(target=connect, args=(3,))
         gen.start()
         t.run(duration=4.0)
         gen.join()
-    finally:
-        t.stop()
     ours = [v for v in sink.verdicts if v.event.dport == 30080]
     assert ours, [(v.cause, v.event.flow) for v in sink.verdicts]
     assert all(v.cause == "conntrack_full" for v in ours), [(v.cause, v.hint) for v in ours]

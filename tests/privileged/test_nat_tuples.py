@@ -8,58 +8,26 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
+from nodelab import client_node, sh, traced
 from nptrace import events as ev
-from nptrace.config import Config, IfaceSpec
-from nptrace.tracer import Tracer
 
 pytestmark = pytest.mark.privileged
 PID = os.getpid() % 100000
 CLI, NODE, POD = f"npt-natc{PID}", f"npt-natn{PID}", f"npt-natp{PID}"
 
 
-def sh(*cmd):
-    subprocess.run(cmd, check=True, capture_output=True)
-
-
 @pytest.fixture
 def nat_lab():
-    made = []
-    try:
-        for ns in (CLI, NODE, POD):
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-        sh("ip", "link", "add", "c0", "netns", CLI, "type", "veth", "peer", "name", "nc0", "netns", NODE)
-        sh("ip", "link", "add", "p0", "netns", POD, "type", "veth", "peer", "name", "np0", "netns", NODE)
-        for ns, dev, addr in ((CLI, "c0", "10.98.0.1/24"), (NODE, "nc0", "10.98.0.2/24"),
-                              (NODE, "np0", "10.98.1.1/24"), (POD, "p0", "10.98.1.5/24")):
-            sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", POD, "route", "add", "default", "via", "10.98.1.1")
+    with client_node("10.98", CLI, NODE, POD):
         sh("ip", "netns", "exec", NODE, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         sh("ip", "netns", "exec", NODE, "iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp",
            "--dport", "30080", "-j", "DNAT", "--to-destination", "10.98.1.5:8080")
         sh("ip", "netns", "exec", NODE, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "np0",
            "-j", "MASQUERADE")
         yield
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-class Collect:
-    def __init__(self):
-        self.verdicts = []
-
-    def write(self, v):
-        self.verdicts.append(v)
-
-    def close(self):
-        pass
 
 
 def connect_refused(n):
@@ -73,13 +41,7 @@ def connect_refused(n):
 
 
 def test_dnat_and_masquerade_tuples(nat_lab, tmp_path, monkeypatch):
-    monkeypatch.setenv("NPTRACE_LOCK_FILE", str(tmp_path / "lock"))
-    monkeypatch.setenv("NPTRACE_STATE_DIR", str(tmp_path / "state"))
-    sink = Collect()
-    t = Tracer(Config(ifaces=(IfaceSpec(NODE, "nc0"),)), [sink])
-    t.status_every = 0
-    t.start()
-    try:
+    with traced(NODE, tmp_path, monkeypatch) as (t, sink):
         if t.nf_links is None:
             pytest.skip("netfilter-hook programs unavailable on this kernel (Linux 6.4+)")
         gen = threading.Thread(target=connect_refused, args=(5,))
@@ -91,8 +53,6 @@ def test_dnat_and_masquerade_tuples(nat_lab, tmp_path, monkeypatch):
                     if l.ev.ct is not None and l.ev.ct.orig_dport == 30080)
         peer = t._nat_peer("10.98.0.1", port, "10.98.0.2", 30080)
         nobody = t._nat_peer("10.98.0.1", 1, "10.98.0.2", 30080)
-    finally:
-        t.stop()
     assert peer is not None and (peer[0], peer[1], peer[2]) == ("10.98.1.5", 8080, "10.98.1.1")
     assert nobody is None
     labeled = [l.ev for v in sink.verdicts for l in v.labeled]
