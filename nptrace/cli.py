@@ -31,9 +31,11 @@ def main_group():
 def _run_options(fn):
     opts = [
         click.option("--json", "as_json", is_flag=True, help="Alias of -o json."),
-        click.option("-o", "--output", "output", type=click.Choice(["text", "json"]),
+        click.option("-o", "--output", "output", type=click.Choice(["text", "json", "table"]),
                      default=None, help="text: readable lines; json: one JSON object per "
-                     "incident per line on stdout (status goes to stderr)."),
+                     "incident per line on stdout (status goes to stderr); table: one "
+                     "fixed-width row per incident under a header (TIME CAUSE WHAT IFACE "
+                     "SERVICE N FLOW), as it happens."),
         click.option("--local", is_flag=True,
                      help="Console times in local time with its UTC offset (default: UTC, "
                           "RFC 3339 with milliseconds; JSON `ts` is epoch seconds either way)."),
@@ -158,7 +160,7 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
       nptrace run --json --duration 10 | jq .cause
       nptrace run --iface npt-node1/eth0 --port 30080
     """
-    from nptrace.sinks.console import Console
+    from nptrace.sinks.console import Console, LiveTable
     from nptrace.sinks.jsonl import JsonLines
     from nptrace.tracer import Outputs, Tracer, log
 
@@ -177,7 +179,8 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
                       pcap=pcap, pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
                       node=node)
     from nptrace.sinks.fmt import output_mode
-    as_json = output_mode(output, as_json) == "json"
+    mode = output_mode(output, as_json)
+    as_json = mode == "json"
     flt = live_filter(filters, cfg)
     if flt is None:
         return
@@ -185,7 +188,8 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
     sink = JsonLines(tracer.epoch_offset_ns, collapse=storm, node=node) if as_json \
-        else Console(tracer.epoch_offset_ns, collapse=storm, local=local)
+        else (LiveTable if mode == "table" else Console)(tracer.epoch_offset_ns,
+                                                         collapse=storm, local=local)
     from nptrace.sinks.fmt import Unnamed
     tracer.sinks.append(Unnamed(sink) if no_names else sink)
     try:
