@@ -184,7 +184,10 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
     flt = live_filter(filters, cfg)
     if flt is None:
         return
+    if flt.kernel_ends():     # --service in the kernel too: other flows' records are not sent
+        cfg = dataclasses.replace(cfg, service_gate=True)
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
+    tracer.service_gate = flt.kernel_ends
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
     sink = JsonLines(tracer.epoch_offset_ns, collapse=storm, node=node) if as_json \
@@ -213,7 +216,7 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
 def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
              max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
              record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
-             pcap_files, **_filters):
+             pcap_files, **filters):
     """Print the BPF source and cflags `run` would compile with the same options (no root
     needed: without root the tracepoints count as present, and where the kernel's BTF is not
     readable the -DNPT_OFF_* offsets are left out, said in the output)."""
@@ -221,7 +224,9 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
     from nptrace.tracer import WAKE_EVERY
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files)
-    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY)     # as Tracer() sets it
+    # as Tracer() sets it; --service: the gate run compiles in when the Service has addresses
+    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY,
+                              service_gate=bool(filters.get("f_service")))
     # run's plan and cflags; without root tracefs is unreadable: every tracepoint counts as there
     plan = attach.plan(features.probe(mount_tracefs=False), cfg, assume_unknown=True)
     notes = []
