@@ -107,7 +107,8 @@ def _run_options(fn):
                           "the kernel had at the hook (see --snaplen), with cause, Service and "
                           "hint as packet comments."),
         click.option("--snaplen", type=int, default=128, show_default=True, metavar="BYTES",
-                     help="With -w: bytes of each packet copied in the kernel (1-9216)."),
+                     help="With -w or --record: bytes of each packet copied in the kernel (1-9216); "
+                     "the session files keep them for `replay -w`."),
         click.option("-C", "pcap_mb", type=click.IntRange(1), default=None, metavar="MB",
                      help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
                           "tcpdump -C)."),
@@ -121,23 +122,24 @@ def _run_options(fn):
     return fn
 
 
-def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files) -> int:
-    """The kernel's packet copy size: --snaplen with -w, else 0 (no copies compiled in)."""
+def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record=None) -> int:
+    """The kernel's packet copy size: --snaplen with -w or --record (the session keeps the
+    bytes for `replay -w`), else 0 (no copies compiled in)."""
     from nptrace.config import check_snaplen
     check_snaplen(snaplen)
     if not pcap and (pcap_mb or pcap_files):
         raise ConfigError("-C and -W rotate the -w FILE: give -w too")
     if pcap_files and not pcap_mb:
         raise ConfigError("-W N needs -C MB (as tcpdump: it bounds the rotated files)")
-    return snaplen if pcap else 0
+    return snaplen if pcap or record else 0
 
 
 def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode, pcap,
-               snaplen, pcap_mb, pcap_files) -> Config:
+               snaplen, pcap_mb, pcap_files, record=None) -> Config:
     """`run`'s Config from its options (dump-bpf builds the same one)."""
     return dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
                                max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode,
-                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files))
+                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record))
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
@@ -167,7 +169,7 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
-                     pcap, snaplen, pcap_mb, pcap_files)
+                     pcap, snaplen, pcap_mb, pcap_files, record_dir)
     from nptrace.node.identity import node_name as _node_name
     node, _how = _node_name(node_name)    # said in the tracer's "attached" line
     if metrics_addr and ":" not in metrics_addr:
@@ -223,7 +225,7 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
     from nptrace.kernel import attach, btf, features, loader, offsets
     from nptrace.tracer import WAKE_EVERY
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
-                     pcap, snaplen, pcap_mb, pcap_files)
+                     pcap, snaplen, pcap_mb, pcap_files, record_dir)
     # as Tracer() sets it; --service: the gate run compiles in when the Service has addresses
     cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY,
                               service_gate=bool(filters.get("f_service")))

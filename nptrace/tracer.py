@@ -480,7 +480,13 @@ class Tracer:
 
     def _take_packets(self, batch: list) -> list:
         """The event records of batch; its packet-bytes records (bpf/npt_packet.h) go to the
-        sinks that take them (the pcapng one), before the events they belong to."""
+        sinks that take them (the pcapng one), before the events they belong to, and to the
+        session files (replay -w writes them)."""
+        if self.recorders:
+            for b in batch:
+                if ev.is_packet(b):
+                    for r in self.recorders:
+                        r.on_packet_raw(b)
         batch, packets = ev.split_packets(batch)
         if packets:
             for s in self.sinks:
