@@ -169,7 +169,8 @@ def test_ipv4_json_lines_unchanged_by_the_v6_path(tmp_path):
     ["replay", "X", "-o", "yaml"], ["report", "X", "-o", "table"], ["merge", "X", "-o", "csv"],
     ["replay", "X", "--json", "-o", "table"], ["merge", "X", "--json", "-o", "text"],
     ["report", "X", "--json", "-o", "text"], ["run", "-o", "yaml"],
-    ["run", "--json", "-o", "text"],
+    ["run", "--json", "-o", "text"], ["run", "--json", "-o", "table"], ["run", "-o", "tables"],
+    ["replay", "X", "-w", "/nonexistent/dir/x.pcapng"], ["replay", "X", "-w", "X"],
 ])
 def test_bad_output_options_are_one_line_exit_2(argv, tmp_path, capsys):
     live(tmp_path / "a", scenario_a())

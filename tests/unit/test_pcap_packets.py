@@ -204,7 +204,11 @@ def test_dump_bpf_prints_runs_cflags_without_btf(monkeypatch):
     assert "-DNPT_WAKE_EVERY=256" in flags and any(f.startswith("-DNPT_TC_KSKB=") for f in flags)
     assert "kernel BTF not readable" in r.output and "Traceback" not in r.output
     assert "TRACEPOINT_PROBE(skb, kfree_skb)" in r.output
-
+    assert "-DNPT_FILTER_SVC=0" in flags
+    r = CliRunner().invoke(main_group, ["dump-bpf", "--service", "default/web", "--record", "d"])
+    flags = next(l for l in r.output.splitlines() if l.startswith("/* cflags: ")).split()
+    assert "-DNPT_FILTER_SVC=1" in flags and "-DNPT_SNAPLEN=128" in flags   # as run compiles
+    assert "npt_svc_wanted" in r.output
 
 
 def test_evidence_times_are_on_the_lines_clock():
