@@ -541,6 +541,45 @@ static __always_inline int npt_wanted(struct npt_event *e)
 	return 1;
 }
 
+/* `run --service` in the kernel (-DNPT_FILTER_SVC=1; nptrace/kernel/loader.py
+ * set_service_ends fills it from the user-space resolver, classify/filters.py ServiceSel, and
+ * refills it as the node's rules change): the Service's ends as {addr, port}: an endpoint or
+ * frontend addr:port, a frontend address with port 0 (ClusterIP, external and LB IPs: any
+ * port), the zero address with a port (a NodePort, on any node address). A record with an end
+ * there (either end of its tuple, or of its conntrack entry's original destination or reply
+ * source: before and after DNAT) is sent; the others are counted exactly (npt_count,
+ * npt_count_cause) and not sent: NPT_S_SVC_GATED. User space's filter stays the exact check.
+ * Cost when on: up to 12 hash lookups a record that would be sent; off: none. */
+#if NPT_FILTER_SVC
+struct npt_svc_key { u8 addr[16]; u16 port; u16 _pad; };
+BPF_HASH(filter_svc, struct npt_svc_key, u8, 4096);
+
+static __always_inline int npt_svc_end(const u8 *addr, u16 port)
+{
+	struct npt_svc_key k = {};
+	__builtin_memcpy(k.addr, addr, 16);
+	k.port = port;
+	if (filter_svc.lookup(&k))
+		return 1;
+	k.port = 0;
+	if (filter_svc.lookup(&k))
+		return 1;
+	__builtin_memset(k.addr, 0, 16);
+	k.port = port;
+	return filter_svc.lookup(&k) != 0;
+}
+
+static __always_inline int npt_svc_wanted(struct npt_event *e)
+{
+	if (npt_svc_end(e->saddr, e->sport) || npt_svc_end(e->daddr, e->dport))
+		return 1;
+	return (e->flags & NPT_F_HAS_CT) &&
+	       (npt_svc_end(e->ct_odst, e->ct_odport) || npt_svc_end(e->ct_rsrc, e->ct_rsport));
+}
+#else
+#define npt_svc_wanted(e) 1
+#endif
+
 /* Count the event exactly, then copy it to the ring buffer if there is room. */
 static __always_inline void npt_emit(struct npt_event *e)
 {
@@ -551,6 +590,10 @@ static __always_inline void npt_emit(struct npt_event *e)
 	npt_count(e);
 	u64 fk = npt_flow_hash(e);
 	struct npt_cause_val *cv = npt_count_cause(e, fk);
+	if (!npt_svc_wanted(e)) {
+		npt_stat_inc(NPT_S_SVC_GATED);
+		return;
+	}
 #if NPT_MAX_RATE
 	if (!npt_rate_ok(e, fk)) {
 		npt_stat_inc(NPT_S_SAMPLED);

@@ -197,6 +197,7 @@ enum npt_stat {
 	NPT_S_SAMPLED   = 3,  /* counted exactly, not sent: over the per-CPU rate (--max-rate) */
 	NPT_S_FLOW_KEPT = 4,  /* sent over an empty bucket: an earlier record of its flow was sent */
 	NPT_S_COUNT_FULL = 5, /* records the exact counts map had no room for: counted here only */
+	NPT_S_SVC_GATED = 6,  /* counted exactly, not sent: no end at run --service's ends */
 	NPT_S_MAX       = 8,
 };
 

@@ -31,9 +31,11 @@ def main_group():
 def _run_options(fn):
     opts = [
         click.option("--json", "as_json", is_flag=True, help="Alias of -o json."),
-        click.option("-o", "--output", "output", type=click.Choice(["text", "json"]),
+        click.option("-o", "--output", "output", type=click.Choice(["text", "json", "table"]),
                      default=None, help="text: readable lines; json: one JSON object per "
-                     "incident per line on stdout (status goes to stderr)."),
+                     "incident per line on stdout (status goes to stderr); table: one "
+                     "fixed-width row per incident under a header (TIME CAUSE WHAT IFACE "
+                     "SERVICE N FLOW), as it happens."),
         click.option("--local", is_flag=True,
                      help="Console times in local time with its UTC offset (default: UTC, "
                           "RFC 3339 with milliseconds; JSON `ts` is epoch seconds either way)."),
@@ -105,7 +107,8 @@ def _run_options(fn):
                           "the kernel had at the hook (see --snaplen), with cause, Service and "
                           "hint as packet comments."),
         click.option("--snaplen", type=int, default=128, show_default=True, metavar="BYTES",
-                     help="With -w: bytes of each packet copied in the kernel (1-9216)."),
+                     help="With -w or --record: bytes of each packet copied in the kernel (1-9216); "
+                     "the session files keep them for `replay -w`."),
         click.option("-C", "pcap_mb", type=click.IntRange(1), default=None, metavar="MB",
                      help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
                           "tcpdump -C)."),
@@ -119,23 +122,24 @@ def _run_options(fn):
     return fn
 
 
-def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files) -> int:
-    """The kernel's packet copy size: --snaplen with -w, else 0 (no copies compiled in)."""
+def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record=None) -> int:
+    """The kernel's packet copy size: --snaplen with -w or --record (the session keeps the
+    bytes for `replay -w`), else 0 (no copies compiled in)."""
     from nptrace.config import check_snaplen
     check_snaplen(snaplen)
     if not pcap and (pcap_mb or pcap_files):
         raise ConfigError("-C and -W rotate the -w FILE: give -w too")
     if pcap_files and not pcap_mb:
         raise ConfigError("-W N needs -C MB (as tcpdump: it bounds the rotated files)")
-    return snaplen if pcap else 0
+    return snaplen if pcap or record else 0
 
 
 def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode, pcap,
-               snaplen, pcap_mb, pcap_files) -> Config:
+               snaplen, pcap_mb, pcap_files, record=None) -> Config:
     """`run`'s Config from its options (dump-bpf builds the same one)."""
     return dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
                                max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode,
-                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files))
+                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record))
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
@@ -158,14 +162,14 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
       nptrace run --json --duration 10 | jq .cause
       nptrace run --iface npt-node1/eth0 --port 30080
     """
-    from nptrace.sinks.console import Console
+    from nptrace.sinks.console import Console, LiveTable
     from nptrace.sinks.jsonl import JsonLines
     from nptrace.tracer import Outputs, Tracer, log
 
     if duration is not None and duration <= 0:
         raise ConfigError("--duration must be a positive number of seconds")
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
-                     pcap, snaplen, pcap_mb, pcap_files)
+                     pcap, snaplen, pcap_mb, pcap_files, record_dir)
     from nptrace.node.identity import node_name as _node_name
     node, _how = _node_name(node_name)    # said in the tracer's "attached" line
     if metrics_addr and ":" not in metrics_addr:
@@ -177,15 +181,20 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
                       pcap=pcap, pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
                       node=node)
     from nptrace.sinks.fmt import output_mode
-    as_json = output_mode(output, as_json) == "json"
+    mode = output_mode(output, as_json)
+    as_json = mode == "json"
     flt = live_filter(filters, cfg)
     if flt is None:
         return
+    if flt.kernel_ends():     # --service in the kernel too: other flows' records are not sent
+        cfg = dataclasses.replace(cfg, service_gate=True)
     tracer = Tracer(cfg, [], ready_file=ready_file, outputs=outputs)
+    tracer.service_gate = flt.kernel_ends
     from nptrace.sinks.collapse import storm_collapse
     storm = storm_collapse(collapse, as_json)
     sink = JsonLines(tracer.epoch_offset_ns, collapse=storm, node=node) if as_json \
-        else Console(tracer.epoch_offset_ns, collapse=storm, local=local)
+        else (LiveTable if mode == "table" else Console)(tracer.epoch_offset_ns,
+                                                         collapse=storm, local=local)
     from nptrace.sinks.fmt import Unnamed
     tracer.sinks.append(Unnamed(sink) if no_names else sink)
     try:
@@ -209,15 +218,17 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
 def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
              max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
              record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
-             pcap_files, **_filters):
+             pcap_files, **filters):
     """Print the BPF source and cflags `run` would compile with the same options (no root
     needed: without root the tracepoints count as present, and where the kernel's BTF is not
     readable the -DNPT_OFF_* offsets are left out, said in the output)."""
     from nptrace.kernel import attach, btf, features, loader, offsets
     from nptrace.tracer import WAKE_EVERY
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
-                     pcap, snaplen, pcap_mb, pcap_files)
-    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY)     # as Tracer() sets it
+                     pcap, snaplen, pcap_mb, pcap_files, record_dir)
+    # as Tracer() sets it; --service: the gate run compiles in when the Service has addresses
+    cfg = dataclasses.replace(cfg, wake_every=WAKE_EVERY,
+                              service_gate=bool(filters.get("f_service")))
     # run's plan and cflags; without root tracefs is unreadable: every tracepoint counts as there
     plan = attach.plan(features.probe(mount_tracefs=False), cfg, assume_unknown=True)
     notes = []

@@ -73,6 +73,7 @@ class Config:
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] | None = None   # "cat/name"s; None: every one in kernel/hooks.py
     snaplen: int = 0                   # packet bytes copied per event for --pcap (0: none)
+    service_gate: bool = False         # run --service in the kernel (bpf/npt_common.h filter_svc)
     extra: dict = field(default_factory=dict)
 
     def port_set(self) -> set[int]:

@@ -184,6 +184,10 @@ class Tracer:
         self.exact = None              # per-cause counts of every record (sinks/exact.py)
         self.exact_every_ns = 1_000_000_000
         self._next_idle_ns = 0
+        # run --service in the kernel: () -> the Service's ends now (classify/filters.py
+        # Filter.kernel_ends), filled at start and every prune_every_s (the rules may change)
+        self.service_gate = None
+        self._gate_n = None
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
@@ -237,6 +241,7 @@ class Tracer:
         check("netfilter hook")
         attach.attach_kprobes(plan, self.probes, log)
         check("kprobes")
+        self._fill_service_gate()
         self.names = names = Names()
         if self.ctx is None:
             from nptrace.node.knowledge import NodeKnowledge
@@ -360,6 +365,16 @@ class Tracer:
                 except Exception as e:
                     log(f"warning: releasing state of deleted namespaces: {e}")
 
+    def _fill_service_gate(self) -> None:
+        if self.service_gate is None or not self.cfg.service_gate or self.probes is None:
+            return
+        ends = self.service_gate()
+        if ends:      # the Service left the rules: the last ends stay (as the user-space filter)
+            n = self.probes.set_service_ends(ends)
+            if n != self._gate_n:
+                self._gate_n = n
+                log(f"--service in the kernel: {n} addresses and ports of the Service")
+
     def _start_exact(self, names, drops, rsts) -> None:
         """Every record counted under its cause (bpf/npt_common.h npt_count_cause), labeled
         per key with the classifier's rules (classify/keylabel.py). The labeler's lookups are
@@ -467,7 +482,13 @@ class Tracer:
 
     def _take_packets(self, batch: list) -> list:
         """The event records of batch; its packet-bytes records (bpf/npt_packet.h) go to the
-        sinks that take them (the pcapng one), before the events they belong to."""
+        sinks that take them (the pcapng one), before the events they belong to, and to the
+        session files (replay -w writes them)."""
+        if self.recorders:
+            for b in batch:
+                if ev.is_packet(b):
+                    for r in self.recorders:
+                        r.on_packet_raw(b)
         batch, packets = ev.split_packets(batch)
         if packets:
             for s in self.sinks:
@@ -524,6 +545,7 @@ class Tracer:
                 if self.prune_every_s and time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + self.prune_every_s
                     self._prune()
+                    self._fill_service_gate()
                 if self.status_every and time.monotonic() >= next_status:
                     # the 3 a.m. view: is it attached, how busy, is anything being lost
                     st = self.probes.stats()
@@ -675,6 +697,9 @@ class Tracer:
                 "only, not per kind")
         if stats.get("sampled"):
             log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
+        if stats.get("svc_gated"):
+            log(f"{stats['svc_gated']} events of other flows than --service's were counted in "
+                "the kernel, not sent")
         if out_errors and not self.output_failed:
             quiet_stdout()
             raise output_error("stdout", out_errors[0]) from None

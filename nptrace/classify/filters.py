@@ -92,6 +92,14 @@ class ServiceSel:
                 return True
         return self._ev(v.event)
 
+    def kernel_ends(self) -> frozenset[tuple[str, int]]:
+        """The kernel's gate (bpf/npt_common.h filter_svc): (addr, port) of the endpoints,
+        (addr, 0) of the frontend addresses (any port), ("", port) of the NodePorts (any
+        address). A superset of what matches() matches by address; empty: no gate (a Service
+        known by name only)."""
+        return frozenset(self.ends | {(a, 0) for a in self.addrs} |
+                         {("", p) for p in self.node_ports})
+
     def _ev(self, e) -> bool:
         for a, p in ((e.saddr, e.sport), (e.daddr, e.dport)):
             if (a, p) in self.ends or a in self.addrs or p in self.node_ports:
@@ -191,6 +199,22 @@ class Filter:
             self._at = now
         return self._sel
 
+    def kernel_ends(self) -> frozenset[tuple[str, int]] | None:
+        """The --service ends for the kernel's gate now (re-resolved as the rules change), or
+        None: no --service, or one known by name only (nothing to gate on)."""
+        sel = self.selector()
+        ends = sel.kernel_ends() if sel is not None else frozenset()
+        return ends or None
+
+    def matches_label(self, lab) -> bool:
+        """A summary row's label (sinks/exact.py: records counted in the kernel, not sent):
+        by cause and Service name; --pod, --node and times cannot be told from a label."""
+        if self.causes and lab.cause not in self.causes:
+            return False
+        sel = self.selector()
+        return sel is None or (lab.service is not None and (
+            lab.service in sel.names or lab.service.split(":", 1)[0] in sel.names))
+
     def matches(self, v: Verdict, epoch_ns: int | None = None, node: str | None = None,
                 rows=None) -> bool:
         if self.causes and v.cause not in self.causes:
@@ -261,6 +285,11 @@ class FilteredSink:
     def write_many(self, verdicts) -> None:
         for v in verdicts:
             self.write(v)
+
+    def write_summary(self, rows) -> None:
+        w = getattr(self.sink, "write_summary", None)
+        if w is not None:
+            w([r for r in rows if self.flt.matches_label(r.label)])
 
     def __getattr__(self, name):
         return getattr(self.sink, name)

@@ -35,6 +35,11 @@ class Facts:
     local_pods: dict = field(default_factory=dict)     # address -> {"netns", "listen": [port]}
     probes: dict = field(default_factory=dict)         # "ip:port" -> {"outcome", "error"}
     rules: list = field(default_factory=list)          # [(backend, dump text)]
+    # the client's open connections to dst:port in conntrack (gather.inflight): [{"sport",
+    # "state", "ep" (the DNATed endpoint, its reply source), "peer" (the endpoint's view of
+    # the client: the reply destination), "socket" (a local pod holds that connection:
+    # true/false; null: not a local pod)}]; None: not looked (older fixtures)
+    inflight: list | None = None
 
     def local_addrs(self) -> set[str]:
         return {a for lst in self.addrs.values() for a in lst}

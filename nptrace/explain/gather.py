@@ -116,6 +116,68 @@ def local_pods(netns: str | None) -> dict:
     return pods
 
 
+MAX_INFLIGHT = 256
+_CT_STATE = re.compile(r"^[A-Z][A-Z_]{3,}$")     # ESTABLISHED, TIME_WAIT, SYN_SENT, ...
+
+
+def parse_conntrack(text: str, client: str, dst: str, port: int) -> list[dict]:
+    """The client's TCP entries to dst:port from /proc/net/nf_conntrack or `conntrack -L`
+    text: the original direction's src/dst/sport/dport first, the reply's second."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        if "tcp" not in f[:4]:
+            continue
+        kv: dict[str, list[str]] = {}
+        for x in f:
+            k, eq, v = x.partition("=")
+            if eq:
+                kv.setdefault(k, []).append(v)
+        try:
+            (osrc, rsrc), (odst, rdst) = kv["src"][:2], kv["dst"][:2]
+            (osp, rsp), (odp, rdp) = [int(x) for x in kv["sport"][:2]], [int(x) for x in kv["dport"][:2]]
+        except (KeyError, ValueError):
+            continue
+        if osrc != client or odst != dst or odp != port:
+            continue
+        state = next((x for x in f[:6] if _CT_STATE.match(x)), "")
+        out.append({"sport": osp, "state": state, "ep": fmt_ep(rsrc, rsp),
+                    "peer": fmt_ep(rdst, rdp), "socket": None})
+        if len(out) >= MAX_INFLIGHT:
+            break
+    return out
+
+
+def _established(ns: str) -> set[tuple[str, str]]:
+    """(local, peer) of the namespace's established TCP sockets (`ss -Htn`)."""
+    pairs = set()
+    for line in _exec(ns, ["ss", "-Htn", "state", "established"]).splitlines():
+        f = line.split()
+        if len(f) >= 4:
+            pairs.add((f[-2].replace("[", "").replace("]", ""),
+                       f[-1].replace("[", "").replace("]", "")))
+    return pairs
+
+
+def inflight(netns: str | None, client: str, dst: str, port: int, pods: dict) -> list[dict]:
+    """The client's open connections to dst:port (ESTABLISHED in the node's conntrack), and
+    whether the local pod each is DNATed to still holds its socket."""
+    text = _exec(netns, ["cat", "/proc/net/nf_conntrack"]) or \
+        _exec(netns, ["conntrack", "-L", "-p", "tcp"])
+    flows = [x for x in parse_conntrack(text, client, dst, port) if x["state"] == "ESTABLISHED"]
+    socks: dict[str, set] = {}
+    for x in flows:
+        host, _p = split_hostport(x["ep"])
+        pod = pods.get(host)
+        if pod is None:
+            continue
+        if pod["netns"] not in socks:
+            socks[pod["netns"]] = _established(pod["netns"])
+        plain = lambda ep: ep.replace("[", "").replace("]", "")
+        x["socket"] = (plain(x["ep"]), plain(x["peer"])) in socks[pod["netns"]]
+    return flows
+
+
 def _probe_one(ep: str) -> dict:
     host, port = split_hostport(ep)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -207,6 +269,7 @@ def gather(client: str, dst: str, port: int, *, netns: str | None = None, iif: s
             facts.syn_routes[hp[0]] = route_get(netns, hp[0], client, iif)
     if do_probe and eps:
         facts.probes = probe(netns, eps)
+    facts.inflight = inflight(netns, client, dst, port, facts.local_pods)
     return facts
 
 

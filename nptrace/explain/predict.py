@@ -215,7 +215,63 @@ def predict(facts: Facts, smap: ServiceMap | None = None) -> Prediction:
         masq, masq_why = kube_masquerade(facts.rules)
         for ep in eps:
             per_ep[ep] = _endpoint(facts, smap, svc, ep, masq, masq_why, add)
+    if svc is not None and facts.inflight is not None:
+        new = _best([*global_causes, *per_ep.values(), *(s.cause for s in steps)])
+        held = _inflight(facts, svc, add)
+        if held:
+            global_causes.append(held[0])
+            if _best([new, held[0]]) == held[0] != new:
+                    return _finish(steps, per_ep, svc, global_causes,
+                               f" ({held[1]} of {len(facts.inflight)} open connections; new "
+                               f"connections: {new or 'they work'})")
     return _finish(steps, per_ep, svc, global_causes)
+
+
+NO_INFLIGHT = ("the causes of connections in flight show in the node's state only while they "
+               "are open (proxy: a conntrack entry still DNATs to an endpoint a rollout removed; "
+               "app_reset: the endpoint's pod was re-created and lost their sockets): run "
+               "explain while they are, or trace them (--confirm)")
+
+
+def _inflight(facts, svc, add) -> tuple[str, int] | None:
+    """The client's open connections (facts.inflight): each is steered by its conntrack
+    entry, not by the rules a new SYN meets. (cause, how many) of the worst, or None."""
+    flows = facts.inflight
+    src = f"{facts.client} > {fmt_ep(facts.dst, facts.port)}"
+    if not flows:
+        add(Step("inflight", f"no open connection {src} in the node's conntrack: {NO_INFLIGHT}"))
+        return None
+    by: dict[tuple, list] = {}
+    for x in flows:
+        if x["ep"] not in svc.endpoints:
+            k = ("proxy", x["ep"])
+        elif x.get("socket") is False:
+            k = ("app_reset", x["ep"])
+        else:
+            k = (None, x["ep"])
+        by.setdefault(k, []).append(x)
+    worst = None
+    for (cause, ep), xs in sorted(by.items(), key=lambda kv: RANK.get(kv[0][0], 99)):
+        ports = ", ".join(str(x["sport"]) for x in xs[:5]) + (", ..." if len(xs) > 5 else "")
+        what = f"{len(xs)} open connection{'s' if len(xs) > 1 else ''} {src} (client ports {ports})"
+        if cause == "proxy":
+            text = (f"{what} are DNATed by their conntrack entries to {ep}, no longer an endpoint "
+                    f"of {svc.name} (now: {', '.join(svc.endpoints) or 'none'}): kube-proxy's new "
+                    f"rules do not touch established entries, so their next packets still go "
+                    f"to the removed endpoint")
+        elif cause == "app_reset":
+            pod = facts.local_pods.get(split_hostport(ep)[0], {})
+            text = (f"{what} are DNATed to {ep}, still an endpoint, but its pod (netns "
+                    f"{pod.get('netns', '?')}) holds no socket of them: its TCP stack was "
+                    f"re-created (a restart) and answers their next segment with a RST")
+        else:
+            held = "held by the endpoint's socket" if xs[0].get("socket") else "to a current endpoint"
+            text = f"{what} go to {ep}, {held}"
+        add(Step("inflight", text, cause, ep))
+        if cause and worst is None:
+            worst = (cause, len(xs))
+    return worst
+
 
 
 def _endpoint(facts, smap, svc, ep, masq, masq_why, add) -> str | None:
@@ -268,13 +324,14 @@ def _endpoint(facts, smap, svc, ep, masq, masq_why, add) -> str | None:
     return _best(causes)
 
 
-def _finish(steps, per_ep, svc, global_causes=()) -> Prediction:
+def _finish(steps, per_ep, svc, global_causes=(), where: str | None = None) -> Prediction:
     cause = _best([*global_causes, *per_ep.values(), *(s.cause for s in steps)])
     if cause is None:
         summary = "predicted: the connection works"
     else:
         bad = [e for e, c in per_ep.items() if c]
-        where = f" ({len(bad)} of {len(per_ep)} endpoints)" if per_ep and bad and \
-            any(s.cause == cause and s.endpoint for s in steps) else ""
+        if where is None:
+            where = f" ({len(bad)} of {len(per_ep)} endpoints)" if per_ep and bad and \
+                any(s.cause == cause and s.endpoint and s.stage != "inflight" for s in steps) else ""
         summary = f"predicted: {cause}{where}"
     return Prediction(cause, summary, steps, per_ep, svc.name if svc is not None else None)

@@ -44,6 +44,7 @@ class Stat(enum.IntEnum):
     SAMPLED = 3
     FLOW_KEPT = 4
     COUNT_FULL = 5
+    SVC_GATED = 6
 
 
 # bcc 0.26 prepends `#define bpf_probe_read_kernel bpf_probe_read` when it cannot find the
@@ -172,6 +173,33 @@ class Probes:
                 raw = net.network_address.packed.ljust(16, b"\0")
                 ct.memmove(ct.addressof(k.addr), raw, 16)
                 m[k] = ct.c_uint8(1)
+
+    def set_service_ends(self, ends) -> int:
+        """Make the kernel's --service gate (npt_common.h filter_svc) hold exactly `ends`,
+        (addr, port) as classify/filters.py ServiceSel.kernel_ends() gives them ("" for any
+        address, port 0 for any port): new ones added first, gone ones deleted after, so a
+        refill never leaves a moment with neither. Returns how many it holds (at most 4096)."""
+        import ipaddress
+        m = self.bpf["filter_svc"]
+
+        def key(addr, port):
+            k = m.Key()
+            raw = ipaddress.ip_address(addr).packed.ljust(16, b"\0") if addr else bytes(16)
+            ct.memmove(ct.addressof(k.addr), raw, 16)
+            k.port = port
+            return k
+        want = {}
+        for a, p in sorted(ends)[:getattr(m, "max_entries", 4096)]:
+            k = key(a, p)
+            want[bytes(k)] = k
+        have = {bytes(k): k for k in m.keys()}
+        for b, k in want.items():
+            if b not in have:
+                m[k] = ct.c_uint8(1)
+        for b, k in have.items():
+            if b not in want:
+                del m[k]
+        return len(want)
 
     # --- tc programs (bpf/tc.bpf.c, compiled in with -DNPT_WITH_TC=1) --------------------
     def tc_program_fds(self) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -152,7 +153,29 @@ def _rules_step(spec: Spec, st: dict, ns: dict, backend: str) -> None:
                 netns.sh(["ip", "netns", "exec", ns[node], *step.argv],
                          input="delete table ip kube-proxy\n" + step.input)
             elif step.input is not None:   # the jumps are there already
-                netns.sh(["ip", "netns", "exec", ns[node], *step.argv], input=step.input)
+                saved = netns.sh(["ip", "netns", "exec", ns[node],
+                                  step.argv[0].replace("-restore", "-save"), "-t", "nat"])
+                netns.sh(["ip", "netns", "exec", ns[node], *step.argv],
+                         input=delete_stale_chains(step.input, saved.stdout))
+
+
+_KUBE_CHAIN = re.compile(r"^:(KUBE-(?:SEP|SVC|EXT|SVL|FW|XLB)-\S+)", re.M)
+
+
+def delete_stale_chains(restore: str, saved_nat: str) -> str:
+    """The restore input with the per-Service and per-endpoint nat chains the node has and the
+    new rules no longer declare (a removed endpoint's KUBE-SEP-*) declared and `-X`ed, as
+    kube-proxy writes them: --noflush keeps every chain the input does not name."""
+    stale = sorted(set(_KUBE_CHAIN.findall(saved_nat)) - set(_KUBE_CHAIN.findall(restore)))
+    if not stale:
+        return restore
+    head, nat, rest = restore.partition("*nat\n")
+    if not nat:
+        return restore
+    body, commit, tail = rest.partition("COMMIT\n")
+    # declared (so flushed: nf_tables deletes only empty chains), then deleted
+    return (head + nat + "".join(f":{c} - [0:0]\n" for c in stale) + body
+            + "".join(f"-X {c}\n" for c in stale) + commit + tail)
 
 
 def _delete_pod(spec: Spec, pod: str, ns: dict, state: dict) -> None:
@@ -280,8 +303,12 @@ def _run_probe_held(netns_name: str, targets: list[dict], timeout: float, betwee
     return json.loads(out)
 
 
-def trigger(name: str, count: int = 50, prefix: str | None = None) -> list[Attempt]:
-    """Make ``count`` real connections (spread over the scenario's trigger entries) at once."""
+def trigger(name: str, count: int = 50, prefix: str | None = None,
+            after_steps=None) -> list[Attempt]:
+    """Make ``count`` real connections (spread over the scenario's trigger entries) at once.
+    A scenario with steps runs them while the connections are held; `after_steps()`, if
+    given, runs after them, before the held connections' second exchange (what the node's
+    state is with connections in flight: tests of `nptrace explain`)."""
     if count < 1:
         raise UsageError("count must be at least 1")
     prefix = netns.resolve_prefix(prefix)
@@ -311,6 +338,8 @@ def trigger(name: str, count: int = 50, prefix: str | None = None) -> list[Attem
             def between():
                 st["stepped"] = True
                 run_steps(spec, st, prefix)
+                if after_steps is not None:
+                    after_steps()
             results = _run_probe_held(ns, [p[0] for p in pairs], tmax, between)
         else:
             results = _run_probe(ns, [p[0] for p in pairs], tmax)

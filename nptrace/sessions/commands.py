@@ -135,8 +135,10 @@ class _TableRows:
 @click.command("replay")
 @_PATHS
 @_output_options(fmt.OUTPUTS, "one JSON object per line, as `run -o json`")
-@click.option("--output-pcap", "--pcap", "pcap", metavar="FILE",
-              help="Also write the verdicts as reconstructed packets to a pcapng FILE.")
+@click.option("-w", "--output-pcap", "--pcap", "pcap", metavar="FILE",
+              help="Also write the packets behind the incidents to a pcapng FILE: the bytes "
+                   "the kernel had at the hook where the session recorded them (run with -w "
+                   "or --record, format 2), else headers rebuilt from the event's fields.")
 @click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
               help="As `run --collapse`: at most N alike incidents a second, the rest as one "
                    "line with `repeat` (default 20 on the console, 0 with --json).")
@@ -157,7 +159,7 @@ def replay_command(paths, output, as_json, local, no_names, pcap, collapse, **fi
       nptrace replay /var/lib/nptrace
       nptrace replay /var/lib/nptrace -o json | jq -r .cause | sort | uniq -c
       nptrace replay /var/lib/nptrace -o table --cause rp_filter --since 10m
-      nptrace replay nptrace-20260101T120000Z-....nps --pcap resets.pcapng
+      nptrace replay nptrace-20260101T120000Z-....nps -w resets.pcapng
     """
     from nptrace.sinks.collapse import storm_collapse
     from nptrace.sinks.console import Console
@@ -165,7 +167,8 @@ def replay_command(paths, output, as_json, local, no_names, pcap, collapse, **fi
     mode = fmt.output_mode(output, as_json)
     as_json = mode == "json"
     flt = filter_from(filters)     # bad filter values before the files are read
-    r = OnlyMatching(Replay(paths), flt)
+    rp = Replay(paths)
+    r = OnlyMatching(rp, flt)
     out = sys.stdout
     storm = storm_collapse(collapse, mode != "text")
     if mode == "table":
@@ -179,6 +182,7 @@ def replay_command(paths, output, as_json, local, no_names, pcap, collapse, **fi
     if pcap:
         from nptrace.sinks.pcapng import PcapngSink
         sink = PcapngSink(pcap, 0)
+        rp.on_packet = sink.on_packet     # the recorded packet bytes, before their incident
     loss = _LossLines(r.problems, out) if as_json else (lambda: None)
     try:
         for it in r.items():
@@ -229,7 +233,8 @@ def report_command(paths, top, output, as_json, local, no_names, **filters):
     """
     mode = fmt.output_mode(output, as_json)
     flt = filter_from(filters)
-    r = OnlyMatching(Replay(paths), flt)
+    rp = Replay(paths)
+    r = OnlyMatching(rp, flt)
     d = report_data(r, top=top, local=local, no_names=no_names)
     if mode == "json":
         click.echo(json.dumps(d, indent=2))

@@ -15,6 +15,11 @@ and every payload is a map with a `rec` key:
               are cumulative, so every file replays on its own after older ones are deleted.
     event     {abi, type, raw}: the 216-byte npt_event exactly as the ring buffer gave it
               (STYLE.md section 6), so `replay` re-runs the CURRENT classifier over it.
+    packet    {raw}: a packet-bytes record (bpf/npt_packet.h struct npt_packet and its first
+              --snaplen bytes of the packet) as the ring buffer gave it, after the event it
+              belongs to or before it in the same batch; `replay -w` writes the real bytes.
+              Format 2 (format 1 files have none and read as before; an older nptrace
+              refuses format 2 files by their header, as it refuses any newer format).
     names     {ifnames: {netns: {ifindex: name|None}}}: lookups the live classifier made
     services  {services: [[addr, port, name|None]]}: likewise for Service names
     lookup    {name, key, value}: another Context lookup's answer (nf_rule, endpoint_of, ...)
@@ -68,10 +73,11 @@ import msgpack
 
 from nptrace import __version__
 from nptrace import events as ev
+from nptrace.config import MAX_SNAPLEN
 from nptrace.errors import NptraceError
 
 FORMAT = "nptrace-session"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2       # 2: packet records (format 1 is read alike)
 MAGIC = b"NPS1"
 FRAME = struct.Struct("<4sII")
 MAX_PAYLOAD = 64 << 20          # a header with every name of a big node is well below this
@@ -284,6 +290,7 @@ HEADER = Record(
      "lookup_cache": Int(1, 1 << 24), "stop_record": _bool})
 SCHEMAS = {
     "event": Record({"raw": Bytes(1 << 16)}, {"abi": U16, "type": U16}),
+    "packet": Record({"raw": Bytes(ev.PACKET.size + MAX_SNAPLEN)}),
     "names": Record({"ifnames": IFNAMES}),
     "services": Record({"services": SERVICES}),
     "lookup": Record({"name": Str(64), "key": _any, "value": _any}),
@@ -756,6 +763,11 @@ class SessionWriter:
         raw = bytes(raw[:ev.SIZE])
         typ, abi = _TYPE_ABI.unpack_from(raw, _TYPE_OFF) if len(raw) >= ev.SIZE else (0, 0)
         self._append({"rec": "event", "abi": abi, "type": typ, "raw": raw})
+
+    def write_packet(self, raw: bytes) -> None:
+        """One packet-bytes record, as received (bounded: the kernel copies at most
+        --snaplen <= MAX_SNAPLEN bytes)."""
+        self._append({"rec": "packet", "raw": bytes(raw[:ev.PACKET.size + MAX_SNAPLEN])})
 
     def needs_write(self, name: str, key, value) -> bool:
         return self.known.needs_write(name, key, value)

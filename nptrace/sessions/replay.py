@@ -83,6 +83,8 @@ class Replay:
         self.counters: dict[str, dict] = {}
         self.summaries: list = []      # the live run's summary rows (sinks/exact.py SummaryRow)
         self.events = 0
+        self.packets = 0               # packet-bytes records (format 2) handed to on_packet
+        self.on_packet = None          # (events.Packet) -> None: `replay -w`'s pcapng sink
         self.undecodable: Counter = Counter()
 
     def items(self) -> Iterator[Item]:
@@ -112,6 +114,8 @@ class Replay:
             if rec.kind == "event":
                 run.known.trim()      # where the recorder trimmed: before writing this event
                 pending = rec
+            elif rec.kind == "packet":
+                self._packet(d["raw"])
             elif rec.kind == "names":
                 for k, n in ifnames_rows(d["ifnames"]):
                     run.known.put(IFACE, k, n)
@@ -131,7 +135,7 @@ class Replay:
             n = sum(self.undecodable.values())
             why = "; ".join(f"{k} ({v})" for k, v in self.undecodable.most_common(3))
             self.problems.append(Problem("", "undecodable", 0, n,
-                                         f"{n} event records could not be decoded: {why}"))
+                                         f"{n} records could not be decoded: {why}"))
         lost = sum(c.get("stats", {}).get("lost", 0) for c in self.counters.values())
         if lost:
             self.problems.append(Problem("", "ring_lost", 0, lost,
@@ -152,6 +156,18 @@ class Replay:
             return
         self.events += 1
         yield from self._items(run.classifier.feed(e), rec.header)
+
+    def _packet(self, raw: bytes) -> None:
+        """A recorded packet-bytes record: to on_packet, which pairs it with its event by
+        (ts_ns, skb) as the live pcapng sink does. A damaged one is counted as undecodable."""
+        try:
+            p = ev.decode_packet(raw)
+        except ev.DecodeError as err:
+            self.undecodable[f"packet: {err}"] += 1
+            return
+        self.packets += 1
+        if self.on_packet is not None:
+            self.on_packet(p)
 
     @staticmethod
     def _items(verdicts, header) -> Iterator[Item]:

@@ -51,7 +51,7 @@ class Console:
             lab = r.label
             self.by_cause[lab.cause] += r.repeat
             self.by_service[lab.service or "-"] += r.repeat
-            ts = time.strftime("%H:%M:%S", time.localtime((r.until_ns + self.offset) / 1e9))
+            ts = fmt.ts(r.until_ns + self.offset, self.local)
             what = lab.kind + (f"/{lab.direction}" if lab.direction else "")
             self.stream.write(printable(
                 f"{ts} {lab.cause:<18} {what:<14} x{r.repeat} more, counted in the kernel  "
@@ -89,3 +89,48 @@ class Console:
         if self.collapse is not None:
             self._items(self.collapse.drain())
         self.stream.flush()
+
+
+class LiveTable(Console):
+    """`run -o table`: one fixed-width row per incident, as `conntrack -L` or
+    `hubble observe -o table` print a live stream (a refreshed screen would not survive a pipe
+    or `tee`). The header is printed once, before the first row; the columns are
+    LIVE_COLS (no NODE: a live run is one node, named on stderr's "attached" line), N is how
+    many incidents the row stands for (1, or a storm's collapsed summary, or the records the
+    kernel counted and did not send). The hint is not a column: `-o text` and `-o json` have it.
+    A value wider than its column pushes the rest of its row right; FLOW, the widest, is last."""
+
+    COLS = (("TIME", 24), ("CAUSE", 18), ("WHAT", 14), ("IFACE", 12), ("SERVICE", 22),
+            ("N", 5), ("FLOW", 0))
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._head = False
+
+    def _row(self, *cells) -> None:
+        if not self._head:
+            self._head = True
+            self._row(*(c for c, _w in self.COLS))
+            self._head = True
+        line = "  ".join(str(x).ljust(w) for x, (_c, w) in zip(cells, self.COLS)).rstrip()
+        self.stream.write(printable(line) + "\n")
+        self.stream.flush()
+
+    def _print(self, v: Verdict, repeat: int = 1, ts_ns: int | None = None) -> None:
+        what = v.kind + (f"/{v.direction}" if v.direction else "")
+        self._row(fmt.ts((v.event.ts_ns if ts_ns is None else ts_ns) + self.offset, self.local),
+                  v.cause, what, fmt.iface(v), v.service or "-", repeat, fmt.flow(v))
+
+    def _items(self, items) -> None:
+        for v, repeat, since, _events in items:
+            self._print(v, repeat, None if repeat == 1 else since)
+
+    def write_summary(self, rows) -> None:
+        for r in rows:
+            lab = r.label
+            self.by_cause[lab.cause] += r.repeat
+            self.by_service[lab.service or "-"] += r.repeat
+            what = lab.kind + (f"/{lab.direction}" if lab.direction else "")
+            self._row(fmt.ts(r.until_ns + self.offset, self.local), lab.cause, what,
+                      lab.iface or "-", lab.service or "-", r.repeat,
+                      f"(counted in the kernel, not sent) [{lab.hook} {lab.reason}]")

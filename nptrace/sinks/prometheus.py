@@ -51,7 +51,7 @@ METRIC_NAMES = frozenset({
     "nptrace_service_events_total", "nptrace_incidents_total",
     "nptrace_kernel_events_total", "nptrace_events_lost_total", "nptrace_events_emitted_total",
     "nptrace_events_filtered_total", "nptrace_events_sampled_total",
-    "nptrace_events_count_full_total", "nptrace_flows_tracked",
+    "nptrace_events_count_full_total", "nptrace_events_svc_gated_total", "nptrace_flows_tracked",
     "nptrace_probe_up",
     "nptrace_kernel_counters_up",
 })
@@ -145,7 +145,9 @@ class KernelCollector:
                                            "--max-rate (whole connections are left out)"),
                                ("count_full", "Events the exact per-kind counts map had no "
                                               "room for (more kinds than its 16384 slots): "
-                                              "counted only here")):
+                                              "counted only here"),
+                               ("svc_gated", "Events counted but not sent to user space: no "
+                                             "end at `run --service`'s addresses and ports")):
                 c = CounterMetricFamily(f"nptrace_events_{key}", help_)
                 c.add_metric([], int(stats.get(key, 0)))
                 yield c

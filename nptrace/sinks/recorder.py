@@ -73,6 +73,10 @@ class Recorder:
         """Every ring-buffer record, BEFORE the classifier sees it."""
         self.writer.write_event(raw)
 
+    def on_packet_raw(self, raw: bytes) -> None:
+        """A packet-bytes record (bpf/npt_packet.h), as the ring gave it."""
+        self.writer.write_packet(raw)
+
     def snapshot_counters(self) -> None:
         if self.counters is None:
             return

@@ -64,3 +64,59 @@ def test_filter_selects_one_of_two_faults(two_faults, root_and_bcc, tmp_path, fl
     causes = [json.loads(l).get("cause") for l in (tmp_path / "out").read_text().splitlines()]
     assert want in causes, (causes, (tmp_path / "err").read_text()[-2000:])
     assert other not in causes and set(causes) <= {want}, causes
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metric(text, name, **labels):
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_service_filter_in_the_kernel_and_table(two_faults, root_and_bcc, tmp_path):
+    """run --service default/web -o table: the closed port's records are counted in the kernel
+    (the exact counters) and never sent (svc_gated; the session holds none of them), the
+    table shows only the Service's incidents."""
+    import urllib.request
+
+    from nptrace.sessions.replay import Replay
+    ready, port = tmp_path / "ready", _free_port()
+    env = dict(os.environ, NPTRACE_LOCK_FILE=str(tmp_path / "lock"))
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run", "-o", "table",
+                              "--service", "default/web", "--iface", "npt-node1/eth0",
+                              "--record", str(tmp_path / "rec"), "--metrics-addr", str(port),
+                              "--ready-file", str(ready)], stdout=out, stderr=err, env=env)
+        try:
+            wait_ready(ready, p, stderr=tmp_path / "err")
+            time.sleep(0.3)
+            attempts = lab.trigger("no-endpoints", count=5)
+            assert {a.outcome for a in attempts} == {"refused"}
+            assert len(_closed_port_connects(5)) == 5
+            time.sleep(2.5)        # the exact counters are read once a second
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+        finally:
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=30)
+    err = (tmp_path / "err").read_text()
+    assert p.returncode == 0, err[-2000:]
+    assert "--service in the kernel:" in err, err[-2000:]
+    head, *rows = (tmp_path / "out").read_text().splitlines()
+    assert head.split() == ["TIME", "CAUSE", "WHAT", "IFACE", "SERVICE", "N", "FLOW"]
+    causes = [r[head.index("CAUSE"):].split()[0] for r in rows]
+    assert "no_endpoints" in causes and set(causes) == {"no_endpoints"}, rows
+    # the other flow: counted exactly, not sent
+    assert _metric(metrics, "nptrace_resets_total", cause="no_listener") >= 5, metrics
+    assert _metric(metrics, "nptrace_events_svc_gated_total") >= 5, metrics
+    sent = [it.verdict for it in Replay([tmp_path / "rec"]).items()]
+    assert sent and not [v for v in sent if CLOSED in (v.event.sport, v.event.dport)], \
+        [(v.cause, v.event.sport, v.event.dport) for v in sent]

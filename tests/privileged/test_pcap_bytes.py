@@ -4,7 +4,8 @@ strict rp_filter on npt-node1/eth1 (skb:kfree_skb IP_RPFILTER); its retransmissi
 at tc ingress (SYN_RETX). A tcpdump on the same interface is the reference: the tc packets are
 its frames byte for byte; the kfree_skb packet is its frame after DNAT (destination address
 and port, and the two checksums, rewritten; everything else equal). tshark reads the file and
-`frame.comment contains "rp_filter"` selects those packets."""
+`frame.comment contains "rp_filter"` selects those packets. The same run's --record session
+keeps the bytes: `nptrace replay -w` writes the live file's packets again, byte for byte."""
 import os
 import shutil
 import signal
@@ -55,7 +56,8 @@ def test_pcap_holds_the_kernels_bytes(rp_lab, root_and_bcc, tmp_path):
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(tmp_path / "err", "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run", "-o", "json",
-                              "-i", "npt-node1/eth1", "-w", str(pcap), "--ready-file", str(ready)],
+                              "-i", "npt-node1/eth1", "-w", str(pcap), "--record", str(tmp_path / "rec"),
+                              "--ready-file", str(ready)],
                              stdout=subprocess.DEVNULL, stderr=err, env=env)
         try:
             wait_ready(ready, p, stderr=tmp_path / "err")
@@ -99,3 +101,12 @@ def test_pcap_holds_the_kernels_bytes(rp_lab, root_and_bcc, tmp_path):
     picked = [int(x) for x in r.stdout.split()]
     want = [i + 1 for i, c in enumerate(comments) if "rp_filter" in c]
     assert picked == want and len(picked) >= len(at_tc) + len(at_drop)
+
+    # the session kept the packet bytes: replay -w gives the live file's packets again
+    again = tmp_path / "replayed.pcapng"
+    r = subprocess.run([sys.executable, "-m", "nptrace.cli", "replay", str(tmp_path / "rec"),
+                        "-w", str(again)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    _ifaces2, replayed = read_pcapng(again)
+    assert [pk[2] for pk in replayed if "as the kernel had them" in pk[3][1][0].decode()] == \
+        [pk[2] for pk, _c in real]

@@ -32,11 +32,16 @@ def test_predicts_the_scenario_cause(path):
 
 
 def test_every_scenario_has_a_fixture():
-    """Except the scenarios whose fault is made by [[step]]s between the trigger's two halves
-    (a rollout): explain predicts from a snapshot taken before, when the path is healthy."""
+    """Those whose fault [[step]]s make between the trigger's two halves (a rollout, a pod
+    re-created) were gathered after the steps, with the connections in flight
+    (tests/privileged/test_explain.py, NPTRACE_WRITE_EXPLAIN_FIXTURES=1)."""
     from nptrace import lab
     have = {json.loads(p.read_text())["scenario"] for p in CASES}
-    assert have == {s.name for s in lab.scenarios() if not lab.model.compile_spec(s.name).steps}
+    assert have == {s.name for s in lab.scenarios()}
+    for p in CASES:
+        d, facts = load(p)
+        if lab.model.compile_spec(d["scenario"]).steps:
+            assert facts.inflight and predict(replace(facts, inflight=[])).cause is None, p.name
 
 
 def test_facts_round_trip():
@@ -115,3 +120,55 @@ def test_unknown_service_is_one_line():
     for bad, msg in (("default/nope", "unknown Service"), ("web", "bad --service")):
         with pytest.raises(ExplainError, match=msg):
             resolve_service(smap, bad)
+
+
+CT = ("ipv4     2 tcp      6 431990 ESTABLISHED src=192.168.10.100 dst=192.168.10.11 sport=40000 "
+      "dport=30080 src=10.244.0.10 dst=192.168.10.11 sport=8080 dport=40000 [ASSURED] mark=0 use=1\n"
+      "ipv4     2 tcp      6 100 TIME_WAIT src=192.168.10.100 dst=192.168.10.11 sport=40001 "
+      "dport=30080 src=10.244.0.10 dst=192.168.10.11 sport=8080 dport=40001 [ASSURED] mark=0 use=1\n"
+      "ipv4     2 tcp      6 431990 ESTABLISHED src=192.168.10.7 dst=192.168.10.11 sport=1 "
+      "dport=30080 src=10.244.0.10 dst=192.168.10.11 sport=8080 dport=1 [ASSURED] mark=0 use=1\n"
+      "ipv4     2 udp      17 20 src=192.168.10.100 dst=192.168.10.11 sport=5 dport=30080 "
+      "src=10.244.0.10 dst=192.168.10.100 sport=8080 dport=5 mark=0 use=1\n"
+      "garbage line src=\n")
+
+
+def test_conntrack_text_to_the_clients_open_connections():
+    from nptrace.explain.gather import parse_conntrack
+    got = parse_conntrack(CT, "192.168.10.100", "192.168.10.11", 30080)
+    assert [(x["sport"], x["state"], x["ep"], x["peer"]) for x in got] == [
+        (40000, "ESTABLISHED", "10.244.0.10:8080", "192.168.10.11:40000"),
+        (40001, "TIME_WAIT", "10.244.0.10:8080", "192.168.10.11:40001")]
+    # conntrack -L prints the same without the first two fields
+    cl = "\n".join(line.split(None, 2)[2] for line in CT.splitlines()[:1])
+    assert parse_conntrack(cl, "192.168.10.100", "192.168.10.11", 30080)[0]["sport"] == 40000
+
+
+def _inflight(eps, socket):
+    _, facts = load(FIX / "healthy-0.json")
+    return replace(facts, inflight=[{"sport": 40000 + i, "state": "ESTABLISHED", "ep": ep,
+                                     "peer": f"192.168.10.11:{40000 + i}", "socket": socket}
+                                    for i, ep in enumerate(eps)])
+
+
+def test_in_flight_connections_steered_to_a_removed_endpoint_are_proxy():
+    _, facts = load(FIX / "healthy-0.json")
+    assert predict(facts).cause is None
+    assert predict(replace(facts, inflight=None)).cause is None     # older facts: no line
+    p = predict(replace(facts, inflight=[]))                        # none open: said why
+    assert p.cause is None
+    assert any(s.stage == "inflight" and "only while they are open" in s.text for s in p.steps)
+    p = predict(_inflight(["10.244.9.9:8080"] * 3, None))
+    assert p.cause == "proxy", [s.text for s in p.steps]
+    assert p.summary == "predicted: proxy (3 of 3 open connections; new connections: they work)"
+    step = next(s for s in p.steps if s.cause == "proxy")
+    assert "10.244.9.9:8080, no longer an endpoint" in step.text and "40000, 40001, 40002" in step.text
+
+
+def test_in_flight_connections_whose_pod_lost_their_sockets_are_app_reset():
+    _, facts = load(FIX / "healthy-0.json")
+    ep = next(e for e in predict(facts).endpoints)
+    p = predict(_inflight([ep], False))
+    assert p.cause == "app_reset" and "holds no socket of them" in p.steps[-1].text
+    p = predict(_inflight([ep], True))
+    assert p.cause is None and "held by the endpoint's socket" in p.steps[-1].text

@@ -146,3 +146,39 @@ def test_filtered_sink_filters_batches_too():
             got.extend(vs)
     FilteredSink(S(), build(causes=["snat"])).write_many([V(cause="rp_filter"), V(cause="snat")])
     assert [v.cause for v in got] == ["snat"]
+
+
+def test_kernel_gate_ends_of_a_service():
+    """run --service in the kernel: the ends bpf/npt_common.h filter_svc holds."""
+    f = build(service="default/web", services=smap)
+    ends = f.kernel_ends()
+    assert ("10.244.1.10", 8080) in ends           # an endpoint: addr and port
+    assert ("10.96.0.80", 0) in ends               # the ClusterIP: any port
+    assert ("", 30080) in ends                     # the NodePort: any address
+    assert build(causes=["snat"]).kernel_ends() is None
+    assert build(service="default/web").kernel_ends() is None    # name only: no gate
+    from nptrace.config import Config
+    from nptrace.kernel.cflags import build_cflags
+    assert "-DNPT_FILTER_SVC=0" in build_cflags(Config())
+    assert "-DNPT_FILTER_SVC=1" in build_cflags(Config(service_gate=True))
+
+
+def test_filtered_sink_filters_kernel_summary_rows():
+    """Records the gate held back are counted and summarized: only the Service's rows print."""
+    from nptrace.classify.keylabel import KeyLabel
+    from nptrace.sinks.exact import SummaryRow
+    got = []
+
+    class S:
+        def write_summary(self, rows):
+            got.extend(rows)
+
+    def row(cause, svc):
+        return SummaryRow(KeyLabel("drop", cause, None, "eth0", svc, "kfree_skb", "X"), 3, 0, 1)
+    fs = FilteredSink(S(), build(service="default/web", services=smap))
+    fs.write_summary([row("no_endpoints", "default/web:http"), row("no_listener", None),
+                      row("no_listener", "default/other:http")])
+    assert [r.label.service for r in got] == ["default/web:http"]
+    got.clear()
+    FilteredSink(S(), build(causes=["snat"])).write_summary([row("snat", None), row("x", None)])
+    assert [r.label.cause for r in got] == ["snat"]

@@ -83,6 +83,10 @@ def seed_events():
     return out
 
 
+SEED_PACKET = bytes(12) + b"\x08\x00" + bytes.fromhex(
+    "4500003c2be640003f0683aec0a80a64ac10150b83357580b055abe800000000a002faf08c5600000204")
+
+
 def write_seed(d: Path, node: str = "node-a") -> None:
     """The live pipeline as tracer.py wires it, every lookup recorded."""
     w = S.SessionWriter(d, header=S.make_header(epoch_offset_ns=E0, drops=DROPS, resets=RSTS,
@@ -108,6 +112,10 @@ def write_seed(d: Path, node: str = "node-a") -> None:
     sink = JsonLines(E0, open(os.devnull, "w"))
     for raw in seed_events():
         rec.on_raw(raw)
+        e = ev.decode(raw)
+        if e.type == ev.EvType.DROP:     # its packet bytes, as the ring gives them with -w
+            rec.on_packet_raw(ev.encode_packet(SEED_PACKET, ts_ns=e.ts_ns, skb=e.skb,
+                                               ifindex=e.ifindex, ev_type=e.type, hook=e.hook))
         for v in c.feed(ev.decode(raw)):
             sink.write(v)
         rec.snapshot_counters()
@@ -279,8 +287,10 @@ def _alarm(_sig, _frm):
     raise Hang()
 
 
+PCAP_OUT = Path(__import__("tempfile").mkdtemp(prefix="npt-fuzz-")) / "out.pcapng"
 COMMANDS = [(replay_command, []), (replay_command, ["--json"]), (report_command, []),
-            (merge_command, []), (merge_command, ["--json"])]
+            (merge_command, []), (merge_command, ["--json"]),
+            (replay_command, ["-w", PCAP_OUT])]     # the recorded packet bytes (format 2)
 
 
 def run(cmd, args, timeout=CASE_TIMEOUT_S):
@@ -535,3 +545,25 @@ def test_crafted_fake_frames_that_fit_resync_in_linear_time(tmp_path, seed_dir, 
     assert time.monotonic() - t0 < 5, "resync is not linear"
     assert verdict_of(r) is None and r.exit_code == 2
     assert len(r.stderr.splitlines()) <= 4         # one line per kind of loss, not per frame
+
+
+def test_damaged_packet_bytes_are_counted_not_fatal_to_the_rest(tmp_path, seed_dir):
+    """A packet record whose cap_len says more than it holds, one cut short of its header,
+    one of the wrong type, and garbage: counted as undecodable (exit 2, one line), the
+    incidents and the other packets still written."""
+    _f, data = _seed_file(seed_dir)
+    fr = frames_of(data)
+    off, _n = fr[2]
+    good = ev.encode_packet(SEED_PACKET, ts_ns=1)
+    bad = b"".join(S.frame(pack({"rec": "packet", "raw": raw})) for raw in (
+        good[:-5], good[:ev.PACKET.size - 1], b"\x00" * 200, os.urandom(90)))
+    f = tmp_path / "nptrace-bad.nps"
+    f.write_bytes(data[:off] + bad + data[off:])
+    out = tmp_path / "p.pcapng"
+    r = run(replay_command, [f, "-w", out, "--json"])
+    assert verdict_of(r) is None and r.exit_code == 2, r.output
+    assert "4 records could not be decoded" in r.stderr and "packet:" in r.stderr, r.stderr
+    assert len([x for x in r.stdout.splitlines() if '"kind":"loss"' not in x]) >= 4
+    from test_pcapng import read_pcapng
+    _ifaces, packets = read_pcapng(out)
+    assert sum(1 for p in packets if p[2][14:] == SEED_PACKET[14:]) >= 4    # the real bytes

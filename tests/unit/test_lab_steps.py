@@ -9,7 +9,15 @@ from nptrace.lab import model, netns, runner
 @pytest.fixture
 def calls(monkeypatch):
     got = []
-    monkeypatch.setattr(netns, "sh", lambda argv, input=None, **kw: got.append((list(argv), input)))
+
+    def sh(argv, input=None, **kw):
+        got.append((list(argv), input))
+        if any(str(a).endswith("-save") for a in argv):     # the node's rules before the sync
+            from nptrace.lab import kuberules
+            before = model.compile_spec("rollout-in-flight", "address-reused")
+            return type("R", (), {"stdout": kuberules.render_iptables(
+                before.services, "node1", before.cluster_cidr)})()
+    monkeypatch.setattr(netns, "sh", sh)
     monkeypatch.setattr(netns, "delete_namespaces", lambda names, pids=(): got.append((["delns", *names], None)))
     monkeypatch.setattr(netns, "make_namespaces", lambda names: got.append((["mkns", *names], None)))
     monkeypatch.setattr(netns, "save_state", lambda prefix, st: None)
@@ -31,6 +39,10 @@ def test_rollout_steps(calls, backend):
             assert text.startswith("delete table ip kube-proxy\n")
         else:
             assert "--noflush" in argv
+            # web-0's endpoint chain goes, as kube-proxy deletes it: --noflush would keep it
+            stale = [x for x in text.splitlines() if x.startswith("-X KUBE-SEP-")]
+            assert len(stale) == 1, text
+            assert text.index(stale[0]) < text.index("COMMIT", text.index("*nat"))
     order = [a[0] if a[0] != "ip" else " ".join(a[:5]) for a, _ in calls]
     i_del_veth = next(i for i, (a, _) in enumerate(calls) if a[:5] == ["ip", "-n", "t-node1", "link", "del"])
     i_delns = order.index("delns")

@@ -169,7 +169,8 @@ def test_ipv4_json_lines_unchanged_by_the_v6_path(tmp_path):
     ["replay", "X", "-o", "yaml"], ["report", "X", "-o", "table"], ["merge", "X", "-o", "csv"],
     ["replay", "X", "--json", "-o", "table"], ["merge", "X", "--json", "-o", "text"],
     ["report", "X", "--json", "-o", "text"], ["run", "-o", "yaml"],
-    ["run", "--json", "-o", "text"],
+    ["run", "--json", "-o", "text"], ["run", "--json", "-o", "table"], ["run", "-o", "tables"],
+    ["replay", "X", "-w", "/nonexistent/dir/x.pcapng"], ["replay", "X", "-w", "X"],
 ])
 def test_bad_output_options_are_one_line_exit_2(argv, tmp_path, capsys):
     live(tmp_path / "a", scenario_a())
@@ -180,3 +181,43 @@ def test_bad_output_options_are_one_line_exit_2(argv, tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("nptrace: error: ")
+
+
+def test_run_table_rows_stream_under_one_header():
+    from nptrace.sinks.collapse import StormCollapse
+    from nptrace.sinks.console import LiveTable
+    v = _v6_incident()
+    buf = io.StringIO()
+    t = LiveTable(0, buf)
+    t.write(v)
+    t.write(v)
+    head, *rows = buf.getvalue().splitlines()     # streamed: there before close()
+    assert head.split() == ["TIME", "CAUSE", "WHAT", "IFACE", "SERVICE", "N", "FLOW"]
+    assert len(rows) == 2 and TS.match(rows[0])
+    cells = rows[0].split()
+    assert cells[1:6] == ["no_listener", "rst/sent", "eth1", "-", "1"], cells
+    assert rows[0].endswith("[fd00::10]:5000 -> [fd00::1]:40001")
+    for col in ("CAUSE", "WHAT", "IFACE", "N", "FLOW"):      # fixed width: columns line up
+        assert rows[0][head.index(col)] != " " and rows[0][head.index(col) - 1] == " ", col
+    assert "no_listener" in t.summary()
+    # a storm's collapsed rows: one row with N = how many
+    buf = io.StringIO()
+    t = LiveTable(0, buf, collapse=StormCollapse(burst=1))
+    for _ in range(4):
+        t.write(v)
+    t.close()
+    rows = buf.getvalue().splitlines()[1:]
+    assert [r.split()[5] for r in rows] == ["1", "3"], rows
+
+
+def test_run_table_summary_rows():
+    from nptrace.classify.keylabel import KeyLabel
+    from nptrace.sinks.console import LiveTable
+    from nptrace.sinks.exact import SummaryRow
+    buf = io.StringIO()
+    lab = KeyLabel("rst", "no_listener", "sent", "eth1", "default/web:http", "tcp_send_reset", "x")
+    LiveTable(0, buf).write_summary([SummaryRow(lab, 7, 0, 10**9)])
+    row = buf.getvalue().splitlines()[1]
+    assert row.split()[1:6] == ["no_listener", "rst/sent", "eth1", "default/web:http", "7"]
+    assert "counted in the kernel" in row
+    Console(0, io.StringIO()).write_summary([SummaryRow(lab, 7, 0, 10**9)])   # text too

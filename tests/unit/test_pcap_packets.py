@@ -204,7 +204,11 @@ def test_dump_bpf_prints_runs_cflags_without_btf(monkeypatch):
     assert "-DNPT_WAKE_EVERY=256" in flags and any(f.startswith("-DNPT_TC_KSKB=") for f in flags)
     assert "kernel BTF not readable" in r.output and "Traceback" not in r.output
     assert "TRACEPOINT_PROBE(skb, kfree_skb)" in r.output
-
+    assert "-DNPT_FILTER_SVC=0" in flags
+    r = CliRunner().invoke(main_group, ["dump-bpf", "--service", "default/web", "--record", "d"])
+    flags = next(l for l in r.output.splitlines() if l.startswith("/* cflags: ")).split()
+    assert "-DNPT_FILTER_SVC=1" in flags and "-DNPT_SNAPLEN=128" in flags   # as run compiles
+    assert "npt_svc_wanted" in r.output
 
 
 def test_evidence_times_are_on_the_lines_clock():
@@ -219,3 +223,73 @@ def test_evidence_times_are_on_the_lines_clock():
     assert d == json.loads(json.dumps(verdict_dict(v, E0)))
     (x,) = d["evidence"]
     assert x["ts_ns"] == 2_000_000_000 and x["ts"] == d["ts"] == (E0 + 2_000_000_000) / 1e9
+
+
+def _session(d, fmt=None, packets=True):
+    from nptrace.reasons import ReasonTable
+    from nptrace.sessions import format as S
+    from nptrace.sinks.recorder import Recorder
+    h = S.make_header(epoch_offset_ns=E0, node="node-a",
+                      drops=ReasonTable({16: "SKB_DROP_REASON_IP_RPFILTER"}, "SKB_DROP_REASON_"))
+    if fmt is not None:
+        h["format_version"] = fmt
+    rec = Recorder(S.SessionWriter(d, header=h, log=lambda _m: None))
+    raw, pkt = drop_and_packet()
+    rec.on_raw(raw)
+    if packets:
+        rec.on_packet_raw(pkt)
+    rec.close()
+
+
+def test_session_keeps_the_packet_bytes_for_replay_w(tmp_path):
+    """run -w/--record records each packet-bytes record (format 2); replay -w writes the
+    real bytes, as the live -w did."""
+    from nptrace.sessions import format as S
+    from nptrace.sessions.commands import replay_command
+    _session(tmp_path / "rec")
+    headers, recs, problems = S.read_session(tmp_path / "rec")
+    assert headers[0]["format_version"] == S.FORMAT_VERSION == 2 and not problems
+    assert [r.kind for r in recs] == ["event", "packet"]
+    out = tmp_path / "r.pcapng"
+    r = CliRunner().invoke(replay_command, [str(tmp_path / "rec"), "-w", str(out)])
+    assert r.exit_code == 0, r.output
+    _ifaces, packets = read_pcapng(out)
+    (idx, ts, data, opts), = packets
+    assert data == ETH + SYN and ts == E0 + 1_000
+    assert opts[pcapng.EPB_FLAGS] == [struct.pack("<I", 1)]           # inbound, as recorded
+    assert b"as the kernel had them at this hook" in opts[pcapng.OPT_COMMENT][0]
+
+
+def test_format_1_sessions_still_read_and_replay_w_reconstructs(tmp_path):
+    from nptrace.sessions.commands import replay_command
+    _session(tmp_path / "old", fmt=1, packets=False)
+    out = tmp_path / "r.pcapng"
+    r = CliRunner().invoke(replay_command, [str(tmp_path / "old"), "-w", str(out)])
+    assert r.exit_code == 0 and "rp_filter" in r.stdout, r.output
+    (_i, _t, data, opts), = read_pcapng(out)[1]
+    assert data != ETH + SYN and pcapng.RECONSTRUCTED.encode() in opts[pcapng.OPT_COMMENT][0]
+
+
+def test_the_tracer_hands_packet_records_to_the_session_too():
+    from nptrace.tracer import Tracer
+    got, seen = [], []
+
+    class Rec:
+        def on_packet_raw(self, b):
+            got.append(b)
+
+    class Pcap:
+        def on_packet(self, p):
+            seen.append(p)
+    t = Tracer.__new__(Tracer)
+    t.recorders, t.sinks = [Rec()], [Pcap()]
+    raw, pkt = drop_and_packet()
+    assert t._take_packets([raw, pkt]) == [raw]
+    assert got == [pkt] and [p.data for p in seen] == [ETH + SYN]
+
+
+def test_record_takes_packet_bytes_too():
+    from nptrace.cli import pcap_snaplen
+    assert pcap_snaplen(None, 128, None, None) == 0
+    assert pcap_snaplen(None, 96, None, None, record="/var/lib/nptrace") == 96
+    assert pcap_snaplen("x.pcapng", 128, None, None) == 128
