@@ -108,7 +108,7 @@ class Classifier:
         self.strong: OrderedDict[Flow, Flow] = OrderedDict()   # open strong incidents, by last event
         self.weak: OrderedDict[Flow, Flow] = OrderedDict()     # open weak incidents, by first event
         self.now_ns = 0
-        self._rules: dict[int, list] = {}      # event type -> the RULES that can match it
+        self._rules: dict[tuple, list] = {}    # (type, reason name) -> the RULES that can match
         self._due_ns = _NEVER_VALID            # tick before any event at or after this time
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
 
@@ -240,8 +240,12 @@ class Classifier:
                 if (known is None or len(known.keys) < 2) and t not in EVIDENCE_ONLY:
                     # No conntrack on this event (a pod's own stack, the client's): ask the
                     # kernel's NAT map for the connection's other tuple, either direction.
-                    peer = _peer(nat(saddr, sport, daddr, dport)) or \
-                        _peer(nat(daddr, dport, saddr, sport))
+                    # (_peer only on an answer: a storm's records have none, two calls fewer)
+                    got = nat(saddr, sport, daddr, dport)
+                    peer = _peer(got) if got else None
+                    if peer is None:
+                        got = nat(daddr, dport, saddr, sport)
+                        peer = _peer(got) if got else None
                     if peer:
                         keys = [k0, _key(*peer)]
             elif c.orig_dport:
@@ -251,8 +255,12 @@ class Classifier:
                 flow, existed = self._flow_of(keys)
                 known = flow if existed else None
             elif known is None:                  # the storm's case: a new one-tuple flow
-                flow = Flow()
-                flow.keys.append(k0)
+                # Flow(), its __init__ inlined (first_ns, strong and extra are set below)
+                flow = _object_new(Flow)
+                flow.keys = [k0]
+                flow.pending = []
+                flow.last_ns = 0
+                flow.root = None
                 kmap[k0] = flow
                 flows[flow] = flow
             else:
@@ -269,9 +277,9 @@ class Classifier:
             if t in EVIDENCE_ONLY:
                 lab = _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
             else:
-                rules = rules_of.get(t)
+                rules = rules_of.get((t, rname))
                 if rules is None:
-                    rules = rules_of[t] = rules_for(t)
+                    rules = _rules_of(rules_of, t, rname)
                 for rule in rules:
                     got = rule(ev, rname, pending, ctx)
                     if got:
@@ -351,12 +359,18 @@ class Classifier:
         nothing else is due). The caller recomputes the horizon."""
         flows, cap = self.flows, self.ctx.max_flows
         kmap, strong, weak = self.keys, self.strong, self.weak
+        ctx = self.ctx
         while len(flows) > cap:
             flow = next(iter(flows))
-            if flow.pending:
-                v = self._report(flow, False)
-                if v is not None:
-                    out.append(v)
+            pending = flow.pending
+            if pending:
+                if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
+                    if pending[0][2] is not None:
+                        out.append(_one(pending[0], 1 + flow.extra, ctx))
+                else:
+                    v = self._report(flow, False)
+                    if v is not None:
+                        out.append(v)
             # _drop_flow, inlined
             for k in flow.keys:
                 if kmap.get(k) is flow:
@@ -427,6 +441,10 @@ class Classifier:
             primary = pending[0]
             if primary.cause is None:
                 return None                      # evidence only: nothing went wrong here
+            if flow.root is None:
+                if keep_root and primary.cause not in WEAK_CAUSES:
+                    flow.root = _rootless(primary)
+                return _one(primary, 1 + extra, self.ctx)
         else:
             labeled = [l for l in pending if l.cause is not None]
             if not labeled:
@@ -442,9 +460,7 @@ class Classifier:
             cause, conf, hint = primary.cause, primary.confidence, primary.hint
             if keep_root and cause not in WEAK_CAUSES:
                 # kept for window_ns: without its raw record (an incident never prints it)
-                pev = primary.ev
-                flow.root = primary if not pev.raw else \
-                    _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
+                flow.root = _rootless(primary)
         ev = primary.ev
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
@@ -480,6 +496,57 @@ class Classifier:
         return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
                              primary.rname, cause, conf, hint, iface, service, ordered,
                              len(pending) + extra, ctx, _pods(ev, ordered, ctx))
+
+
+def _rules_of(cache: dict, t: int, rname: str) -> list:
+    """rules_for(t, rname), remembered in cache (bounded: reason names come from the record)."""
+    if len(cache) >= 1024:
+        cache.clear()
+    got = cache[(t, rname)] = rules_for(t, rname)
+    return got
+
+
+def _rootless(primary: Labeled) -> Labeled:
+    """A root cause kept for window_ns: without its raw record (an incident never prints it)."""
+    pev = primary.ev
+    return primary if not pev.raw else \
+        _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
+
+
+def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
+    """Classifier._report of a one-record incident without an earlier root cause (most of a
+    storm): the same Verdict and the same lookups in the same order, _service, _pods and
+    _make_verdict inlined where the event has no conntrack entry."""
+    ev = primary[0]
+    iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
+    ct = ev[23]
+    if ct is None:
+        so = ctx.service_of
+        service = so(ev[10], ev[11])                              # daddr, dport
+        if service:
+            service = ctx.endpoint_of(ev[8], ev[9]) or service
+        else:
+            service = so(ev[8], ev[9]) or None
+    else:
+        service = _service(ev, ctx)
+    hint = primary[4]
+    if "{" in hint:
+        hint = _fill_hint(hint, ev, iface, service)
+    t = ev[1]
+    ordered = (primary,)
+    if ct is None:
+        pod_of = ctx.pod_of
+        pod = pod_of(ev[10]) or pod_of(ev[8]) or (ctx.pod_of_netns(ev[6]) if ev[6] else None)
+        pods = {"pod": pod} if pod is not None else None
+    else:
+        pods = _pods(ev, ordered, ctx)
+    v = _object_new(Verdict)
+    _object_setattr(v, "__dict__", {
+        "event": ev, "kind": KIND.get(t, "drop"), "direction": _DIRECTIONS.get(t),
+        "hook": HOOKS[ev[2]], "reason": primary[1], "cause": primary[2],
+        "confidence": primary[3], "hint": hint, "iface": iface, "service": service,
+        "labeled": ordered, "events": events, "ctx": ctx, "pods": pods})
+    return v
 
 
 def _primary_key(l: Labeled):
