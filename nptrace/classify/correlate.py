@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
+from nptrace import names
 from nptrace.events import Event
 
 from .rules import UNKNOWN_HINT, rules_for
-from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_RST_RECV, T_RST_SENT, T_WIRE_RST,
-                      WEAK_CAUSES, WEAK_DROPS, Context, Labeled, Verdict, reason_name)
+from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
+                      T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, WEAK_DROPS, Context, Labeled,
+                      Verdict, reason_name)
 
 
 def _pair(a, b):
@@ -270,8 +272,8 @@ class Classifier:
                 rname = drop_name(ev[7])
             elif t == T_RST_SENT:
                 rname = rst_name(ev[7])
-            else:
-                rname = reason_name(ev, ctx)
+            else:                                # a type named by its type: a constant
+                rname = _TYPE_RNAMES.get(t) or reason_name(ev, ctx)
             pending = flow.pending
             # _label, inlined
             if t in EVIDENCE_ONLY:
@@ -446,10 +448,17 @@ class Classifier:
                     flow.root = _rootless(primary)
                 return _one(primary, 1 + extra, self.ctx)
         else:
-            labeled = [l for l in pending if l.cause is not None]
-            if not labeled:
+            # min(labeled, key=_primary_key), one pass without a key call per event: the
+            # first of the best rank, then of the earliest time
+            primary = None
+            for l in pending:
+                c = l[2]
+                if c is not None:
+                    r = RANK[c]
+                    if primary is None or r < best or (r == best and l[0][0] < primary[0][0]):
+                        primary, best = l, r
+            if primary is None:
                 return None
-            primary = min(labeled, key=_primary_key)
         root = flow.root
         if root is not None:
             # The flow named its root cause in an earlier incident: what follows on the same
@@ -486,10 +495,20 @@ class Classifier:
                         service = _service(l.ev, ctx)
                         if service:
                             break
-            ordered = sorted(pending, key=_ts_key)
+            # sorted(pending, key=_ts_key); pending is mostly in time order already
+            prev = -1
+            for l in pending:
+                x = l[0][0]
+                if x < prev:
+                    ordered = sorted(pending, key=_ts_key)
+                    break
+                prev = x
+            else:
+                ordered = pending
             if root is not None and root not in pending:
-                ordered.insert(0, root)
-            ordered = tuple(ordered)
+                ordered = (root, *ordered)
+            else:
+                ordered = tuple(ordered)
         if "{" in hint:
             hint = _fill_hint(hint, ev, iface, service)
         t = ev.type
@@ -557,6 +576,9 @@ def _ts_key(l: Labeled) -> int:
     return l.ev.ts_ns
 
 
+# reason_name of the types whose reason is their type's name (not a drop, reset or ICMP one)
+_TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
+                if t not in (T_DROP, T_RST_SENT, T_ICMP, T_WIRE_ICMP)}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
 _DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
