@@ -628,7 +628,51 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
                    "hint", "iface", "service", "labeled", "events", "ctx", "pods")
 
 
+# Which event values a hint's placeholders read (by hint text), and filled hints by those
+# values: a storm's incidents fill one hint with one Service name over and over. Bounded.
+_HINT_USES: dict[str, tuple] = {}
+_FILLED: dict[tuple, str] = {}
+_FILLED_MAX = 4096
+
+
+def _uses(hint: str) -> tuple:
+    """The Event indexes _fill_text reads for this text: ifindex with {iface} (its fallback),
+    saddr with {saddr} or {daddr} (the IPv6 test decides how both are written)."""
+    got = []
+    if "{iface}" in hint:
+        got.append(5)
+    if "{saddr}" in hint or "{daddr}" in hint:     # saddr: also the IPv6 test
+        got.append(8)
+    if "{sport}" in hint:
+        got.append(9)
+    if "{daddr}" in hint:
+        got.append(10)
+    if "{port}" in hint:
+        got.append(11)
+    if len(_HINT_USES) >= _FILLED_MAX:
+        _HINT_USES.clear()
+    got = _HINT_USES[hint] = tuple(got)
+    return got
+
+
 def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
+    """_fill_text, remembered by the values the text reads (exactly those: the same text)."""
+    uses = _HINT_USES.get(hint)
+    if uses is None:
+        uses = _uses(hint)
+    key = (hint, iface, service, *[ev[i] for i in uses]) if uses else (hint, iface, service)
+    try:
+        got = _FILLED.get(key)
+    except TypeError:                    # a replayed lookup's answer that is not hashable
+        return _fill_text(hint, ev, iface, service)
+    if got is None:
+        if len(_FILLED) >= _FILLED_MAX:
+            _FILLED.clear()
+        got = _FILLED[key] = _fill_text(hint, ev, iface, service)
+    return got
+
+
+def _fill_text(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
     """Fill the {name} placeholders of a rule's hint, in this order, computing only the values
     the text asks for; rule texts quoted in hints keep their own braces (nft sets)."""
     if "{iface}" in hint:
