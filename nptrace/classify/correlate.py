@@ -534,8 +534,8 @@ def _rootless(primary: Labeled) -> Labeled:
 
 def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
     """Classifier._report of a one-record incident without an earlier root cause (most of a
-    storm): the same Verdict and the same lookups in the same order, _service, _pods and
-    _make_verdict inlined where the event has no conntrack entry."""
+    storm): the same Verdict and the same lookups in the same order, _service and _pods
+    inlined where the event has no conntrack entry."""
     ev = primary[0]
     iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
     ct = ev[23]
@@ -559,13 +559,8 @@ def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
         pods = {"pod": pod} if pod is not None else None
     else:
         pods = _pods(ev, ordered, ctx)
-    v = _object_new(Verdict)
-    _object_setattr(v, "__dict__", {
-        "event": ev, "kind": KIND.get(t, "drop"), "direction": _DIRECTIONS.get(t),
-        "hook": HOOKS[ev[2]], "reason": primary[1], "cause": primary[2],
-        "confidence": primary[3], "hint": hint, "iface": iface, "service": service,
-        "labeled": ordered, "events": events, "ctx": ctx, "pods": pods})
-    return v
+    return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
+                         primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
 
 
 def _primary_key(l: Labeled):
@@ -583,7 +578,6 @@ _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
 _DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
-_object_setattr = object.__setattr__
 
 
 def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
@@ -615,12 +609,24 @@ def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
 def _make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
                   labeled, events, ctx, pods=None) -> "Verdict":
     """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
-    storm's per-incident budget): the same instance, its __dict__ set in one step."""
+    storm's per-incident budget): the same instance, its fields stored in its own __dict__
+    one by one (0.2 us cheaper than assigning a new __dict__, which unshares its keys)."""
     v = _object_new(Verdict)
-    _object_setattr(v, "__dict__", {
-        "event": event, "kind": kind, "direction": direction, "hook": hook, "reason": reason,
-        "cause": cause, "confidence": confidence, "hint": hint, "iface": iface,
-        "service": service, "labeled": labeled, "events": events, "ctx": ctx, "pods": pods})
+    d = v.__dict__
+    d["event"] = event
+    d["kind"] = kind
+    d["direction"] = direction
+    d["hook"] = hook
+    d["reason"] = reason
+    d["cause"] = cause
+    d["confidence"] = confidence
+    d["hint"] = hint
+    d["iface"] = iface
+    d["service"] = service
+    d["labeled"] = labeled
+    d["events"] = events
+    d["ctx"] = ctx
+    d["pods"] = pods
     return v
 
 
