@@ -448,8 +448,8 @@ class Classifier:
                     flow.root = _rootless(primary)
                 return _one(primary, 1 + extra, self.ctx)
         else:
-            # min(labeled, key=_primary_key), one pass without a key call per event: the
-            # first of the best rank, then of the earliest time
+            # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
+            # the first of equals), in one pass without a key call per event
             primary = None
             for l in pending:
                 c = l[2]
@@ -561,10 +561,6 @@ def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
         pods = _pods(ev, ordered, ctx)
     return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
                          primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
-
-
-def _primary_key(l: Labeled):
-    return (RANK[l.cause], l.ev.ts_ns)
 
 
 def _ts_key(l: Labeled) -> int:
