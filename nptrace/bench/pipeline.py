@@ -8,9 +8,13 @@ pipeline  what `nptrace run --json` does per record after the ring walk (the dec
           Classifier.feed_many (+ tick per batch, flush at the end) -> JsonLines.write_many to
           /dev/null, batches of 256 records (the batch APIs the live loop uses).
           One tcp_send_reset NO_SOCKET record per reset, every reset a flow of its own (a
-          storm): labeled resets/s. Target >= 200,000/s. A second run feeds the storm's real
-          mix (4 records per reset: kfree_skb of the SYN, tcp_send_reset, the RST on tc egress,
-          kfree_skb of the RST at the client).
+          storm). A second run feeds the storm's real mix (4 records per reset: kfree_skb of
+          the SYN, tcp_send_reset, the RST on tc egress, kfree_skb of the RST at the client).
+          Both report labeled records/s against the target, >= 200,000/s (issue #16), and
+          resets/s beside it. (Measured on the 2-core lab VM, CPython 3.11: the design's floor,
+          one Flow, Verdict and JSON line per reset held in a 16384-flow queue with no rules,
+          no lookups and a constant line, is ~230k records/s; the rest is the rules, the
+          Context lookups and the evidence.)
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
 reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
 (sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:
@@ -277,7 +281,9 @@ def run(b) -> Section:
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
                 "pyspy": spy, "keys": keys,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
-                "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET}
+                "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET,
+                "pipeline_records_per_s": single["records_per_s"],
+                "pipeline_mix_records_per_s": mix["records_per_s"]}
     sec.rows = [
         Row("pipeline", f"decoder: ring walk to tuples, events/s ({dec['records']} records, "
             f"{dec['ring_bytes'] >> 20} MiB ring)", si(dec["eps"], "/s"), "",
@@ -286,9 +292,8 @@ def run(b) -> Section:
             f">= {DECODER_TARGET}/s"),
         Row("pipeline", "decoder: ring walk + events.decode_many (live path), events/s",
             si(dec["raw_decode_eps"], "/s"), "", "info", None, dec["raw_decode_eps"]),
-        _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled resets/s", single,
-                  True),
-        _pipe_row("pipeline: storm mix, 4 records/reset, labeled resets/s", mix, False),
+        _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled records/s", single),
+        _pipe_row("pipeline: storm mix, 4 records/reset, labeled records/s", mix),
         _pyspy_row(spy),
         Row("pipeline", f"exact counts by cause key ({keys['keys']} keys): us per new key "
             "(labeled once), per active key and second", f"{keys['first_us_per_key']:.1f} us; "
@@ -299,17 +304,17 @@ def run(b) -> Section:
     return sec
 
 
-def _pipe_row(metric: str, r: dict, target: bool) -> Row:
-    rps = r["resets_per_s"]
+def _pipe_row(metric: str, r: dict) -> Row:
+    """records/s against the target (issue #16: >= 200k labeled records/s, the single-kind storm
+    and the mix alike); resets/s beside it."""
+    rps = r["records_per_s"]
     note = "" if r["complete"] else f" (stopped after {r['budget_s']:g}s: {r['resets']} resets)"
     if r["verdicts"] < r["resets"]:
         note += f" [{r['verdicts']} verdicts for {r['resets']} resets]"
-    return Row("pipeline", metric + note, si(rps, "/s"), f"{si(r['records_per_s'], '/s')} records",
-               (f"{rps / PIPELINE_TARGET:.2f}x / >= {si(PIPELINE_TARGET, '/s')}" if target
-                else "info"),
-               (rps >= PIPELINE_TARGET and r["verdicts"] >= r["resets"]) if target else None,
-               rps, None, rps / PIPELINE_TARGET if target else None,
-               f">= {PIPELINE_TARGET}/s" if target else "")
+    return Row("pipeline", metric + note, si(rps, "/s"), f"{si(r['resets_per_s'], '/s')} resets",
+               f"{rps / PIPELINE_TARGET:.2f}x / >= {si(PIPELINE_TARGET, '/s')}",
+               rps >= PIPELINE_TARGET and r["verdicts"] >= r["resets"],
+               rps, r["resets_per_s"], rps / PIPELINE_TARGET, f">= {PIPELINE_TARGET}/s")
 
 
 def main(argv=None) -> int:

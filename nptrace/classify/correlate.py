@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
+from nptrace import names
 from nptrace.events import Event
 
 from .rules import UNKNOWN_HINT, rules_for
-from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_RST_RECV, T_RST_SENT, T_WIRE_RST,
-                      WEAK_CAUSES, WEAK_DROPS, Context, Labeled, Verdict, reason_name)
+from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
+                      T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, WEAK_DROPS, Context, Labeled,
+                      Verdict, reason_name)
 
 
 def _pair(a, b):
@@ -108,7 +110,7 @@ class Classifier:
         self.strong: OrderedDict[Flow, Flow] = OrderedDict()   # open strong incidents, by last event
         self.weak: OrderedDict[Flow, Flow] = OrderedDict()     # open weak incidents, by first event
         self.now_ns = 0
-        self._rules: dict[int, list] = {}      # event type -> the RULES that can match it
+        self._rules: dict[tuple, list] = {}    # (type, reason name) -> the RULES that can match
         self._due_ns = _NEVER_VALID            # tick before any event at or after this time
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
 
@@ -240,8 +242,12 @@ class Classifier:
                 if (known is None or len(known.keys) < 2) and t not in EVIDENCE_ONLY:
                     # No conntrack on this event (a pod's own stack, the client's): ask the
                     # kernel's NAT map for the connection's other tuple, either direction.
-                    peer = _peer(nat(saddr, sport, daddr, dport)) or \
-                        _peer(nat(daddr, dport, saddr, sport))
+                    # (_peer only on an answer: a storm's records have none, two calls fewer)
+                    got = nat(saddr, sport, daddr, dport)
+                    peer = _peer(got) if got else None
+                    if peer is None:
+                        got = nat(daddr, dport, saddr, sport)
+                        peer = _peer(got) if got else None
                     if peer:
                         keys = [k0, _key(*peer)]
             elif c.orig_dport:
@@ -251,8 +257,12 @@ class Classifier:
                 flow, existed = self._flow_of(keys)
                 known = flow if existed else None
             elif known is None:                  # the storm's case: a new one-tuple flow
-                flow = Flow()
-                flow.keys.append(k0)
+                # Flow(), its __init__ inlined (first_ns, strong and extra are set below)
+                flow = _object_new(Flow)
+                flow.keys = [k0]
+                flow.pending = []
+                flow.last_ns = 0
+                flow.root = None
                 kmap[k0] = flow
                 flows[flow] = flow
             else:
@@ -262,16 +272,16 @@ class Classifier:
                 rname = drop_name(ev[7])
             elif t == T_RST_SENT:
                 rname = rst_name(ev[7])
-            else:
-                rname = reason_name(ev, ctx)
+            else:                                # a type named by its type: a constant
+                rname = _TYPE_RNAMES.get(t) or reason_name(ev, ctx)
             pending = flow.pending
             # _label, inlined
             if t in EVIDENCE_ONLY:
                 lab = _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
             else:
-                rules = rules_of.get(t)
+                rules = rules_of.get((t, rname))
                 if rules is None:
-                    rules = rules_of[t] = rules_for(t)
+                    rules = _rules_of(rules_of, t, rname)
                 for rule in rules:
                     got = rule(ev, rname, pending, ctx)
                     if got:
@@ -351,12 +361,18 @@ class Classifier:
         nothing else is due). The caller recomputes the horizon."""
         flows, cap = self.flows, self.ctx.max_flows
         kmap, strong, weak = self.keys, self.strong, self.weak
+        ctx = self.ctx
         while len(flows) > cap:
             flow = next(iter(flows))
-            if flow.pending:
-                v = self._report(flow, False)
-                if v is not None:
-                    out.append(v)
+            pending = flow.pending
+            if pending:
+                if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
+                    if pending[0][2] is not None:
+                        out.append(_one(pending[0], 1 + flow.extra, ctx))
+                else:
+                    v = self._report(flow, False)
+                    if v is not None:
+                        out.append(v)
             # _drop_flow, inlined
             for k in flow.keys:
                 if kmap.get(k) is flow:
@@ -427,11 +443,22 @@ class Classifier:
             primary = pending[0]
             if primary.cause is None:
                 return None                      # evidence only: nothing went wrong here
+            if flow.root is None:
+                if keep_root and primary.cause not in WEAK_CAUSES:
+                    flow.root = _rootless(primary)
+                return _one(primary, 1 + extra, self.ctx)
         else:
-            labeled = [l for l in pending if l.cause is not None]
-            if not labeled:
+            # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
+            # the first of equals), in one pass without a key call per event
+            primary = None
+            for l in pending:
+                c = l[2]
+                if c is not None:
+                    r = RANK[c]
+                    if primary is None or r < best or (r == best and l[0][0] < primary[0][0]):
+                        primary, best = l, r
+            if primary is None:
                 return None
-            primary = min(labeled, key=_primary_key)
         root = flow.root
         if root is not None:
             # The flow named its root cause in an earlier incident: what follows on the same
@@ -442,9 +469,7 @@ class Classifier:
             cause, conf, hint = primary.cause, primary.confidence, primary.hint
             if keep_root and cause not in WEAK_CAUSES:
                 # kept for window_ns: without its raw record (an incident never prints it)
-                pev = primary.ev
-                flow.root = primary if not pev.raw else \
-                    _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
+                flow.root = _rootless(primary)
         ev = primary.ev
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
@@ -470,10 +495,20 @@ class Classifier:
                         service = _service(l.ev, ctx)
                         if service:
                             break
-            ordered = sorted(pending, key=_ts_key)
+            # sorted(pending, key=_ts_key); pending is mostly in time order already
+            prev = -1
+            for l in pending:
+                x = l[0][0]
+                if x < prev:
+                    ordered = sorted(pending, key=_ts_key)
+                    break
+                prev = x
+            else:
+                ordered = pending
             if root is not None and root not in pending:
-                ordered.insert(0, root)
-            ordered = tuple(ordered)
+                ordered = (root, *ordered)
+            else:
+                ordered = tuple(ordered)
         if "{" in hint:
             hint = _fill_hint(hint, ev, iface, service)
         t = ev.type
@@ -482,19 +517,63 @@ class Classifier:
                              len(pending) + extra, ctx, _pods(ev, ordered, ctx))
 
 
-def _primary_key(l: Labeled):
-    return (RANK[l.cause], l.ev.ts_ns)
+def _rules_of(cache: dict, t: int, rname: str) -> list:
+    """rules_for(t, rname), remembered in cache (bounded: reason names come from the record)."""
+    if len(cache) >= 1024:
+        cache.clear()
+    got = cache[(t, rname)] = rules_for(t, rname)
+    return got
+
+
+def _rootless(primary: Labeled) -> Labeled:
+    """A root cause kept for window_ns: without its raw record (an incident never prints it)."""
+    pev = primary.ev
+    return primary if not pev.raw else \
+        _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
+
+
+def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
+    """Classifier._report of a one-record incident without an earlier root cause (most of a
+    storm): the same Verdict and the same lookups in the same order, _service and _pods
+    inlined where the event has no conntrack entry."""
+    ev = primary[0]
+    iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
+    ct = ev[23]
+    if ct is None:
+        so = ctx.service_of
+        service = so(ev[10], ev[11])                              # daddr, dport
+        if service:
+            service = ctx.endpoint_of(ev[8], ev[9]) or service
+        else:
+            service = so(ev[8], ev[9]) or None
+    else:
+        service = _service(ev, ctx)
+    hint = primary[4]
+    if "{" in hint:
+        hint = _fill_hint(hint, ev, iface, service)
+    t = ev[1]
+    ordered = (primary,)
+    if ct is None:
+        pod_of = ctx.pod_of
+        pod = pod_of(ev[10]) or pod_of(ev[8]) or (ctx.pod_of_netns(ev[6]) if ev[6] else None)
+        pods = {"pod": pod} if pod is not None else None
+    else:
+        pods = _pods(ev, ordered, ctx)
+    return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
+                         primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
 
 
 def _ts_key(l: Labeled) -> int:
     return l.ev.ts_ns
 
 
+# reason_name of the types whose reason is their type's name (not a drop, reset or ICMP one)
+_TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
+                if t not in (T_DROP, T_RST_SENT, T_ICMP, T_WIRE_ICMP)}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
 _DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
-_object_setattr = object.__setattr__
 
 
 def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
@@ -526,12 +605,24 @@ def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
 def _make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
                   labeled, events, ctx, pods=None) -> "Verdict":
     """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
-    storm's per-incident budget): the same instance, its __dict__ set in one step."""
+    storm's per-incident budget): the same instance, its fields stored in its own __dict__
+    one by one (0.2 us cheaper than assigning a new __dict__, which unshares its keys)."""
     v = _object_new(Verdict)
-    _object_setattr(v, "__dict__", {
-        "event": event, "kind": kind, "direction": direction, "hook": hook, "reason": reason,
-        "cause": cause, "confidence": confidence, "hint": hint, "iface": iface,
-        "service": service, "labeled": labeled, "events": events, "ctx": ctx, "pods": pods})
+    d = v.__dict__
+    d["event"] = event
+    d["kind"] = kind
+    d["direction"] = direction
+    d["hook"] = hook
+    d["reason"] = reason
+    d["cause"] = cause
+    d["confidence"] = confidence
+    d["hint"] = hint
+    d["iface"] = iface
+    d["service"] = service
+    d["labeled"] = labeled
+    d["events"] = events
+    d["ctx"] = ctx
+    d["pods"] = pods
     return v
 
 
@@ -539,7 +630,51 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
                    "hint", "iface", "service", "labeled", "events", "ctx", "pods")
 
 
+# Which event values a hint's placeholders read (by hint text), and filled hints by those
+# values: a storm's incidents fill one hint with one Service name over and over. Bounded.
+_HINT_USES: dict[str, tuple] = {}
+_FILLED: dict[tuple, str] = {}
+_FILLED_MAX = 4096
+
+
+def _uses(hint: str) -> tuple:
+    """The Event indexes _fill_text reads for this text: ifindex with {iface} (its fallback),
+    saddr with {saddr} or {daddr} (the IPv6 test decides how both are written)."""
+    got = []
+    if "{iface}" in hint:
+        got.append(5)
+    if "{saddr}" in hint or "{daddr}" in hint:     # saddr: also the IPv6 test
+        got.append(8)
+    if "{sport}" in hint:
+        got.append(9)
+    if "{daddr}" in hint:
+        got.append(10)
+    if "{port}" in hint:
+        got.append(11)
+    if len(_HINT_USES) >= _FILLED_MAX:
+        _HINT_USES.clear()
+    got = _HINT_USES[hint] = tuple(got)
+    return got
+
+
 def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
+    """_fill_text, remembered by the values the text reads (exactly those: the same text)."""
+    uses = _HINT_USES.get(hint)
+    if uses is None:
+        uses = _uses(hint)
+    key = (hint, iface, service, *[ev[i] for i in uses]) if uses else (hint, iface, service)
+    try:
+        got = _FILLED.get(key)
+    except TypeError:                    # a replayed lookup's answer that is not hashable
+        return _fill_text(hint, ev, iface, service)
+    if got is None:
+        if len(_FILLED) >= _FILLED_MAX:
+            _FILLED.clear()
+        got = _FILLED[key] = _fill_text(hint, ev, iface, service)
+    return got
+
+
+def _fill_text(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
     """Fill the {name} placeholders of a rule's hint, in this order, computing only the values
     the text asks for; rule texts quoted in hints keep their own braces (nft sets)."""
     if "{iface}" in hint:

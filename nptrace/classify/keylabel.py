@@ -77,7 +77,7 @@ def label_event(ev: Event, ctx: Context) -> tuple[str | None, str]:
     t = int(ev.type)
     if t in EVIDENCE_ONLY:
         return None, rname
-    for rule in rules_for(t):
+    for rule in rules_for(t, rname):
         got = rule(ev, rname, [], ctx)
         if got:
             return got[0], rname

@@ -29,11 +29,27 @@ def applies_to(*types: int):
     return mark
 
 
-def rules_for(t: int) -> list:
-    return [r for r in RULES if t in getattr(r, "event_types", (t,))]
+def for_reasons(t: int, names):
+    """Declare that a rule can match an event of type t only when its reason name is one of
+    `names` (the rule's own first test, stated where the classifier can read it): the rules
+    of a (type, reason name) are then picked once per pair, not tested per record. The rule
+    keeps its own test; this only skips calls that would return None."""
+    def mark(rule):
+        rule.reasons = {**getattr(rule, "reasons", {}), int(t): frozenset(names)}
+        return rule
+    return mark
+
+
+def rules_for(t: int, rname: str | None = None) -> list:
+    """The RULES that can match an event of type t (with reason name rname, when given), in
+    RULES order."""
+    return [r for r in RULES if t in getattr(r, "event_types", (t,))
+            and (rname is None or rname in getattr(r, "reasons", {}).get(t, (rname,)))]
 
 
 SYNACK = TCP_SYN | TCP_ACK
+# kfree_skb reasons of a packet to an address nobody answers for
+GONE_DROPS = ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")
 TCP_LISTEN = 10   # include/net/tcp_states.h: sk_state of a listening socket
 
 
@@ -50,6 +66,7 @@ def _orig_dst(ev: Event) -> tuple[str, int]:
 
 
 @applies_to(T_DROP)
+@for_reasons(T_DROP, ("IP_RPFILTER",))
 def rule_rp_filter(ev, rname, history, ctx):
     if ev.type == T_DROP and rname == "IP_RPFILTER":
         # an encapsulated packet is checked on its outer source (the sending node's VTEP)
@@ -66,6 +83,8 @@ def rule_rp_filter(ev, rname, history, ctx):
 
 
 @applies_to(T_ASYM_SRC, T_RST_SENT, T_DROP)
+@for_reasons(T_RST_SENT, ("NO_SOCKET",))
+@for_reasons(T_DROP, ("NO_SOCKET",))
 def rule_unexpected_reply(ev, rname, history, ctx):
     """A SYN-ACK its receiver never asked for: the reply left with the pod's own source."""
     if ev.type == T_ASYM_SRC:
@@ -148,6 +167,7 @@ CONNTRACK_FULL_HINT = (
 
 
 @applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
+@for_reasons(T_DROP, ("NETFILTER_DROP",))
 def rule_netfilter(ev, rname, history, ctx):
     if not _is_nf_reject(ev, rname):
         return None
@@ -189,9 +209,10 @@ def rule_netfilter(ev, rname, history, ctx):
 
 
 @applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)
+@for_reasons(T_DROP, GONE_DROPS)
 def rule_stale_endpoint(ev, rname, history, ctx):
     """DNAT to an address nobody answers for: the endpoint is gone, the rules are not."""
-    gone = (ev.type == T_DROP and rname in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")) \
+    gone = (ev.type == T_DROP and rname in GONE_DROPS) \
         or (ev.type in (T_ICMP, T_WIRE_ICMP) and ev.reason in (3 << 8 | 1, 3 << 8 | 0))
     if gone and (ev.ct is not None and ev.ct.dnat or ctx.service_of(ev.daddr, ev.dport)):
         return ("proxy", 0.8,
@@ -211,6 +232,7 @@ STALE_CONNTRACK_HINT = (
 
 
 @applies_to(T_WIRE_RST, T_DROP, T_ICMP, T_WIRE_ICMP)
+@for_reasons(T_DROP, GONE_DROPS)
 def rule_stale_conntrack(ev, rname, history, ctx):
     """A rollout's in-flight connections: conntrack DNATs an established connection to an
     address the rules no longer list as one of its Service's endpoints; either nobody has the
@@ -219,7 +241,7 @@ def rule_stale_conntrack(ev, rname, history, ctx):
     if c is None or not c.dnat or not c.orig_dport:
         return None
     if ev.type == T_DROP:
-        if rname not in ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS"):
+        if rname not in GONE_DROPS:
             return None
         what = "Nobody has that address any more (the packets fail at the neighbour lookup)."
     elif ev.type in (T_ICMP, T_WIRE_ICMP):
@@ -257,6 +279,8 @@ def rule_lost_state(ev, rname, history, ctx):
 
 
 @applies_to(T_RST_SENT, T_DROP)
+@for_reasons(T_RST_SENT, ("NO_SOCKET",))
+@for_reasons(T_DROP, ("NO_SOCKET",))
 def rule_no_listener(ev, rname, history, ctx):
     if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
             and ev.answered_flags & (TCP_SYN | TCP_ACK) == TCP_SYN:
@@ -268,6 +292,7 @@ def rule_no_listener(ev, rname, history, ctx):
 
 
 @applies_to(T_RST_SENT)
+@for_reasons(T_RST_SENT, APP_RESETS)
 def rule_app_reset(ev, rname, history, ctx):
     if ev.type == T_RST_SENT and ev.flags & F_HAS_SOCK and rname in APP_RESETS:
         return ("app_reset", 0.8,
@@ -290,6 +315,7 @@ CSUM_DROPS = {"TCP_CSUM": "TCP", "UDP_CSUM": "UDP", "IP_CSUM": "IP header", "SKB
 
 
 @applies_to(T_DROP)
+@for_reasons(T_DROP, CSUM_DROPS)
 def rule_checksum(ev, rname, history, ctx):
     """A bad checksum on arrival: a device computed it before the packet was changed, or was
     to offload it and did not (TX checksum offload on a VXLAN device after NAT is the classic)."""

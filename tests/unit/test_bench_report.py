@@ -197,6 +197,17 @@ def test_pipeline_labels_every_reset_of_a_small_storm():
     assert m["records"] == 80 and m["verdicts"] == 20
 
 
+def test_pipeline_rows_judge_records_per_second_for_both_runs():
+    from nptrace.bench import pipeline as pl
+    run = {"resets": 10, "records": 40, "verdicts": 10, "complete": True, "budget_s": 1,
+           "resets_per_s": 60_000.0, "records_per_s": 240_000.0}
+    row = pl._pipe_row("mix", run)
+    assert row.met is True and row.value == 240_000.0 and row.base_value == 60_000.0
+    assert row.target == ">= 200000/s"
+    slow = pl._pipe_row("single", {**run, "records_per_s": 150_000.0})
+    assert slow.met is False and slow.ratio == 0.75
+
+
 # --- section row builders -------------------------------------------------------------------
 def test_alternation_is_abba_and_ratio_row():
     from nptrace.bench.throughput import alternate, ratio_row

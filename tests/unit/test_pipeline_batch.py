@@ -181,3 +181,41 @@ def test_feed_many_of_a_storm_reports_every_reset_once():
     vs += c.flush()
     assert sorted(v.event.dport for v in vs) == list(range(1024, 2024))
     assert {v.cause for v in vs} == {"no_listener"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rules_skipped_for_a_reason_name_would_not_have_matched(seed):
+    """rules.for_reasons only skips calls that return None: every rule of a type that
+    rules_for(type, reason name) leaves out answers None for such events."""
+    from nptrace.classify.rules import rules_for
+    rnd = random.Random(seed)
+    ctx = _ctx(random.Random(seed))
+    names = ["NO_SOCKET", "IP_RPFILTER", "NETFILTER_DROP", "NEIGH_FAILED", "IP_OUTNOROUTES",
+             "TCP_CSUM", "UDP_CSUM", "NOT_SPECIFIED", "TCP_ABORT_ON_CLOSE", "REASON_0",
+             "REASON_77"]
+    events, _ = ev.decode_many(_records(rnd, 600))
+    skipped = 0
+    for e in events:
+        for rname in names:
+            allowed = rules_for(int(e.type), rname)
+            for rule in rules_for(int(e.type)):
+                if rule not in allowed:
+                    skipped += 1
+                    assert rule(e, rname, [], ctx) is None, (rule.__name__, rname, e)
+    assert skipped > 1000
+
+
+def test_filled_hints_are_remembered_by_what_they_read():
+    from nptrace.classify import correlate as co
+    e4 = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, saddr="10.0.0.1", sport=4000, daddr="10.0.0.2", dport=80,
+                             ifindex=3))
+    e6 = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, family=10, saddr="fd00::1", sport=4000, daddr="fd00::2", dport=80,
+                             ifindex=3))
+    hints = ["nothing on {saddr}:{sport}", "to {daddr}:{port} via {iface}", "{service} only",
+             "plain", "{daddr} and {saddr}", "set {{a, b}} {port}"]
+    for _ in range(2):                         # the second round answers from the cache
+        for h in hints:
+            for e in (e4, e6):
+                for iface, svc in ((None, None), ("eth0", "ns/s:80"), ("", 5)):
+                    assert co._fill_hint(h, e, iface, svc) == co._fill_text(h, e, iface, svc)
+    assert co._fill_hint("{iface}", e4, ["x"], None) == "ifindex 3"   # unhashable: not kept
