@@ -57,6 +57,7 @@ def oracle_iptables(text: str):
     endpoints: dict[str, set] = {}
     drops = []
     pod_short = pod_shortcuts(text)
+    allowed = allowed_sources(text)
     for line in text.splitlines():
         if line.startswith("*"):
             table = line[1:]
@@ -79,11 +80,11 @@ def oracle_iptables(text: str):
         elif table == "filter" and name and dport:
             if c.endswith(" has no endpoints") or c.endswith(" has no local endpoints"):
                 reason = "no_endpoints" if c.endswith(" has no endpoints") else "no_local_endpoint"
-                drops.append((d, int(dport), name, reason))
+                drops.append((d, int(dport), name, reason, None))
                 kind = "nodeport" if d is None else None
                 filt_front.setdefault((d, int(dport)), (name, kind))
             elif chain == "KUBE-PROXY-FIREWALL" and " traffic not accepted by " in c:
-                drops.append((d, int(dport), name, "lb_source_range"))
+                drops.append((d, int(dport), name, "lb_source_range", allowed.get(c.rsplit(" ", 1)[1])))
                 filt_front.setdefault((d, int(dport)), (name, "loadbalancer"))
             elif c.endswith(" health check node port"):
                 filt_front.setdefault((None, int(dport)), (name, "healthcheck"))
@@ -92,13 +93,27 @@ def oracle_iptables(text: str):
     return front, endpoints, drops, pod_short
 
 
+def allowed_sources(text: str) -> dict[str, str]:
+    """The first source range each KUBE-FW chain sends on to its Service: {chain: CIDR}."""
+    out: dict[str, str] = {}
+    for m in re.finditer(r"^-A (KUBE-FW-\w+) .*? -s (\S+) -j KUBE-(?:EXT|SVC|XLB)-", text, re.M):
+        out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def _inside(cidr: str) -> str:
+    """An address inside ``cidr`` (its network address + 1)."""
+    import ipaddress
+    return str(ipaddress.ip_network(cidr, strict=False).network_address + 1)
+
+
 def pod_shortcuts(text: str) -> dict[str, str]:
     """Services whose KUBE-EXT chain sends pod traffic on to KUBE-SVC: {name: pod CIDR}."""
     return {m.group(1): m.group(2) for m in re.finditer(
         r'"pod traffic for (\S+) external destinations" -s (\S+) -j KUBE-SVC-', text)}
 
 
-_NFT_NAME = re.compile(r"(?:service|external)-[A-Z0-9]+-([^/ ]+)/([^/ ]+)/(\w+)/([^ }]+)")
+_NFT_NAME = re.compile(r"(?:service|external|firewall)-[A-Z0-9]+-([^/ ]+)/([^/ ]+)/(\w+)/([^ }]+)")
 
 
 def _nft_svc(s: str) -> str | None:
@@ -108,13 +123,19 @@ def _nft_svc(s: str) -> str | None:
 
 def oracle_nft(text: str):
     cluster = set(re.findall(r"add element \S+ \S+ cluster-ips \{ (\S+) \}", text))
+    # firewall-ips holds LoadBalancer IPs with loadBalancerSourceRanges: {(ip, port): chain}
+    fw = {(m.group(1), int(m.group(2))): m.group(3) for m in re.finditer(
+        r"add element \S+ \S+ firewall-ips \{ (\S+) \. \w+ \. (\d+) : goto (\S+) \}", text)}
+    fw_allow = {m.group(1): m.group(2).split(",")[0].strip() for m in re.finditer(
+        r"add rule \S+ \S+ (firewall-\S+) ip6? saddr != \{ ([^}]+) \} drop", text)}
     front: dict = {}
     endpoints: dict[str, set] = {}
     drops = []
     for line in text.splitlines():
         m = re.match(r"add element \S+ \S+ service-ips \{ (\S+) \. (\w+) \. (\d+) : goto (\S+) \}", line)
         if m:
-            kind = "clusterip" if m.group(1) in cluster else None  # external or LB: nft cannot tell
+            kind = ("clusterip" if m.group(1) in cluster else
+                    "loadbalancer" if (m.group(1), int(m.group(3))) in fw else None)  # else external or LB
             front[(m.group(1), int(m.group(3)))] = (_nft_svc(m.group(4)), kind)
         m = re.match(r"add element \S+ \S+ service-nodeports \{ (\w+) \. (\d+) : goto (\S+) \}", line)
         if m:
@@ -126,9 +147,11 @@ def oracle_nft(text: str):
                      r'comment "([^"]+)" : (drop|goto reject-chain) \}', line)
         if m:
             reason = "no_local_endpoint" if m.group(5) == "drop" else "no_endpoints"
-            drops.append((m.group(2), int(m.group(3)), m.group(4), reason))
+            drops.append((m.group(2), int(m.group(3)), m.group(4), reason, None))
             front.setdefault((m.group(2), int(m.group(3))),
                              (m.group(4), "nodeport" if m.group(2) is None else None))
+    for (addr, port), chain in sorted(fw.items()):
+        drops.append((addr, port, _nft_svc(chain), "lb_source_range", fw_allow.get(chain)))
     return front, endpoints, drops, {}
 
 
@@ -163,11 +186,20 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
             host, _, port = ep.rpartition(":")
             names = {s.name for s in smap.lookup_all(host, int(port)) if s.kind == "endpoint"}
             expect(name in names, f"endpoint {ep} -> {sorted(names)}, want {name}")
-    for addr, port, name, reason in drops:
+    for addr, port, name, reason, allowed in drops:
         rules = smap.verdict_rules(addr or NODE_IP, port, include_invalid=False)
         named = [(r.service, r.reason) for r in rules if r.reason != "other"]
         expect((name, reason) in named, f"drop rule for {addr or NODE_IP}:{port}: {named}, "
                                         f"want {(name, reason)}")
+        if allowed:
+            # a client inside loadBalancerSourceRanges is let through; one outside is dropped
+            for src, want in ((_inside(allowed), False), ("198.51.100.7", True)):
+                for what, got in (
+                        ("verdict_rules", smap.verdict_rules(addr, port, include_invalid=False, saddr=src)),
+                        ("matching_drop_rules", smap.matching_drop_rules(src, addr, port))):
+                    hit = [(r.service, r.reason) for r in got if r.reason != "other"]
+                    expect(((name, reason) in hit) == want,
+                           f"{what} {src} -> {addr}:{port}: {hit}, want the {reason} drop: {want}")
         if reason == "no_local_endpoint" and name in pod_short:
             # pod traffic is DNATed past the frontend's DROP (KUBE-EXT "pod traffic for ...")
             pod = pod_short[name].split("/")[0].rsplit(".", 1)[0] + ".2"
@@ -218,7 +250,7 @@ def test_corpus_totals():
     names = set()
     for p in paths:
         names |= set(parse(p).names)
-    assert len(paths) >= 7 and total >= 100, (len(paths), total)
+    assert len(paths) >= 27 and total >= 300, (len(paths), total)
 
 
 def test_trace_takes_a_base_chains_drop_policy():
