@@ -250,7 +250,7 @@ def test_corpus_totals():
     names = set()
     for p in paths:
         names |= set(parse(p).names)
-    assert len(paths) >= 27 and total >= 300, (len(paths), total)
+    assert len(paths) >= 29 and total >= 320, (len(paths), total)
 
 
 def test_trace_takes_a_base_chains_drop_policy():
