@@ -152,7 +152,10 @@ def oracle_nft(text: str):
                              (m.group(4), "nodeport" if m.group(2) is None else None))
     for (addr, port), chain in sorted(fw.items()):
         drops.append((addr, port, _nft_svc(chain), "lb_source_range", fw_allow.get(chain)))
-    return front, endpoints, drops, {}
+    # an eTP=Local external chain's "short-circuit pod traffic": {name: pod CIDR}
+    pod_short = {_nft_svc(m.group(1)): m.group(2) for m in re.finditer(
+        r"add rule \S+ \S+ (external-\S+) ip6? saddr (\S+) goto service-", text)}
+    return front, endpoints, drops, pod_short
 
 
 def oracle(path: Path):
@@ -217,13 +220,21 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
     return n, fails
 
 
-def flow_cases():
+# the nft rendering of a flow list's Services: TestOverallNFTablesRules writes the Services
+# (names, IPs, ports, endpoints) TestOverallIPTablesRules / TestTracePacket write for iptables
+NFT_TWINS = {"TestTracePacket": FIX / "nft-overall.nft"}
+
+
+def flow_cases(twins: bool = False):
     for f in sorted(CORPUS.glob("*.flows.json")):
         doc = json.loads(f.read_text())
         stem = f.name[: -len(".flows.json")]
-        rules = next(CORPUS.glob(stem + ".*[!n]"))
-        for fl in doc["flows"]:
-            yield pytest.param(rules, fl, id=f"{stem}:{fl['name']}")
+        rules = [next(CORPUS.glob(stem + ".*[!n]"))]
+        if twins:
+            rules += [NFT_TWINS[stem]] if stem in NFT_TWINS else []
+        for r in rules:
+            for fl in doc["flows"]:
+                yield pytest.param(r, fl, id=f"{r.name}:{fl['name']}")
 
 
 @pytest.mark.parametrize("path", rulesets(), ids=lambda p: p.name)
@@ -241,6 +252,27 @@ def test_corpus_packet_flows(rules, flow):
     smap = parse(rules).with_local_addrs(LOCAL)
     t = smap.trace(flow["sourceIP"], flow["destIP"], flow["destPort"], flow.get("protocol", "tcp"))
     assert (t.output, t.masq) == (flow["output"], bool(flow.get("masq"))), t
+
+
+@pytest.mark.parametrize("rules,flow", list(flow_cases(twins=True)))
+def test_corpus_packet_flows_by_lookup(rules, flow):
+    """The same flows through what works for iptables and nft alike (``trace`` walks iptables
+    chains only): the Service the destination looks up to and its endpoints (the DNAT
+    targets), and the first drop/reject rule the packet meets. Masquerading is not checked."""
+    smap = parse(rules).with_local_addrs(LOCAL)
+    src, dst, port = flow["sourceIP"], flow["destIP"], flow["destPort"]
+    proto = flow.get("protocol", "tcp")
+    drops = [r for r in smap.matching_drop_rules(src, dst, port, proto) if r.reason != "conntrack_invalid"]
+    svc = smap.lookup(dst, port, proto)
+    out = flow["output"]
+    if out in ("DROP", "REJECT"):
+        assert drops and drops[0].verdict == out.lower(), [r.where() for r in drops]
+    else:
+        assert not drops, [(r.where(), r.cond.describe()) for r in drops]
+        if out in ("", "ACCEPT"):
+            assert svc is None or svc.kind == "healthcheck", svc
+        else:
+            assert svc is not None and set(svc.endpoints) == set(out.split(", ")), svc
 
 
 def test_corpus_totals():
