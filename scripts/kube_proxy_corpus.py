@@ -29,6 +29,9 @@ from pathlib import Path
 
 _FUNC = re.compile(r"^func (Test\w+)\(", re.M)
 _DEDENT = re.compile(r"dedent\.Dedent\(`(.*?)`\)", re.S)
+# a package-level ruleset prefix, e.g. nftables' ``var baseRules = dedent.Dedent(`...`)``
+_PREFIX_VAR = re.compile(r"^(?:var\s+)?(\w+)\s*(?::=|=)\s*dedent\.Dedent\(`(.*?)`\)", re.S | re.M)
+_PREFIXED = re.compile(r"(\w+)\s*\+\s*$")
 _CONST = re.compile(r'^\s*(?:const\s+)?(\w+)\s*=\s*"([^"]*)"\s*$', re.M)
 _CASE_NAME = re.compile(r'\bname:\s*"([^"]+)"')
 _ASSIGN = re.compile(r"(\w+)\s*(?::=|=|:)\s*$")
@@ -81,6 +84,9 @@ def parse_flows(block: str, consts: dict[str, str]) -> list[dict]:
 def extract(go: str, source: str, path: str):
     """Yield (filename, text) for every ruleset and flow list in one Go test file."""
     consts = dict(_CONST.findall(go))
+    first = _FUNC.search(go)
+    prefixes = {k: textwrap.dedent(v).strip("\n") + "\n"
+                for k, v in _PREFIX_VAR.findall(go[: first.start() if first else len(go)])}
     starts = [(m.start(), m.group(1)) for m in _FUNC.finditer(go)] + [(len(go), "")]
     for (start, test), (end, _) in zip(starts, starts[1:]):
         body = go[start:end]
@@ -88,14 +94,20 @@ def extract(go: str, source: str, path: str):
         last_name = None
         for m in _DEDENT.finditer(body):
             text = textwrap.dedent(m.group(1)).strip("\n") + "\n"
+            before = body[:m.start()]
+            p = _PREFIXED.search(before)
+            if p is not None and p.group(1) in prefixes:     # ``expected := baseRules + dedent...``
+                text = prefixes[p.group(1)] + "\n" + text
+                before = before[:p.start()]
             kind = kind_of(text)
             if kind is None:
                 continue
-            before = body[:m.start()]
             cases = _CASE_NAME.findall(before)
             case = slug(cases[-1]) if cases else ""
             a = _ASSIGN.search(before.rstrip()[-80:] if before.rstrip() else "")
             role = a.group(1) if a else ""
+            if before.rstrip().endswith("ParseDump("):      # the state a test loads before syncing
+                role = "input"
             parts = [test, case, "" if role in ("expected", "rules", "expectedRules") else slug(role)]
             stem = "-".join(p for p in parts if p)
             n = seen.get(stem, 0) + 1

@@ -23,6 +23,8 @@ from .nft_rules import NftTable, generic_nft_table, parse_element, parse_nft_rul
 _RE_DNAT = re.compile(r"\bdnat (?:ip6? )?to (\S+)")
 _RE_GOTO_EP = re.compile(r"goto (endpoint-[^\s,}]+)")
 _RE_KP_CHAIN = re.compile(r"^(service|local|external|endpoint|firewall)-[A-Z2-7]{8}-(.+)$")
+# an eTP=Local external chain sends pod and node traffic on to all endpoints (short-circuit)
+_RE_SHORT = re.compile(r"^(?:ip6? saddr (\S+)|fib saddr type local) goto ((?:service|local)-\S+)")
 
 
 def _nft_name(base: str) -> tuple[str, str] | None:
@@ -73,6 +75,9 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
     # endpoint chains hold the DNAT targets; service-/local- chains pick among them
     ep_of_chain: dict[str, tuple[str, int]] = {}
     policy_chains = []
+    # {(name, proto): [(source set, service chain)]}: the sources an external chain DNATs past
+    # the frontend (so its "no local endpoints" drop cannot meet them)
+    shortcuts: dict[tuple[str, str], list[tuple[AddrSet, str]]] = {}
     for cname, lst in t.chains.items():
         m = _RE_KP_CHAIN.match(cname)
         if m is None:
@@ -95,6 +100,11 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
             if any("short-circuit" in text or "fib saddr type local" in text or "goto local-" in text
                    for text, _ in lst):
                 inf.etp_local = True
+            for text, _ in lst:
+                sm = _RE_SHORT.match(text)
+                if sm is not None:
+                    src = AddrSet([sm.group(1)], sm.group(1)) if sm.group(1) else LOCAL_ADDRS
+                    shortcuts.setdefault(nm, []).append((src, sm.group(2)))
     for prefix, inf, lst in policy_chains:
         for text, _ in lst:
             for ep_chain in _RE_GOTO_EP.findall(text):
@@ -150,6 +160,11 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
             text = f"add element {tname} {mapname} {{ {elem} }}"
             name = comment if comment and "/" in comment else None
             a = None
+            if reason == "no_local_endpoint":
+                for src, chain in shortcuts.get((name, proto), ()):
+                    if any(ep in ep_of_chain for text, _ in t.chains.get(chain, ())
+                           for ep in _RE_GOTO_EP.findall(text)):
+                        cond.src.append((src, True))     # DNATed to an endpoint before the drop
             if nodeport:
                 if noep_scope.addrs is not None:
                     cond.dst.append((noep_scope.addrs, False))

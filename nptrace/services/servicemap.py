@@ -251,8 +251,8 @@ class ServiceMap:
         ``lb_source_range`` rules, then table-wide ones (nft ``cluster-ips-check``, the 127/8
         localnet rule), and last the ``conntrack_invalid`` drop, which applies to any forwarded
         packet conntrack marks INVALID (``include_invalid=False`` leaves it out). Rules that also
-        depend on the source (LB source ranges) are included, since no source is given; check
-        them with :meth:`matching_drop_rules`. ``saddr``: the client; when kube-proxy's nat rules
+        depend on the source (LB source ranges) are included unless ``saddr`` cannot match them
+        (check them with :meth:`matching_drop_rules`). ``saddr``: the client; when kube-proxy's nat rules
         certainly DNAT its packets to ``addr:port`` on to an endpoint (pod and node traffic to
         an eTP=Local Service's external IPs and NodePorts), the rules written for that frontend
         cannot meet them and are left out.
@@ -261,7 +261,7 @@ class ServiceMap:
         if a is None:
             return []
         port, proto = int(port), norm_proto(proto)
-        flow = Flow(daddr=a, dport=port, proto=proto)
+        flow = Flow(saddr=saddr, daddr=a, dport=port, proto=proto)  # a rule the client cannot match is left out
         out: list[Rule] = []
         seen: set[int] = set()
         if saddr and self._nat and self.dnat_of(saddr, a, port, proto).certain:

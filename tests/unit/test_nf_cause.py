@@ -126,3 +126,16 @@ def test_pod_traffic_to_an_etp_local_external_ip_is_not_the_no_local_endpoints_d
     assert (ext["tag"], ext["service"]) == ("no_local_endpoint", "ns2/svc2:p80")
     pod = nf_cause(m, "10.0.0.2", "10.180.0.2", 80, "192.168.99.22", 80, True, True)
     assert pod["tag"] != "no_local_endpoint", pod
+
+
+def test_nft_pod_and_node_traffic_to_an_etp_local_external_ip_is_not_the_no_local_endpoints_drop():
+    """The same on nft (TestOverallNFTablesRules): svc2's external chain short-circuits pod
+    (ip saddr 10.0.0.0/8) and node (fib saddr type local) traffic to its endpoints, so only
+    an external client meets the no-endpoint-services / no-endpoint-nodeports drop."""
+    m = parse_nft((FIX / "nft-overall.nft").read_text()).with_local_addrs(["192.168.0.2", "127.0.0.1"])
+    for dst, port in (("192.168.99.22", 80), ("1.2.3.4", 80), ("192.168.0.2", 3001)):
+        ext = nf_cause(m, "203.0.113.2", dst, port, dst, port, True, False)
+        assert (ext["tag"], ext["service"]) == ("no_local_endpoint", "ns2/svc2:p80"), ext
+        for src in ("10.0.0.2", "192.168.0.2"):
+            got = nf_cause(m, src, "10.180.0.2", 80, dst, port, True, True)
+            assert got["tag"] != "no_local_endpoint", (src, dst, port, got)
