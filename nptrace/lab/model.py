@@ -77,10 +77,13 @@ class Scenario:
 
 
 def _variants(raw: dict) -> list[str]:
-    """The scenario's [variants] and, with ``families`` naming ipv6, its dual-stack form."""
-    out = sorted(v for v in raw.get("variants", {}) if v != dualstack.VARIANT)
+    """The scenario's [variants] and, with ``families`` naming ipv6, its dual-stack form
+    ``ipv6``; a variant whose own ``families`` names ipv6 has one too, ``<variant>+ipv6``."""
+    variants = raw.get("variants", {})
+    out = sorted(v for v in variants if v != dualstack.VARIANT)
     if "ipv6" in raw.get("families", ()):
         out.append(dualstack.VARIANT)
+    out += [f"{v}+{dualstack.VARIANT}" for v in sorted(variants) if "ipv6" in variants[v].get("families", ())]
     return out
 
 
@@ -147,9 +150,12 @@ class Spec:
 def compile_spec(name: str, variant: str | None = None) -> Spec:
     sc = get(name)
     raw = _load(sc.path)
-    ipv6 = variant == dualstack.VARIANT and variant in sc.variants
-    if ipv6:   # what the dual-stack form changes besides the addresses: [variants.ipv6], if any
-        raw = deep_merge(raw, raw.get("variants", {}).get(variant, {}))
+    ipv6 = variant in sc.variants and (variant == dualstack.VARIANT or variant.endswith("+" + dualstack.VARIANT))
+    if ipv6:   # the variant it is the dual-stack form of, then [variants.ipv6] (what the form
+        # changes besides the addresses), if any
+        base = variant[:-len(dualstack.VARIANT) - 1]
+        for v in (base, dualstack.VARIANT):
+            raw = deep_merge(raw, raw.get("variants", {}).get(v, {})) if v else raw
     elif variant:
         variants = raw.get("variants", {})
         if variant not in variants:

@@ -38,6 +38,17 @@ def test_scenarios_with_an_ipv6_form():
         model.compile_spec("rp-filter-asymmetric", "ipv6")
 
 
+def test_a_variant_with_its_own_dual_stack_form():
+    """rp-filter's underlay variant: IPv6 pod traffic inside the IPv4 VXLAN underlay meets the
+    IPv4 rp_filter, so it has a form `underlay+ipv6` (the variant, then the twins)."""
+    assert model.get("rp-filter-asymmetric").variants == ("underlay", "underlay+ipv6")
+    sp = model.compile_spec("rp-filter-asymmetric", "underlay+ipv6")
+    assert sp.ipv6 and sp.trigger[0]["dst"] == "fd00:10::b"
+    assert sp.hosts["node1"]["ifaces"]["flannel.1"]["local"] == "192.168.10.11"   # the variant's
+    assert [e.ip for e in sp.services6[0].endpoints] == ["fd00:244::10a", "fd00:244::10b"]
+    assert sp.hosts["node2"]["sysctl"]["net.ipv4.conf.all.rp_filter"] == 1
+
+
 @pytest.mark.parametrize("name", DUAL)
 def test_dual_stack_spec(name):
     sp = model.compile_spec(name, "ipv6")
