@@ -142,3 +142,13 @@ def test_icmpv6_unreachables_stand_for_their_icmp_codes():
     assert unreach(_Ev(10, 1 << 8 | 4)) == 3 << 8 | 3    # port unreachable
     assert unreach(_Ev(10, 1 << 8 | 1)) == 3 << 8 | 13   # administratively prohibited
     assert unreach(_Ev(2, 3 << 8 | 1)) == 3 << 8 | 1
+
+
+def test_the_vm_plan_keeps_ipv6_on_for_the_dual_stack_form():
+    from nptrace.lab import vm
+    for variant, off in ((None, "1"), ("ipv6", "0")):
+        cmds = vm.prepare_cmds(model.compile_spec("no-listener", variant), "node1", {"eth0": "ens5"},
+                               "netns", "npt-")
+        text = " ".join(" ".join(c.argv) for c in cmds)
+        assert f"net.ipv6.conf.ens5.disable_ipv6={off}" in text
+        assert f"net.ipv6.conf.all.disable_ipv6={off}" in text
