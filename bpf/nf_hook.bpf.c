@@ -11,7 +11,7 @@
  * Gate: -DNPT_WITH_NF_HOOK.
  *
  * The program always returns NF_ACCEPT: it observes, never decides. It runs for every IPv4
- * packet through the hooks it is linked at in that namespace. In the default NAT-only mode a
+ * and IPv6 packet through the hooks it is linked at in that namespace (one link per family). In the default NAT-only mode a
  * packet that is not its connection's first costs one load (skb->_nfct: its ctinfo bits say
  * ESTABLISHED/REPLY), within the noise of an empty program; the first packet of a NATed TCP
  * connection costs five reads and two nat_peers slot writes (about 0.3 us, once per
@@ -60,15 +60,17 @@ struct npt_nf_ctx {
 	void *skb;
 };
 
-/* TCP flags of an IPv4 packet, 0 for anything else: the cheap test before npt_read_skb. */
+/* TCP flags of an IPv4 or IPv6 packet, 0 for anything else: the cheap test before
+ * npt_read_skb. IPv6 extension headers are not walked (TCP must follow the fixed header). */
 static __always_inline u8 npt_nf_tcpflags(void *skb)
 {
 	void *head = 0;
 	u16 nh = 0, th = 0, proto = 0;
-	u8 b = 0, fl = 0;
+	u8 b = 0, fl = 0, v6;
 
 	NPT_READ(proto, skb, NPT_OFF_sk_buff__protocol);
-	if (bpf_ntohs(proto) != NPT_ETH_P_IP)
+	v6 = bpf_ntohs(proto) == NPT_ETH_P_IPV6;
+	if (bpf_ntohs(proto) != NPT_ETH_P_IP && !v6)
 		return 0;
 	NPT_READ(head, skb, NPT_OFF_sk_buff__head);
 	NPT_READ(nh, skb, NPT_OFF_sk_buff__network_header);
@@ -78,8 +80,8 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 	NPT_READ(b, head + nh, 0);
 	/* PRE_ROUTING runs before ip_rcv_core() has set the transport header */
 	if (th == 0xffff || th <= nh)
-		th = nh + (b & 0xf) * 4;
-	NPT_READ(b, head + nh, 9);
+		th = nh + (v6 ? 40 : (b & 0xf) * 4);
+	NPT_READ(b, head + nh, v6 ? 6 : 9);
 	if (b != NPT_IPPROTO_TCP)
 		return 0;
 	NPT_READ(fl, head + th, 13);
@@ -147,7 +149,7 @@ static __always_inline void *npt_nf_first_nat_packet(void *skb)
 #endif
 }
 
-/* TCP flags of the IPv4 packet at skb (its protocol already known to be TCP). */
+/* TCP flags of the IPv4 or IPv6 packet at skb (its protocol already known to be TCP). */
 static __always_inline u8 npt_nf_l4_flags(void *skb)
 {
 	void *head = 0;
@@ -161,7 +163,7 @@ static __always_inline u8 npt_nf_l4_flags(void *skb)
 	/* before ip_rcv_core() the transport header is unset or equal to the network header */
 	if (th == 0xffff || th <= nh) {
 		NPT_READ(b, head + nh, 0);
-		th = nh + (b & 0xf) * 4;
+		th = nh + ((b >> 4) == 6 ? 40 : (b & 0xf) * 4);   /* IPv6: no extension headers */
 	}
 	NPT_READ(fl, head + th, 13);
 	return fl;

@@ -763,6 +763,27 @@ static __always_inline int npt_read_skb(struct npt_event *e, void *skb)
 		NPT_READ(p, qth, 0); e->sport = bpf_ntohs(p);
 		NPT_READ(p, qth, 2); e->dport = bpf_ntohs(p);
 		e->flags |= NPT_F_ICMP_QUOTE;
+	} else if (l4 == NPT_IPPROTO_ICMPV6 && e->family == NPT_AF_INET6) {
+		/* ICMPv6 destination unreachable (1) / time exceeded (3) quote the IPv6 header
+		 * (RFC 4443 2.4): as above, the quoted TCP packet's tuple, outer_* the ICMPv6 one's */
+		u8 type = 0, code = 0, inner_l4 = 0;
+		NPT_READ(type, l4h, 0);
+		NPT_READ(code, l4h, 1);
+		e->reason = (u32)type << 8 | code;
+		if (type != 1 && type != 3)
+			return -1;
+		void *qip = l4h + 8;
+		NPT_READ(inner_l4, qip, 6);
+		if (inner_l4 != NPT_IPPROTO_TCP)
+			return -1;
+		__builtin_memcpy(e->outer_saddr, e->saddr, 16);
+		__builtin_memcpy(e->outer_daddr, e->daddr, 16);
+		bpf_probe_read_kernel(e->saddr, 16, qip + 8);
+		bpf_probe_read_kernel(e->daddr, 16, qip + 24);
+		u16 p = 0;
+		NPT_READ(p, qip + 40, 0); e->sport = bpf_ntohs(p);
+		NPT_READ(p, qip + 40, 2); e->dport = bpf_ntohs(p);
+		e->flags |= NPT_F_ICMP_QUOTE;
 	} else if (l4 == NPT_IPPROTO_UDP && e->family == NPT_AF_INET) {
 		/* VXLAN over an IPv4 underlay (an overlay node dropping encapsulated pod traffic,
 		 * e.g. rp_filter on the underlay): report the inner TCP tuple, outer in outer_*. */
@@ -777,18 +798,26 @@ static __always_inline int npt_read_skb(struct npt_event *e, void *skb)
 		u8 vihl = 0, il4 = 0;
 		bpf_probe_read_kernel(vni, 3, vx + 4);
 		NPT_READ(etype, inner, 12);
-		if (bpf_ntohs(etype) != NPT_ETH_P_IP)
+		void *iip = inner + 14, *ith;
+		u8 i6 = bpf_ntohs(etype) == NPT_ETH_P_IPV6;   /* IPv6 pods over an IPv4 underlay */
+		if (bpf_ntohs(etype) != NPT_ETH_P_IP && !i6)
 			return l4;
-		void *iip = inner + 14;
 		NPT_READ(vihl, iip, 0);
-		NPT_READ(il4, iip, 9);
+		NPT_READ(il4, iip, i6 ? 6 : 9);   /* IPv6: no extension headers walked */
 		if (il4 != NPT_IPPROTO_TCP)
 			return l4;
 		__builtin_memcpy(e->outer_saddr, e->saddr, 16);
 		__builtin_memcpy(e->outer_daddr, e->daddr, 16);
-		bpf_probe_read_kernel(e->saddr, 4, iip + 12);
-		bpf_probe_read_kernel(e->daddr, 4, iip + 16);
-		void *ith = iip + (vihl & 0xf) * 4;
+		if (i6) {   /* the tuple's family is the inner one; outer_* stay IPv4 (NPT_F_ENCAP) */
+			bpf_probe_read_kernel(e->saddr, 16, iip + 8);
+			bpf_probe_read_kernel(e->daddr, 16, iip + 24);
+			e->family = NPT_AF_INET6;
+			ith = iip + 40;
+		} else {
+			bpf_probe_read_kernel(e->saddr, 4, iip + 12);
+			bpf_probe_read_kernel(e->daddr, 4, iip + 16);
+			ith = iip + (vihl & 0xf) * 4;
+		}
 		u32 s = 0;
 		u8 fl = 0;
 		NPT_READ(p, ith, 0); e->sport = bpf_ntohs(p);

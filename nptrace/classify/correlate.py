@@ -586,12 +586,19 @@ def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
     if pod is not None:
         out = {"pod": pod}
     nat = ev.ct if ev.ct is not None and ev.ct.dnat else None
+    snat = ev.ct if ev.ct is not None and ev.ct.snat and nat is None else None
     if nat is None:
         for l in labeled:
             c = l.ev.ct
             if c is not None and c.dnat:
                 nat = c
                 break
+            if snat is None and c is not None and c.snat:
+                snat = c
+    if nat is None and snat is not None:   # masquerade only: the client's pod, no endpoint
+        p = pod_of(snat.orig_src)
+        if p is not None:
+            out = {**(out or {}), "client_pod": p}
     if nat is not None:
         for key, addr in (("client_pod", nat.orig_src), ("endpoint_pod", nat.reply_src)):
             p = pod_of(addr)

@@ -53,10 +53,24 @@ GONE_DROPS = ("NEIGH_FAILED", "IP_OUTNOROUTES", "IP_INADDRERRORS")
 TCP_LISTEN = 10   # include/net/tcp_states.h: sk_state of a listening socket
 
 
+# ICMPv6 destination unreachable (type 1, RFC 4443 3.1) code -> the ICMP type 3 code it stands
+# for: no route -> net, administratively prohibited / source policy / reject route -> admin
+# prohibited (13), address unreachable -> host (1), port unreachable -> port (3)
+_ICMP6_UNREACH_AS_V4 = {0: 0, 1: 13, 3: 1, 4: 3, 5: 13, 6: 13}
+_AF_INET6 = 10
+
+
+def unreach(ev: Event) -> int:
+    """An ICMP event's reason as ICMP type 3 << 8 | code; ICMPv6 type 1 codes mapped."""
+    if ev.family == _AF_INET6 and ev.reason >> 8 == 1:
+        return 3 << 8 | _ICMP6_UNREACH_AS_V4.get(ev.reason & 0xff, 0xff)
+    return ev.reason
+
+
 def _is_nf_reject(ev: Event, rname: str) -> bool:
     return (ev.type == T_DROP and rname == "NETFILTER_DROP") or \
-        (ev.type in (T_ICMP, T_WIRE_ICMP) and ev.reason >> 8 == 3
-         and ev.reason & 0xff in (3, 9, 10, 13))
+        (ev.type in (T_ICMP, T_WIRE_ICMP) and unreach(ev) >> 8 == 3
+         and unreach(ev) & 0xff in (3, 9, 10, 13))
 
 
 def _orig_dst(ev: Event) -> tuple[str, int]:
@@ -213,7 +227,7 @@ def rule_netfilter(ev, rname, history, ctx):
 def rule_stale_endpoint(ev, rname, history, ctx):
     """DNAT to an address nobody answers for: the endpoint is gone, the rules are not."""
     gone = (ev.type == T_DROP and rname in GONE_DROPS) \
-        or (ev.type in (T_ICMP, T_WIRE_ICMP) and ev.reason in (3 << 8 | 1, 3 << 8 | 0))
+        or (ev.type in (T_ICMP, T_WIRE_ICMP) and unreach(ev) in (3 << 8 | 1, 3 << 8 | 0))
     if gone and (ev.ct is not None and ev.ct.dnat or ctx.service_of(ev.daddr, ev.dport)):
         return ("proxy", 0.8,
                 "the service proxy DNATs to {daddr}:{port}, which no longer exists on the "
@@ -245,7 +259,7 @@ def rule_stale_conntrack(ev, rname, history, ctx):
             return None
         what = "Nobody has that address any more (the packets fail at the neighbour lookup)."
     elif ev.type in (T_ICMP, T_WIRE_ICMP):
-        if ev.reason not in (3 << 8 | 1, 3 << 8 | 0):
+        if unreach(ev) not in (3 << 8 | 1, 3 << 8 | 0):
             return None
         what = "Nobody has that address any more (host unreachable)."
     else:

@@ -109,6 +109,17 @@ class Verdict:
         return None
 
     @property
+    def snat(self):
+        """Without a DNAT mapping, the first SNAT-only conntrack entry of the incident (a pod or
+        the node masqueraded to a non-Service address): its original source is the client as
+        the client saw itself. None otherwise."""
+        for ev in (self.event, *(x.ev for x in self.labeled)):
+            ct = getattr(ev, "ct", None)
+            if ct is not None and ct.snat and not ct.dnat:
+                return ct
+        return None
+
+    @property
     def evidence(self) -> tuple[Evidence, ...]:
         """Rendered on demand: a sink that does not print evidence does not pay for it."""
         ctx = self.ctx or Context()

@@ -145,7 +145,7 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
     elif nf is not None and nf.present is False:
         nf_hook, why = False, f"{nf.detail or 'absent'}; fallback: {NF_HOOK.fallback}"
     else:
-        nf_hook, why = True, f"{NF_HOOK.bpf_file}, linked at ipv4 POST_ROUTING@101 in " + \
+        nf_hook, why = True, f"{NF_HOOK.bpf_file}, linked at ipv4 and ipv6 POST_ROUTING@101 in " + \
             ", ".join(ns or "the host namespace" for ns in nf_namespaces(cfg))
     choices.append(Choice(NF_HOOK.name, NF_HOOK.probe, nf_hook, why))
 
@@ -235,6 +235,12 @@ def attach_netfilter(p: Plan, probes, log: Log):
         links = nfhook.NfHookLinks(fd)
         for ns in nf_namespaces(p.cfg):
             links.attach(ns, points=_nf_points())
+        try:   # and IPv6's (dual-stack NAT: ip6tables / nft ip6 tables); the same program
+            for ns in nf_namespaces(p.cfg):
+                links.attach(ns, points=_nf_points(), pf=nfhook.NFPROTO_IPV6)
+        except Exception as e:
+            log(f"netfilter-hook view of IPv6 not attached ({str(e).splitlines()[0]}): IPv6 NAT "
+                "tuples come from tracepoints and tc egress only")
         probes.attached.append("netfilter:post_routing@101")
         return links
     except Exception as e:

@@ -68,7 +68,8 @@ def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
         steps.append(_ip("link", "set", name, "up"))
     for name, i in ifaces.items():
         for a in i.get("addrs", []):
-            steps.append(_ip("addr", "add", a, "dev", name))
+            # nodad: usable at once (no tentative second), as a CNI sets pod addresses
+            steps.append(_ip("addr", "add", a, "dev", name, *(("nodad",) if ":" in a else ())))
     for r in d.get("routes", []):
         steps.append(_ip("route", "add", *r.split()))
     for n in d.get("neigh", []):
@@ -76,19 +77,27 @@ def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
     return steps
 
 
-def kube_proxy_steps(spec: Spec, node: str, backend: str) -> list[Step]:
-    """kube-proxy's rules for one node, loaded the way kube-proxy loads them."""
+def kube_proxy_steps(spec: Spec, node: str, backend: str, services=None, services6=None) -> list[Step]:
+    """kube-proxy's rules for one node, loaded the way kube-proxy loads them: on a dual-stack
+    node (spec.ipv6) one proxier per family, the IPv6 one through ip6tables / table ip6."""
     d = spec.hosts[node]
-    if backend == "nft":
-        ips = [a.split("/")[0] for i in ("eth0", "eth1") for a in d["ifaces"].get(i, {}).get("addrs", [])]
-        text = kuberules.render_nft(spec.services, node, spec.cluster_cidr, service_cidr=spec.service_cidr,
-                                    nodeport_ips=ips, faults=spec.faults, no_local=spec.no_local)
-        return [Step("run", ("nft", "-f", "-"), text)]
-    binary = "iptables-legacy" if backend == "iptables-legacy" else "iptables"
-    text = kuberules.render_iptables(spec.services, node, spec.cluster_cidr, faults=spec.faults,
-                                     no_local=spec.no_local)
-    steps = [Step("run", (f"{binary}-restore", "-w", "--noflush"), text)]
-    steps += [Step("run", tuple(argv)) for argv in kuberules.iptables_jumps(binary, faults=spec.faults)]
+    fams = [(services if services is not None else spec.services, spec.cluster_cidr, spec.service_cidr, False)]
+    if spec.ipv6:
+        fams.append((services6 if services6 is not None else spec.services6, spec.cluster_cidr6,
+                     spec.service_cidr6, True))
+    steps = []
+    for svcs, cidr, svc_cidr, six in fams:
+        if backend == "nft":
+            ips = [a.split("/")[0] for i in ("eth0", "eth1") for a in d["ifaces"].get(i, {}).get("addrs", [])
+                   if (":" in a) == six]
+            text = kuberules.render_nft(svcs, node, cidr, service_cidr=svc_cidr, nodeport_ips=ips,
+                                        faults=spec.faults, no_local=spec.no_local)
+            steps.append(Step("run", ("nft", "-f", "-"), text))
+            continue
+        binary = ("ip6tables" if six else "iptables") + ("-legacy" if backend == "iptables-legacy" else "")
+        text = kuberules.render_iptables(svcs, node, cidr, faults=spec.faults, no_local=spec.no_local)
+        steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), text))
+        steps += [Step("run", tuple(argv)) for argv in kuberules.iptables_jumps(binary, faults=spec.faults)]
     return steps
 
 
@@ -97,9 +106,10 @@ def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
     d = spec.hosts[host]
     steps = []
     node = d["kind"] == "node"
-    if d.get("iptables_restore") and (not node or backend != "nft"):
-        binary = "iptables-legacy" if node and backend == "iptables-legacy" else "iptables"
-        steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d["iptables_restore"]))
+    for key, tool in (("iptables_restore", "iptables"), ("ip6tables_restore", "ip6tables")):
+        if d.get(key) and (not node or backend != "nft"):
+            binary = f"{tool}-legacy" if node and backend == "iptables-legacy" else tool
+            steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d[key]))
     if d.get("nft") and (not node or backend == "nft"):
         steps.append(Step("run", ("nft", "-f", "-"), d["nft"]))
     return steps
@@ -123,7 +133,7 @@ def server_steps(spec: Spec, host: str) -> list[Step]:
                 listens.append(f"{svc.health_check_node_port}:hc:{svc.namespace}/{svc.name}:{n}")
     if not listens:
         return []
-    argv = [sys.executable, SERVER, "--name", host]
+    argv = [sys.executable, SERVER, "--name", host, *(("--ipv6",) if d.get("ipv6") else ())]
     for spec_ in listens:
         argv += ["--listen", spec_]
     return [Step("daemon", tuple(argv))]

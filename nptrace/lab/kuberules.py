@@ -39,8 +39,8 @@ class Endpoint:
     node: str
     ready: bool = True
 
-    def __str__(self):
-        return f"{self.ip}:{self.port}"
+    def __str__(self):   # net.JoinHostPort: "[v6]:port"
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,9 @@ def nft_chain_base(svc: Service) -> str:
 
 
 def nft_endpoint_chain(svc: Service, ep: Endpoint) -> str:
+    # ':' is not valid in an nft identifier: an IPv6 endpoint's colons become '.'
     return "endpoint-" + hash_and_truncate(
-        f"{svc.namespace}/{svc.name}/{svc.protocol}/{svc.port_name}__{ep.ip}/{ep.port}")
+        f"{svc.namespace}/{svc.name}/{svc.protocol}/{svc.port_name}__{ep.ip.replace(':', '.')}/{ep.port}")
 
 
 def _q(arg: str) -> str:
@@ -236,10 +237,11 @@ def render_iptables(services, node: str, cluster_cidr: str, *, faults=frozenset(
             "kubernetes service nodeports; NOTE: this must be the last rule in this chain",
             "-m", "addrtype", "--dst-type", "LOCAL", "-j", "KUBE-NODEPORTS"))
 
-    filt["KUBE-FIREWALL"].append(_line(
-        "-A", "KUBE-FIREWALL", "-m", "comment", "--comment", "block incoming localnet connections",
-        "-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8",
-        "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"))
+    if ":" not in cluster_cidr:   # route_localnet exists for IPv4 only
+        filt["KUBE-FIREWALL"].append(_line(
+            "-A", "KUBE-FIREWALL", "-m", "comment", "--comment", "block incoming localnet connections",
+            "-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8",
+            "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"))
     filt["KUBE-FORWARD"] += [
         _line("-A", "KUBE-FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"),
         _line("-A", "KUBE-FORWARD", "-m", "comment", "--comment", "kubernetes forwarding rules",
@@ -318,19 +320,24 @@ def iptables_jumps(binary: str = "iptables", *, faults=frozenset()) -> list[list
 
 # ----------------------------------------------------------------------------- nftables
 
+def _nft_family(cidr: str) -> tuple[str, str, str]:
+    """(table, address match, set type) of kube-proxy's table for the family of ``cidr``."""
+    return ("ip6 kube-proxy", "ip6", "ipv6_addr") if ":" in cidr else ("ip kube-proxy", "ip", "ipv4_addr")
+
+
 def _nft_base(cluster_cidr: str, service_cidr: str, nodeport_ips, faults) -> tuple[list[str], list[str]]:
-    T = "ip kube-proxy"
+    T, ip, addr_t = _nft_family(cluster_cidr)
     decl = [
         f'add table {T} {{ comment "rules for kube-proxy" ; }}',
-        f'add set {T} cluster-ips {{ type ipv4_addr ; comment "Active ClusterIPs" ; }}',
-        f'add set {T} nodeport-ips {{ type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }}',
-        f'add map {T} firewall-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; '
+        f'add set {T} cluster-ips {{ type {addr_t} ; comment "Active ClusterIPs" ; }}',
+        f'add set {T} nodeport-ips {{ type {addr_t} ; comment "IPs that accept NodePort traffic" ; }}',
+        f'add map {T} firewall-ips {{ type {addr_t} . inet_proto . inet_service : verdict ; '
         f'comment "destinations that are subject to LoadBalancerSourceRanges" ; }}',
         f'add map {T} no-endpoint-nodeports {{ type inet_proto . inet_service : verdict ; '
         f'comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }}',
-        f'add map {T} no-endpoint-services {{ type ipv4_addr . inet_proto . inet_service : verdict ; '
+        f'add map {T} no-endpoint-services {{ type {addr_t} . inet_proto . inet_service : verdict ; '
         f'comment "vmap to drop or reject packets to services with no endpoints" ; }}',
-        f'add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; '
+        f'add map {T} service-ips {{ type {addr_t} . inet_proto . inet_service : verdict ; '
         f'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}',
         f'add map {T} service-nodeports {{ type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }}',
         f"add chain {T} cluster-ips-check",
@@ -351,8 +358,8 @@ def _nft_base(cluster_cidr: str, service_cidr: str, nodeport_ips, faults) -> tup
         f"add chain {T} service-endpoints-check",
     ]
     rules = [
-        f'add rule {T} cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
-        f'add rule {T} cluster-ips-check ip daddr {{ {service_cidr} }} drop comment "Drop traffic to unallocated ClusterIPs"',
+        f'add rule {T} cluster-ips-check {ip} daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
+        f'add rule {T} cluster-ips-check {ip} daddr {{ {service_cidr} }} drop comment "Drop traffic to unallocated ClusterIPs"',
         f"add rule {T} filter-prerouting-pre-dnat ct state new jump firewall-check",
         f"add rule {T} filter-forward ct state new jump service-endpoints-check",
         f"add rule {T} filter-forward ct state new jump cluster-ips-check",
@@ -361,7 +368,7 @@ def _nft_base(cluster_cidr: str, service_cidr: str, nodeport_ips, faults) -> tup
         f"add rule {T} filter-output ct state new jump service-endpoints-check",
         f"add rule {T} filter-output-pre-dnat ct state new jump firewall-check",
         f"add rule {T} filter-output ct state new jump cluster-ips-check",
-        f"add rule {T} firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips",
+        f"add rule {T} firewall-check {ip} daddr . meta l4proto . th dport vmap @firewall-ips",
         f"add rule {T} mark-for-masquerade mark set mark or {MASQ_MARK}",
         f"add rule {T} masquerading mark and {MASQ_MARK} == 0 return",
         f"add rule {T} masquerading mark set mark xor {MASQ_MARK}",
@@ -369,21 +376,21 @@ def _nft_base(cluster_cidr: str, service_cidr: str, nodeport_ips, faults) -> tup
         f"add rule {T} nat-output jump services",
         *([] if "no-masquerade-jump" in faults else [f"add rule {T} nat-postrouting jump masquerading"]),
         f"add rule {T} nat-prerouting jump services",
-        f"add rule {T} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
+        f"add rule {T} nodeport-endpoints-check {ip} daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
         f"add rule {T} reject-chain reject",
-        f"add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips",
-        f"add rule {T} services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+        f"add rule {T} services {ip} daddr . meta l4proto . th dport vmap @service-ips",
+        f"add rule {T} services {ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
     ]
     if nodeport_ips:
         rules.append(f"add element {T} nodeport-ips {{ {', '.join(nodeport_ips)} }}")
-    rules.append(f"add rule {T} service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services")
+    rules.append(f"add rule {T} service-endpoints-check {ip} daddr . meta l4proto . th dport vmap @no-endpoint-services")
     return decl, rules
 
 
 def render_nft(services, node: str, cluster_cidr: str, *, service_cidr: str, nodeport_ips=(),
                faults=frozenset(), no_local: str = "drop") -> str:
     """The nft transaction kube-proxy (nftables mode) writes on ``node``, loadable with ``nft -f``."""
-    T = "ip kube-proxy"
+    T, ip, _ = _nft_family(cluster_cidr)
     decl, rules = _nft_base(cluster_cidr, service_cidr, nodeport_ips, faults)
     no_local_verdict = {"drop": "drop", "reject": "goto reject-chain"}[no_local]
     for svc in sorted(services, key=lambda s: s.port_name_string):
@@ -398,7 +405,7 @@ def render_nft(services, node: str, cluster_cidr: str, *, service_cidr: str, nod
         decl.append(f"# {spn}")
         if has_endpoints:
             decl.append(f"add chain {T} {cluster_chain}")
-            rules.append(f"add rule {T} {cluster_chain} ip daddr {svc.cluster_ip} ip saddr != {cluster_cidr} "
+            rules.append(f"add rule {T} {cluster_chain} {ip} daddr {svc.cluster_ip} {ip} saddr != {cluster_cidr} "
                          f"jump mark-for-masquerade")
             rules.append(f"add rule {T} {cluster_chain} {_numgen(svc, ready)}")
             if svc.local and local:
@@ -410,7 +417,7 @@ def render_nft(services, node: str, cluster_cidr: str, *, service_cidr: str, nod
                     rules.append(f"add rule {T} {ext} jump mark-for-masquerade")
                     rules.append(f"add rule {T} {ext} goto {cluster_chain}")
                 else:
-                    rules.append(f'add rule {T} {ext} ip saddr {cluster_cidr} goto {cluster_chain} '
+                    rules.append(f'add rule {T} {ext} {ip} saddr {cluster_cidr} goto {cluster_chain} '
                                  f'comment "short-circuit pod traffic"')
                     rules.append(f'add rule {T} {ext} fib saddr type local jump mark-for-masquerade '
                                  f'comment "masquerade local traffic"')
@@ -421,13 +428,13 @@ def render_nft(services, node: str, cluster_cidr: str, *, service_cidr: str, nod
             for ep in ready:
                 epc = nft_endpoint_chain(svc, ep)
                 decl.append(f"add chain {T} {epc}")
-                rules.append(f"add rule {T} {epc} ip saddr {ep.ip} jump mark-for-masquerade")
+                rules.append(f"add rule {T} {epc} {ip} saddr {ep.ip} jump mark-for-masquerade")
                 rules.append(f"add rule {T} {epc} meta l4proto {proto} dnat to {ep}")
         rules.append(f"add element {T} cluster-ips {{ {svc.cluster_ip} }}")
         if has_endpoints:
             rules.append(f"add element {T} service-ips {{ {svc.cluster_ip} . {proto} . {svc.port} : goto {cluster_chain} }}")
-            for ip in (*svc.external_ips, *svc.lb_ips):
-                rules.append(f"add element {T} service-ips {{ {ip} . {proto} . {svc.port} : goto {ext} }}")
+            for a in (*svc.external_ips, *svc.lb_ips):
+                rules.append(f"add element {T} service-ips {{ {a} . {proto} . {svc.port} : goto {ext} }}")
             if svc.node_port:
                 rules.append(f"add element {T} service-nodeports {{ {proto} . {svc.node_port} : goto {ext} }}")
         else:
@@ -437,8 +444,8 @@ def render_nft(services, node: str, cluster_cidr: str, *, service_cidr: str, nod
             if svc.node_port:
                 rules.append(f'add element {T} no-endpoint-nodeports {{ {proto} . {svc.node_port} '
                              f'comment "{spn}" : {ext_verdict} }}')
-            for ip in (*svc.lb_ips, *svc.external_ips):
-                rules.append(f'add element {T} no-endpoint-services {{ {ip} . {proto} . {svc.port} '
+            for a in (*svc.lb_ips, *svc.external_ips):
+                rules.append(f'add element {T} no-endpoint-services {{ {a} . {proto} . {svc.port} '
                              f'comment "{spn}" : {ext_verdict} }}')
     return "\n".join(decl + rules) + "\n"
 

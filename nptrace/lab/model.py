@@ -26,6 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import dualstack
 from .errors import UsageError
 from .kuberules import FAULTS, Endpoint, Service
 
@@ -75,11 +76,22 @@ class Scenario:
     observe: float = 1.0       # seconds a tracer should keep watching after the trigger
 
 
+def _variants(raw: dict) -> list[str]:
+    """The scenario's [variants] and, with ``families`` naming ipv6, its dual-stack form
+    ``ipv6``; a variant whose own ``families`` names ipv6 has one too, ``<variant>+ipv6``."""
+    variants = raw.get("variants", {})
+    out = sorted(v for v in variants if v != dualstack.VARIANT)
+    if "ipv6" in raw.get("families", ()):
+        out.append(dualstack.VARIANT)
+    out += [f"{v}+{dualstack.VARIANT}" for v in sorted(variants) if "ipv6" in variants[v].get("families", ())]
+    return out
+
+
 def _scenario(raw: dict, path: Path) -> Scenario:
     expect = tuple(dict.fromkeys(o for t in raw.get("trigger", []) for o in t.get("expect", [])))
     return Scenario(name=raw["name"], story=raw["story"], cause=raw.get("cause") or None,
                     service=raw["service"], backends=tuple(raw.get("backends", BACKENDS)),
-                    variants=tuple(sorted(raw.get("variants", {}))), expect=expect, path=path,
+                    variants=tuple(_variants(raw)), expect=expect, path=path,
                     observe=float(raw.get("observe", 1.0)))
 
 
@@ -115,6 +127,10 @@ class Spec:
     no_local: str
     backends: tuple[str, ...]
     steps: list = field(default_factory=list)
+    ipv6: bool = False             # dual-stack (variant ipv6): services6 rendered too, trigger over IPv6
+    services6: list = field(default_factory=list)
+    cluster_cidr6: str = ""
+    service_cidr6: str = ""
 
     def host_ns(self, host: str, prefix: str) -> str:
         return f"{prefix}{host}"
@@ -134,7 +150,13 @@ class Spec:
 def compile_spec(name: str, variant: str | None = None) -> Spec:
     sc = get(name)
     raw = _load(sc.path)
-    if variant:
+    ipv6 = variant in sc.variants and (variant == dualstack.VARIANT or variant.endswith("+" + dualstack.VARIANT))
+    if ipv6:   # the variant it is the dual-stack form of, then [variants.ipv6] (what the form
+        # changes besides the addresses), if any
+        base = variant[:-len(dualstack.VARIANT) - 1]
+        for v in (base, dualstack.VARIANT):
+            raw = deep_merge(raw, raw.get("variants", {}).get(v, {})) if v else raw
+    elif variant:
         variants = raw.get("variants", {})
         if variant not in variants:
             raise UsageError(f"scenario {name!r} has no variant {variant!r} "
@@ -143,7 +165,9 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
     raw.pop("variants", None)
     topo = deep_merge(load_topology(), raw.get("topology", {}))
     services_raw = deep_merge(topo.get("services", {}), raw.get("services", {}))
-    hosts = topo["hosts"]
+    hosts, trigger = topo["hosts"], raw.get("trigger", [])
+    if ipv6:
+        hosts, trigger = dualstack.dual_stack(topo, raw)
     kp = raw.get("kube_proxy", {})
     spec = Spec(
         name=sc.name, variant=variant, story=raw["story"], cause=raw.get("cause") or None,
@@ -152,16 +176,23 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         hosts=hosts, networks=topo["networks"],
         services=_with_scale([_service(k, v, hosts) for k, v in sorted(services_raw.items())],
                              int(kp.get("scale", 0)), topo["service_cidr"]),
-        trigger=raw.get("trigger", []), lb_view=raw.get("lb_view", []),
+        trigger=trigger, lb_view=raw.get("lb_view", []),
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
         backends=tuple(raw.get("backends", BACKENDS)),
     )
+    if ipv6:
+        m = dualstack.Mapper(topo.get("ipv6", {}))
+        spec.ipv6, spec.services6 = True, _services6(m, services_raw, hosts)
+        spec.cluster_cidr6 = m.text(topo["cluster_cidr"], "cluster_cidr")
+        spec.service_cidr6 = m.text(topo["service_cidr"], "service_cidr")
     for st in raw.get("step", []):
         st = dict(st)
         if st.get("kind") == "rules":   # the Service tables after the change, compiled now
             after = deep_merge(services_raw, st.get("services", {}))
             st["compiled"] = _with_scale([_service(k, v, hosts) for k, v in sorted(after.items())],
                                          int(kp.get("scale", 0)), topo["service_cidr"])
+            if ipv6:
+                st["compiled6"] = _services6(m, after, hosts)
         spec.steps.append(st)
     validate(spec)
     return spec
@@ -188,13 +219,19 @@ def _with_scale(services: list[Service], n: int, service_cidr: str) -> list[Serv
     return services + extra
 
 
-def _service(key: str, d: dict, hosts: dict) -> Service:
+def _services6(m: dualstack.Mapper, services_raw: dict, hosts: dict) -> list[Service]:
+    """The IPv6 Service ports of a dual-stack form (ClusterIP and endpoints twinned)."""
+    return [_service(k, dualstack.twin_service(m, v), hosts, family=6) for k, v in sorted(services_raw.items())]
+
+
+def _service(key: str, d: dict, hosts: dict, family: int = 4) -> Service:
     not_ready = set(d.get("not_ready", []))
     eps = []
     for pod in d.get("endpoints", []):
         if pod not in hosts or hosts[pod]["kind"] != "pod":
             raise UsageError(f"service {key}: endpoint {pod!r} is not a pod host")
-        ip = hosts[pod]["ifaces"]["eth0"]["addrs"][0].split("/")[0]
+        ip = next(a.split("/")[0] for a in hosts[pod]["ifaces"]["eth0"]["addrs"]
+                  if (":" in a) == (family == 6))
         eps.append(Endpoint(ip, int(d["target_port"]), hosts[pod]["node"], ready=pod not in not_ready))
     return Service(namespace=d["namespace"], name=d["name"], port_name=d.get("port_name", ""),
                    port=int(d["port"]), cluster_ip=d["cluster_ip"], node_port=int(d.get("node_port", 0)),

@@ -94,14 +94,20 @@ def lab_namespaces(spec: Spec, prefix: str) -> dict[str, str]:
     return out
 
 
-def make_namespaces(names) -> None:
+def make_namespaces(names, ipv6: bool = False) -> None:
+    """Each namespace with lo up; IPv6 off unless the scenario is dual-stack (``ipv6``)."""
+    if ipv6:   # on, but quiet: no router solicitations, RAs or DAD (addresses are nodad anyway)
+        six = [f"net.ipv6.conf.{c}.{k}={v}" for c in ("all", "default")
+               for k, v in (("disable_ipv6", 0), ("accept_ra", 0), ("router_solicitations", 0),
+                            ("accept_dad", 0), ("dad_transmits", 0))]
+    else:
+        six = ["net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]
     for ns in names:
         sh(["ip", "netns", "add", ns])
         sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         # Quiet and deterministic: no IPv6 chatter (RS/MLD) in traces, and per-interface
         # rp_filter 0 on every interface created later, so conf.all alone sets the mode.
-        sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-            "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
+        sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *six,
             "net.ipv4.conf.default.rp_filter=0", "net.ipv4.conf.all.rp_filter=0"])
 
 

@@ -67,7 +67,7 @@ def _errname(e):
 
 
 def _start(a, sel):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = socket.socket(socket.AF_INET6 if ":" in a.dst else socket.AF_INET, socket.SOCK_STREAM)
     s.setblocking(False)
     a.sock = s
     try:
@@ -78,7 +78,7 @@ def _start(a, sel):
         a.finish("error", _errname(e.errno))
         return
     try:
-        a.src, a.sport = s.getsockname()
+        a.src, a.sport = s.getsockname()[:2]
     except OSError:
         pass
     if err in (0, errno.EINPROGRESS):

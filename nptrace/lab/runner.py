@@ -120,7 +120,7 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
              "namespaces": sorted(live.values()), "pids": [], "started": time.time()}
     netns.save_state(prefix, state)  # before anything exists, so `down` can clean a half-made lab
     try:
-        netns.make_namespaces(live.values())
+        netns.make_namespaces(live.values(), ipv6=spec.ipv6)
         netns.wire(spec, ns)
         procs = []
         for host in sorted(set(spec.hosts) - pending, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
@@ -146,12 +146,13 @@ def _rules_step(spec: Spec, st: dict, ns: dict, backend: str) -> None:
     nft replaces its table in one transaction). Conntrack entries are left alone, as kube-proxy
     leaves TCP entries alone."""
     import dataclasses
-    after = dataclasses.replace(spec, services=st["compiled"])
+    after = dataclasses.replace(spec, services=st["compiled"], services6=st.get("compiled6", spec.services6))
     for node in spec.nodes():
         for step in kube_proxy_steps(after, node, backend):
             if step.argv[0] == "nft":
+                fam = "ip6" if step.input.startswith("add table ip6 ") else "ip"
                 netns.sh(["ip", "netns", "exec", ns[node], *step.argv],
-                         input="delete table ip kube-proxy\n" + step.input)
+                         input=f"delete table {fam} kube-proxy\n" + step.input)
             elif step.input is not None:   # the jumps are there already
                 saved = netns.sh(["ip", "netns", "exec", ns[node],
                                   step.argv[0].replace("-restore", "-save"), "-t", "nat"])
@@ -188,7 +189,7 @@ def _delete_pod(spec: Spec, pod: str, ns: dict, state: dict) -> None:
 def _add_pod(spec: Spec, pod: str, ns: dict, backend: str, state: dict) -> None:
     node = spec.hosts[pod]["node"]
     bridge = next(i for i, d in spec.hosts[node]["ifaces"].items() if d.get("type") == "bridge")
-    netns.make_namespaces([ns[pod]])
+    netns.make_namespaces([ns[pod]], ipv6=spec.ipv6)
     state["namespaces"] = sorted({*state["namespaces"], ns[pod]})
     netns.save_state(state["prefix"], state)
     v = pod_veth(pod)

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     for sc in lab.scenarios():
         if a.scenarios and sc.name not in a.scenarios:
             continue
-        runs = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants]
+        runs = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants] + \
+            [("nft", "ipv6")] * ("ipv6" in sc.variants and "nft" in sc.backends)
         for backend, variant in runs:
             s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
                       observe=sc.observe)

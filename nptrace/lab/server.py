@@ -119,15 +119,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--listen", action="append", required=True, help="PORT:MODE[:ARG]")
     ap.add_argument("--name", default=socket.gethostname())
+    ap.add_argument("--ipv6", action="store_true", help="listen on :: for both families (dual-stack)")
     args = ap.parse_args(argv)
     threads = []
     for spec in args.listen:
         port, _, rest = spec.partition(":")
         mode, _, arg = rest.partition(":")
         handler = _handler(mode or "echo", arg)
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s = socket.socket(socket.AF_INET6 if args.ipv6 else socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", int(port)))
+        if args.ipv6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::" if args.ipv6 else "0.0.0.0", int(port)))
         s.listen(BACKLOG)
         threads.append(threading.Thread(target=_accept_loop, args=(s, handler, args.name), daemon=True))
     for t in threads:

@@ -352,9 +352,10 @@ def reset_cmds(spec: Spec, role: str, nics: dict[str, str], profile: str, prefix
 def prepare_cmds(spec: Spec, role: str, nics: dict[str, str], profile: str, prefix: str) -> list[Cmd]:
     d = spec.hosts[role]
     real = [nics[n] for n in d.get("ifaces", {}) if n in nics]
-    keys = ["net.ipv4.conf.default.rp_filter=0", "net.ipv6.conf.default.disable_ipv6=1"]
+    off = 0 if spec.ipv6 else 1     # the dual-stack form (variant ipv6) needs IPv6 on
+    keys = ["net.ipv4.conf.default.rp_filter=0", f"net.ipv6.conf.default.disable_ipv6={off}"]
     for r in real:
-        keys += [f"net.ipv4.conf.{r}.rp_filter=0", f"net.ipv6.conf.{r}.disable_ipv6=1"]
+        keys += [f"net.ipv4.conf.{r}.rp_filter=0", f"net.ipv6.conf.{r}.disable_ipv6={off}"]
     out = [Cmd("prepare", ("sysctl", "-q", "-w", *keys))]
     if d["kind"] == "node" and profile == "netns":
         for pod in spec.pods(role):
@@ -362,7 +363,8 @@ def prepare_cmds(spec: Spec, role: str, nics: dict[str, str], profile: str, pref
             out += [Cmd("prepare", ("ip", "netns", "add", ns)),
                     Cmd("prepare", ("ip", "-n", ns, "link", "set", "lo", "up")),
                     Cmd("prepare", ("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                                    "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
+                                    f"net.ipv6.conf.all.disable_ipv6={off}",
+                                    f"net.ipv6.conf.default.disable_ipv6={off}",
                                     "net.ipv4.conf.default.rp_filter=0", "net.ipv4.conf.all.rp_filter=0")),
                     Cmd("prepare", ("ip", "link", "add", hostplan.pod_veth(pod), "type", "veth",
                                     "peer", "name", "eth0", "netns", ns))]

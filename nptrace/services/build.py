@@ -45,6 +45,7 @@ class Builder:
         self.ignored = 0
         self.vip_only: set = set()
         self.nat: list = []  # iptables.LazyNat per dump, for nat.py
+        self.families: dict[str, int] = {}   # table label -> 4 / 6 where the dump says it
 
     def info(self, name: str, proto: str | None = None) -> Info:
         inf = self.infos.get(name)
@@ -58,5 +59,13 @@ class Builder:
         origin = next(_origins)
         for ch in self.chains:
             ch.origin = origin
+            ch.family = self.families.get(ch.table)
+            for e in ch.entries if ch.family else ():
+                if e.cond is not None:
+                    e.cond.family = ch.family
+        for _, _, r in self.kp:
+            fam = self.families.get(r.table)
+            if fam and r.cond is not None:
+                r.cond.family = fam
         return ServiceMap(self.infos, kp_rules=self.kp, chains=self.chains, ignored=self.ignored,
                           backends=(self.backend,), vip_only=self.vip_only, nat=self.nat)

@@ -129,7 +129,8 @@ class Entry:
 class Chain:
     """Entries of one chain in order, indexed so a 10k-rule chain is not walked per query."""
 
-    __slots__ = ("table", "name", "entries", "policy", "hook", "origin", "_by_dst", "_by_port", "_rest")
+    __slots__ = ("table", "name", "entries", "policy", "hook", "origin", "family", "_by_dst", "_by_port",
+                 "_rest")
 
     def __init__(self, table: str, name: str, entries: list[Entry], policy: Rule | None,
                  hook: str | None = None):
@@ -139,6 +140,7 @@ class Chain:
         self.policy = policy
         self.hook = hook  # netfilter hook of a base chain (input, forward ...), None for others
         self.origin = 0  # which parse made it: chains of two dumps never jump into each other
+        self.family: int | None = None   # 4 / 6 for a one-family table (Builder.families)
         self._by_dst = None
 
     def _build(self) -> None:

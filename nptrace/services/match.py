@@ -63,10 +63,17 @@ def _iface_match(pattern: str, name: str) -> bool:
     return name == pattern
 
 
+def family_of(f: Flow) -> int | None:
+    """4 or 6: the address family of a flow, None without addresses."""
+    a = f.daddr or f.saddr
+    return None if not a else 6 if ":" in a else 4
+
+
 class Match:
     """Conjunction of conditions; evaluate() -> True / False / None (cannot tell)."""
 
-    __slots__ = ("src", "dst", "proto", "dport", "sport", "iif", "oif", "ctstate", "unknown", "not_vip")
+    __slots__ = ("src", "dst", "proto", "dport", "sport", "iif", "oif", "ctstate", "unknown", "not_vip",
+                 "family")
 
     def __init__(self):
         self.src: list[tuple[AddrSet, bool]] = []
@@ -80,8 +87,13 @@ class Match:
         self.unknown: list[str] = []
         # nft cluster-ips-check only sees a ClusterIP packet that no Service DNATed or rejected
         self.not_vip = False
+        # 4 or 6 when the rule's table belongs to one family (ip6tables, nft ip6): a packet of
+        # the other family never meets it; None for inet tables and unlabelled restore input
+        self.family: int | None = None
 
     def evaluate(self, f: Flow, smap: MapView | None = None) -> bool | None:
+        if self.family is not None and family_of(f) not in (None, self.family):
+            return False
         maybe = bool(self.unknown)
         local = smap.local_addrs if smap is not None else None
         for conds, addr in ((self.src, f.saddr), (self.dst, f.daddr)):

@@ -143,6 +143,8 @@ def _parse_nft(text: str, skip: frozenset[str], backend: str) -> ServiceMap:
     for t in tables.values():
         if f"{t.family} {t.name}" in skip:
             continue
+        if t.family in ("ip", "ip6"):   # inet (both families) and the others: no label
+            b.families[f"{t.family} {t.name}"] = 6 if t.family == "ip6" else 4
         if t.name == "kube-proxy" and t.family in ("ip", "ip6"):
             kp_nft_table(t, b)
         else:

@@ -139,7 +139,8 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
             continue
         inf = b.info(*nm)
         inf.node_port = int(key[1])
-        inf.np_scope = svc_scope
+        # a dual-stack node has an ip and an ip6 table: the NodePort is open on both's addresses
+        inf.np_scope = svc_scope if inf.np_scope is None else inf.np_scope.union(svc_scope)
 
     # no-endpoint verdict maps: kube-proxy's drops and rejects
     for mapname in ("no-endpoint-services", "no-endpoint-nodeports"):
@@ -191,7 +192,7 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
             if nodeport:
                 if inf.node_port is None:
                     inf.node_port = port
-                inf.np_scope = inf.np_scope or noep_scope
+                inf.np_scope = noep_scope if inf.np_scope is None else inf.np_scope.union(noep_scope)
                 if reason == "no_local_endpoint":
                     inf.ext_no_local = inf.etp_local = True
             elif a in cluster_set.hosts or svc_cidr_set.contains(a):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from .facts import ANY_LOCAL, Chain, Info, Scope, Table
-from .match import Flow
+from .match import Flow, family_of
 from .nat import NatResult, nat_walk
 from .model import (EXTERNAL_KINDS, Rule, Service, canon, distinct_addrs, ep_sort_key, fmt_ep,
                     norm_proto)
@@ -322,15 +322,17 @@ class ServiceMap:
                     st = None if flow.ctstate is None else flow.ctstate | {"DNAT"}
                     nflow = Flow(saddr, host.strip("[]"), sport, int(p), proto, iif, oif, st)
         out: list[Rule] = []
+        fam = family_of(flow)
         for (_, label), t in self._tables.items():
             f = nflow if label.split("#")[0].split()[-1] == "filter" else flow
             for root in t.roots:
-                if hook is not None and root.hook != hook:
+                if hook is not None and root.hook != hook or not _same_family(root, fam):
                     continue
                 if self._walk(root, t, f, out, 0) != "stop" and root.policy is not None:
                     out.append(root.policy)
             for ch in t.orphans:
-                self._walk(ch, t, f, out, 0)
+                if _same_family(ch, fam):
+                    self._walk(ch, t, f, out, 0)
         return list({id(r): r for r in out}.values())
 
     # -- nat: where kube-proxy sends a packet (nat.py) ----------------------------------------
@@ -418,6 +420,11 @@ class ServiceMap:
             elif r is True and a == "return":
                 return "end"
         return "end"
+
+
+def _same_family(ch, fam: int | None) -> bool:
+    """A chain a packet of family ``fam`` (None: unknown) may cross."""
+    return fam is None or ch.family is None or ch.family == fam
 
 
 def merge(*maps: ServiceMap) -> ServiceMap:

@@ -59,6 +59,10 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         d["client"] = hostport(nat.orig_src, nat.orig_sport)
         d["frontend"] = hostport(nat.orig_dst, nat.orig_dport)
         d["endpoint"] = hostport(nat.reply_src, nat.reply_sport)
+    else:
+        snat = v.snat   # masquerade only: the client before it; no frontend, no endpoint
+        if snat is not None:
+            d["client"] = hostport(snat.orig_src, snat.orig_sport)
     pods = v.pods
     if pods:
         d.update(pods)

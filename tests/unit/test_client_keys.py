@@ -52,3 +52,29 @@ def test_a_line_with_only_the_masqueraded_side_still_names_the_client():
     [d] = _lines([wire])
     assert (d["saddr"], d["dport"]) == (POD, 61000)
     assert d["client"] == f"{CLIENT}:40000" and d["frontend"] == f"{NODE}:30080"
+
+
+def test_a_masquerade_only_entry_names_the_client_alone():
+    """A pod connecting out through the node's masquerade (SNAT-only entry, no Service): the
+    pod's own address and port in `client`, no `frontend` / `endpoint` (nothing was DNATed)."""
+    ext, node_ip = "203.0.113.7", "192.168.10.11"
+    snat = dict(flags=ev.F_HAS_CT, ct_osrc=POD, ct_osport=45000, ct_odst=ext, ct_odport=443,
+                ct_rsrc=ext, ct_rsport=443, ct_rdst=node_ip, ct_rdport=61500, ct_status=ev.IPS_SRC_NAT)
+    wire = ev.decode(ev.encode(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ts_ns=1,
+                               saddr=ext, sport=443, daddr=node_ip, dport=61500, **snat))
+    [d] = _lines([wire])
+    assert d["client"] == f"{POD}:45000"
+    assert "frontend" not in d and "endpoint" not in d
+
+
+def test_ipv6_client_keys_are_bracketed():
+    c6, n6, p6, m6 = "fd00:10::64", "fd00:10::b", "fd00:244::10a", "fd00:244::1"
+    ct6 = dict(flags=ev.F_HAS_CT, ct_osrc=c6, ct_osport=40000, ct_odst=n6, ct_odport=30080,
+               ct_rsrc=p6, ct_rsport=8080, ct_rdst=m6, ct_rdport=61000,
+               ct_status=ev.IPS_DST_NAT | ev.IPS_SRC_NAT)
+    wire = ev.decode(ev.encode(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ts_ns=1,
+                               family=10, saddr=p6, sport=8080, daddr=m6, dport=61000, **ct6))
+    [d] = _lines([wire])
+    assert d["client"] == f"[{c6}]:40000" and d["frontend"] == f"[{n6}]:30080"
+    assert d["endpoint"] == f"[{p6}]:8080"
+    assert d["evidence"][0]["detail"].startswith(f"[{p6}]:8080 > [{m6}]:61000 (dnat [{n6}]:30080 ")

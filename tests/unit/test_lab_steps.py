@@ -19,7 +19,7 @@ def calls(monkeypatch):
                 before.services, "node1", before.cluster_cidr)})()
     monkeypatch.setattr(netns, "sh", sh)
     monkeypatch.setattr(netns, "delete_namespaces", lambda names, pids=(): got.append((["delns", *names], None)))
-    monkeypatch.setattr(netns, "make_namespaces", lambda names: got.append((["mkns", *names], None)))
+    monkeypatch.setattr(netns, "make_namespaces", lambda names, ipv6=False: got.append((["mkns", *names], None)))
     monkeypatch.setattr(netns, "save_state", lambda prefix, st: None)
     monkeypatch.setattr(netns, "run_batched", lambda ns, steps: got.append((["batch", ns], None)) or [])
     monkeypatch.setattr(netns, "wait_ready", lambda procs: None)
