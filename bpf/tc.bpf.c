@@ -127,7 +127,11 @@ struct npt_tc_iface {
 
 #define NPT_TC_WAYS 2
 #define NPT_TC_SETS (NPT_FLOW_TABLE_SIZE / NPT_TC_WAYS)
-BPF_ARRAY(tc_flows, struct npt_tc_slot, NPT_TC_SETS * NPT_TC_WAYS);
+/* BPF_F_MMAPABLE for its layout, not for user space: an mmapable array's values start on a page
+ * (kernel/bpf/arraymap.c), a plain one's at offsetof(struct bpf_array, value), 312 on 6.18, 56
+ * bytes past a cache line: each 64-byte slot spanned two lines and a set three */
+BPF_F_TABLE("array", u32, struct npt_tc_slot, tc_flows, NPT_TC_SETS * NPT_TC_WAYS,
+	    BPF_F_MMAPABLE);
 /* UDP destination ports (host order) that carry VXLAN: 4789 (IANA), 8472 (Linux default) */
 /* vxlan_ports (UDP ports carrying VXLAN) is in npt_common.h: the tracepoints decapsulate too */
 /* Watched ifindex -> netns inode; only read when NPT_TC_KSKB=0 */
