@@ -96,23 +96,29 @@ static __always_inline void npt_count(struct npt_event *e)
 #define NPT_NAT_VIEW (NPT_WITH_NF_HOOK && NPT_NF_NAT_ONLY)
 #if NPT_NAT_VIEW
 #ifndef NPT_NAT_PEERS
-#define NPT_NAT_PEERS 131072    /* slots; two per connection */
+#define NPT_NAT_PEERS 131072    /* slots; one per connection (two with SNAT) */
 #endif
 /* The two tuples of every NATed connection, written at its first packet and looked up by
  * user space only when an incident needs them (classify.Context.nat_peer): linking a client's
- * tuple to its pod's costs nothing per healthy connection in user space. Keyed by each side's
- * tuple in its packet direction; the value is the other side's.
+ * tuple to its pod's costs nothing per healthy connection in user space. A slot holds the
+ * pair (key = the original tuple, peer = the reply tuple, each in its packet direction) and
+ * sits in the set of the connection's CLIENT end: the original tuple's source, which is the
+ * reply tuple's destination unless SNAT changed it. A lookup by either tuple probes the sets of
+ * both its ends and compares it with both tuples of each slot (npt_nat_find).
  *
  * A 2-way set-associative array, not an LRU hash: the two LRU inserts per connection
  * (free-list pop, bucket lock, cold element, an eviction once full) were most of this
  * program's cost, about 0.6 us each under bpf_stats on the 6.18 VM (BPF_F_NO_COMMON_LRU
- * measured slower). A slot write touches one or two cold cache lines. Each side's tuple takes
- * the empty or older slot of its set (npt_nat_set; nptrace/kernel/natpeers.py computes the
- * same set and compares the key). A mapping survives t seconds at R new NATed connections/s with
- * probability e^-x (1 + x), x = 4 R t / NPT_NAT_PEERS (99% for 5 s at 1k/s with 131072 slots,
- * 56% at 10k/s; the LRU kept the last 65536 connections). Slots are written without a lock;
- * two CPUs writing one slot at the same instant can mix it, and the key compare in user space
- * catches most of that (a wrong link needs both to hash to one set within nanoseconds). */
+ * measured slower). A set write touches three cold cache lines and a page of a 10 MiB array
+ * (TLB miss): about 0.3 us on that VM, so a connection without SNAT writes one slot, not one
+ * per tuple (one with SNAT writes the pair into the set of each end). The pair takes its own
+ * slot of its set, else the empty or older one (npt_nat_set; nptrace/kernel/natpeers.py
+ * computes the same set and compares the tuples). A mapping survives t seconds at R new NATed
+ * connections/s with probability e^-x (1 + x), x = 2 R t / NPT_NAT_PEERS (twice that with SNAT:
+ * 99.7% (99%) for 5 s at 1k/s with 131072 slots, 82% (56%) at 10k/s). Slots are written without
+ * a lock; two CPUs writing one slot at the same instant can mix it, and the tuple compare in
+ * user space catches most of that (a wrong link needs both to hash to one set within
+ * nanoseconds). */
 /* struct npt_nat_key / npt_nat_slot: nptrace_events.h (user space reads the slots) */
 #define NPT_NAT_WAYS 2
 #define NPT_NAT_SETS (NPT_NAT_PEERS / NPT_NAT_WAYS)
@@ -125,14 +131,14 @@ BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT
  * line stays shared among CPUs instead of bouncing once per connection. */
 BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
 
-/* First slot of k's set. Mirrored by nptrace/kernel/natpeers.py nat_set(); keep the two
- * identical. */
-static __always_inline u32 npt_nat_set(const struct npt_nat_key *k)
+/* First slot of the set of the end addr:port (16-byte address). Mirrored by
+ * nptrace/kernel/natpeers.py nat_set(); keep the two identical. */
+static __always_inline u32 npt_nat_set(const u8 *addr, u16 port)
 {
-	const u32 *w = (const u32 *)k;
-	u32 h = 0;
+	const u32 *w = (const u32 *)addr;
+	u32 h = port;
 #pragma unroll
-	for (int i = 0; i < 9; i++)
+	for (int i = 0; i < 4; i++)
 		h = (h ^ w[i]) * 0x9E3779B1u;
 	h ^= h >> 16;
 	return (h % NPT_NAT_SETS) * NPT_NAT_WAYS;
@@ -145,21 +151,35 @@ static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const str
 	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
 }
 
-/* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
- * hook wrote: 1 and *peer, or 0. */
-static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
+/* k's other tuple from one slot: 1 and *peer when k is either of the slot's tuples. */
+static __always_inline int npt_nat_match(const struct npt_nat_slot *s, const struct npt_nat_key *k,
+					 struct npt_nat_key *peer)
 {
-	u32 i = npt_nat_set(k), j = i + 1;
-	struct npt_nat_slot *a = nat_peers.lookup(&i), *b = nat_peers.lookup(&j);
-	if (a && npt_nat_key_eq(&a->key, k)) {
-		*peer = a->peer;
+	if (!s)
+		return 0;
+	if (npt_nat_key_eq(&s->key, k)) {
+		*peer = s->peer;
 		return 1;
 	}
-	if (b && npt_nat_key_eq(&b->key, k)) {
-		*peer = b->peer;
+	if (npt_nat_key_eq(&s->peer, k)) {
+		*peer = s->key;
 		return 1;
 	}
 	return 0;
+}
+
+/* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
+ * hook wrote: 1 and *peer, or 0. The client end is k's source or destination: both sets. */
+static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
+{
+	u32 i = npt_nat_set(k->src, k->sport), j = i + 1;
+	if (npt_nat_match(nat_peers.lookup(&i), k, peer) ||
+	    npt_nat_match(nat_peers.lookup(&j), k, peer))
+		return 1;
+	i = npt_nat_set(k->dst, k->dport);
+	j = i + 1;
+	return npt_nat_match(nat_peers.lookup(&i), k, peer) ||
+	       npt_nat_match(nat_peers.lookup(&j), k, peer);
 }
 #endif /* NPT_NAT_VIEW */
 

@@ -202,10 +202,11 @@ enum npt_stat {
 };
 
 /* NAT map (npt_common.h `nat_peers`, written by nf_hook.bpf.c, read by user space from memory):
- * each side's tuple of a NATed connection in its packet direction -> the other side's.
+ * both tuples of a NATed connection (key: the original, peer: the reply), each in its packet
+ * direction, in the set of its client end (npt_common.h npt_nat_set).
  * Mirrored by nptrace/kernel/natpeers.py (NatKey, NatSlot); tests/unit/test_layout.py checks it.
- * Addresses as in npt_event (IPv4 in the first 4 bytes), ports host order. npt_nat_set() hashes
- * the key as 9 __u32 words: keep it 36 bytes with no padding. */
+ * Addresses as in npt_event (IPv4 in the first 4 bytes), ports host order. npt_nat_key_eq()
+ * compares the key as 9 __u32 words: keep it 36 bytes with no padding. */
 struct npt_nat_key {
 	__u8  src[16];
 	__u8  dst[16];

@@ -2,8 +2,10 @@
 struct npt_nat_slot) and bpf/npt_common.h (npt_nat_set).
 
 The netfilter-hook program (bpf/nf_hook.bpf.c) writes both tuples of every NATed connection
-into `nat_peers`, a 2-way set-associative array that user space maps read-only
-(loader.Probes.nat_peer): a lookup is a hash, two slice compares and no syscall.
+into one slot of `nat_peers`, a 2-way set-associative array that user space maps read-only
+(loader.Probes.nat_peer), in the set of the connection's client end (and of the SNAT address
+too when SNAT moved it): a lookup hashes both ends of the tuple and compares it with the two
+tuples of up to four slots, no syscall.
 tests/unit/test_layout.py checks NatKey/NatSlot against the header with clang;
 tests/unit/test_nat_slots.py the hash; tests/privileged/test_nat_tuples.py that user space
 finds the slot the kernel wrote.
@@ -45,7 +47,7 @@ LAYOUTS = {"npt_nat_key": NatKey, "npt_nat_slot": NatSlot}
 # several times cheaper than filling a ctypes object. test_layout checks the sizes agree.
 NAT_KEY = struct.Struct("=16s16sHH")
 NAT_SLOT = ct.sizeof(NatSlot)            # 80
-_NAT_WORDS = struct.Struct(f"={NAT_KEY.size // 4}I")    # npt_nat_set hashes 9 u32 words
+_ADDR_WORDS = struct.Struct("=4I")     # npt_nat_set hashes an end: 4 address words and a port
 
 
 @lru_cache(maxsize=4096)
@@ -58,10 +60,11 @@ def nat_key(saddr: str, sport: int, daddr: str, dport: int) -> bytes:
     return NAT_KEY.pack(_addr16(saddr), _addr16(daddr), sport, dport)
 
 
-def nat_set(key: bytes, slots: int, ways: int = 2) -> int:
-    """First slot of a key's set in nat_peers: npt_nat_set() in bpf/npt_common.h, exactly."""
-    h = 0
-    for w in _NAT_WORDS.unpack(key):
+def nat_set(addr: bytes, port: int, slots: int, ways: int = 2) -> int:
+    """First slot of the set of the end addr:port (16-byte address) in nat_peers:
+    npt_nat_set() in bpf/npt_common.h, exactly."""
+    h = port
+    for w in _ADDR_WORDS.unpack(addr):
         h = ((h ^ w) * 0x9E3779B1) & 0xFFFFFFFF
     h ^= h >> 16
     return (h % (slots // ways)) * ways
@@ -69,12 +72,19 @@ def nat_set(key: bytes, slots: int, ways: int = 2) -> int:
 
 def find(mem, size: int, saddr: str, sport: int, daddr: str, dport: int):
     """The other side of a NATed connection from the slots in `mem` (`size` of them), as
-    (src, sport, dst, dport) in that side's packet direction, or None."""
+    (src, sport, dst, dport) in that side's packet direction, or None: npt_nat_find()."""
     key = nat_key(saddr, sport, daddr, dport)
-    off = nat_set(key, size) * NAT_SLOT
-    for o in (off, off + NAT_SLOT):     # the set's two ways
-        if mem[o:o + NAT_KEY.size] == key:
-            src, dst, sp, dp = NAT_KEY.unpack_from(mem, o + NAT_KEY.size)
+    n = NAT_KEY.size
+    for addr, port in ((key[:16], sport), (key[16:32], dport)):   # the client end is either
+        off = nat_set(addr, port, size) * NAT_SLOT
+        for o in (off, off + NAT_SLOT):     # the set's two ways
+            if mem[o:o + n] == key:
+                other = o + n
+            elif mem[o + n:o + 2 * n] == key:
+                other = o
+            else:
+                continue
+            src, dst, sp, dp = NAT_KEY.unpack_from(mem, other)
             fam = socket.AF_INET6 if ":" in saddr else socket.AF_INET
             return (ev.ntop(fam, src), sp, ev.ntop(fam, dst), dp)
     return None

@@ -79,14 +79,26 @@ def configure(probes, cfg: Config) -> None:
         m[m.Key(port)] = m.Leaf(1)
 
 
+TC_IF_AMBIGUOUS = 0x01     # bpf/tc.bpf.c NPT_TC_IF_AMBIGUOUS
+
+
 def iface_map_filler(probes) -> Callable[["Attached"], None]:
-    """on_attach callback filling tc_ifaces {ifindex -> netns inode} (read with NPT_TC_KSKB=0)."""
+    """on_attach callback filling tc_ifaces {ifindex -> netns inode}, which the tc programs
+    read instead of following skb->dev to its namespace. An ifindex that watched devices of
+    two namespaces share is marked ambiguous: the programs then read the sk_buff."""
     m = probes.map("tc_ifaces")
 
     def fill(a: "Attached") -> None:
+        key = m.Key(a.ifindex)
         leaf = m.Leaf()
         leaf.netns = a.netns_inode
-        m[m.Key(a.ifindex)] = leaf
+        try:
+            old = m[key]
+        except KeyError:
+            old = None
+        if old is not None and (old.netns != a.netns_inode or old.flags & TC_IF_AMBIGUOUS):
+            leaf.flags = TC_IF_AMBIGUOUS
+        m[key] = leaf
     return fill
 
 

@@ -1,6 +1,8 @@
 """natpeers.nat_key / nat_set mirror bpf/nptrace_events.h's npt_nat_key and bpf/npt_common.h's
 npt_nat_set; that the two hashes agree is checked end to end by
 tests/privileged/test_nat_tuples.py (user space finds the slot the kernel wrote)."""
+import socket
+
 from nptrace.kernel import natpeers
 
 
@@ -11,14 +13,42 @@ def test_key_layout_is_the_c_struct():
     assert k[32:] == (40000).to_bytes(2, "little") + (30080).to_bytes(2, "little")
 
 
+A = bytes([10, 0, 0, 1]) + bytes(12)
+
+
 def test_set_is_the_first_way_and_in_range():
     for port in range(1000, 1200):
-        i = natpeers.nat_set(natpeers.nat_key("10.0.0.1", port, "10.0.0.2", 30080), 131072)
+        i = natpeers.nat_set(A, port, 131072)
         assert i % 2 == 0 and 0 <= i < 131072
 
 
 def test_sets_spread():
-    sets = {natpeers.nat_set(natpeers.nat_key("10.0.0.1", p, "10.0.0.2", 30080), 1024)
-            for p in range(1024, 3072)}
+    sets = {natpeers.nat_set(A, p, 1024) for p in range(1024, 3072)}
     assert len(sets) > 400      # 512 sets; a broken hash lands in a handful
+
+
+def _mem_with(size, orig, reply, ends):
+    """Slots as nf_hook.bpf.c writes them: the pair (orig, reply) in the set of each end."""
+    mem = bytearray(size * natpeers.NAT_SLOT)
+    for addr, port in ends:
+        o = natpeers.nat_set(socket.inet_pton(socket.AF_INET, addr) + bytes(12), port, size) * natpeers.NAT_SLOT
+        mem[o:o + 72] = natpeers.nat_key(*orig) + natpeers.nat_key(*reply)
+    return bytes(mem)
+
+
+def test_find_by_either_tuple_without_snat():
+    orig = ("10.0.0.1", 40000, "10.0.0.2", 30080)      # client -> NodePort
+    reply = ("10.1.0.5", 8080, "10.0.0.1", 40000)      # pod -> client: same client end
+    mem = _mem_with(1024, orig, reply, [("10.0.0.1", 40000)])
+    assert natpeers.find(mem, 1024, *orig) == reply
+    assert natpeers.find(mem, 1024, *reply) == orig
+    assert natpeers.find(mem, 1024, "10.0.0.1", 40001, "10.0.0.2", 30080) is None
+
+
+def test_find_by_either_tuple_with_snat():
+    orig = ("10.0.0.1", 40000, "10.0.0.2", 30080)
+    reply = ("10.1.0.5", 8080, "10.1.0.1", 61000)      # masqueraded: the node's end
+    mem = _mem_with(1024, orig, reply, [("10.0.0.1", 40000), ("10.1.0.1", 61000)])
+    assert natpeers.find(mem, 1024, *orig) == reply
+    assert natpeers.find(mem, 1024, *reply) == orig
 

@@ -367,6 +367,7 @@ class FakeTable(dict):
         def __init__(self, v=0):
             self.value = v
             self.netns = 0
+            self.flags = 0
 
 
 class FakeProbes:
@@ -391,6 +392,21 @@ def test_configure_fills_vxlan_ports():
     assert sorted(p.maps["vxlan_ports"]) == [4789, 8472]
     with pytest.raises(InterfaceError, match="bad VXLAN port 0"):
         tc.configure(p, Config(vxlan_ports=(0,)))
+
+
+def test_iface_map_marks_an_ifindex_of_two_namespaces_ambiguous():
+    from types import SimpleNamespace as A
+    p = FakeProbes()
+    fill = tc.iface_map_filler(p)
+    fill(A(ifindex=2, netns_inode=2000))
+    fill(A(ifindex=3, netns_inode=2000))
+    fill(A(ifindex=2, netns_inode=2000))      # attached again in the same namespace
+    m = p.maps["tc_ifaces"]
+    assert (m[2].netns, m[2].flags, m[3].flags) == (2000, 0, 0)
+    fill(A(ifindex=2, netns_inode=3000))      # another namespace's device, same ifindex
+    assert m[2].flags == tc.TC_IF_AMBIGUOUS
+    fill(A(ifindex=2, netns_inode=2000))      # stays ambiguous: both may still be watched
+    assert m[2].flags == tc.TC_IF_AMBIGUOUS and m[3].flags == 0
 
 
 def test_attach_helper_fills_the_iface_map(net, proc, tmp_path):
