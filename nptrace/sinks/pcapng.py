@@ -113,7 +113,8 @@ def packet_block(iface_id: int, ts_ns: int, packet: bytes, comment: str,
 
 # --- packet reconstruction ----------------------------------------------------------------
 
-def _csum(data: bytes) -> int:
+def inet_checksum(data: bytes) -> int:
+    """The Internet checksum (RFC 1071) of data: IP headers, TCP/UDP with their pseudo-header."""
     if len(data) % 2:
         data += b"\0"
     s = sum(struct.unpack(f"!{len(data) // 2}H", data))
@@ -125,11 +126,11 @@ def _csum(data: bytes) -> int:
 def _l4(e: Event, src: bytes, dst: bytes, pseudo_tail) -> tuple[int, bytes]:
     if e.l4proto == socket.IPPROTO_UDP:
         hdr = struct.pack("!HHHH", e.sport, e.dport, 8, 0)
-        c = _csum(src + dst + pseudo_tail(17, 8) + hdr) or 0xFFFF
+        c = inet_checksum(src + dst + pseudo_tail(17, 8) + hdr) or 0xFFFF
         return 17, hdr[:6] + struct.pack("!H", c)
     hdr = struct.pack("!HHIIBBHHH", e.sport, e.dport, e.seq & 0xFFFFFFFF, e.ack_seq & 0xFFFFFFFF,
                       5 << 4, e.tcpflags & 0xFF, 0, 0, 0)
-    c = _csum(src + dst + pseudo_tail(6, len(hdr)) + hdr)
+    c = inet_checksum(src + dst + pseudo_tail(6, len(hdr)) + hdr)
     return 6, hdr[:16] + struct.pack("!H", c) + hdr[18:]
 
 
@@ -143,7 +144,7 @@ def build_packet(e: Event) -> bytes:
     src, dst = socket.inet_aton(e.saddr), socket.inet_aton(e.daddr)
     proto, l4 = _l4(e, src, dst, lambda p, n: struct.pack("!BBH", 0, p, n))
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 0, 0x4000, 64, proto, 0, src, dst)
-    ip = ip[:10] + struct.pack("!H", _csum(ip)) + ip[12:]
+    ip = ip[:10] + struct.pack("!H", inet_checksum(ip)) + ip[12:]
     return ip + l4
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from nptrace.config import Config, IfaceSpec
+from nptrace.sinks.pcapng import inet_checksum
 from nptrace.tracer import Tracer
 
 
@@ -71,21 +72,12 @@ def traced(node: str, tmp_path, monkeypatch, iface: str = "nc0"):
         t.stop()
 
 
-def _csum(b: bytes) -> int:
-    if len(b) % 2:
-        b += b"\0"
-    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
 def segment(src: str, dst: str, sport: int, dport: int, flags: int, ack: int = 0,
             csum_off: int = 0) -> bytes:
     """A 20-byte TCP header; csum_off != 0 makes its checksum wrong by that much."""
     hdr = struct.pack("!HHIIBBHHH", sport, dport, 1000, ack, 5 << 4, flags, 64240, 0, 0)
     pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(hdr))
-    return hdr[:16] + struct.pack("!H", (_csum(pseudo + hdr) + csum_off) & 0xFFFF) + hdr[18:]
+    return hdr[:16] + struct.pack("!H", (inet_checksum(pseudo + hdr) + csum_off) & 0xFFFF) + hdr[18:]
 
 
 def bare_ack(src: str, dst: str, sport: int, dport: int) -> bytes:
