@@ -43,6 +43,7 @@ __all__ = [
     "detect_backend",
     "dump_digest",
     "fingerprint",
+    "legacy_digest",
     "load_service_map",
     "nft_generation",
     "parse_dump",
@@ -347,10 +348,16 @@ def fingerprint(netns: str | None = None) -> tuple:
     """Cheap value that changes when the namespace's rules change (not on counter updates):
     the nf_tables generation id, plus a digest of the legacy dump when legacy tables exist."""
     _check_netns(netns)
-    legacy = None
+    return (nft_generation(netns), legacy_digest(netns))
+
+
+def legacy_digest(netns: str | None = None) -> str | None:
+    """The digest of the namespace's legacy (x_tables) dump without counters; None without
+    legacy tables. A dump: 0.4 s for 10,000 Services, so callers space their checks."""
+    _check_netns(netns)
     if _legacy_present(netns) and shutil.which("iptables-legacy-save"):
-        legacy = dump_digest(_read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None))
-    return (nft_generation(netns), legacy)
+        return dump_digest(_read_xt(netns, ("iptables-legacy-save", "ip6tables-legacy-save"), None))
+    return None
 
 
 class ServiceMapCache:

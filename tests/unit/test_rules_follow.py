@@ -31,6 +31,8 @@ def _node(monkeypatch, rules):
     """rules: {netns name: (fingerprint, {endpoint addr: service})}, mutable by the test."""
     monkeypatch.setattr(rules_source, "load_service_map", lambda ns: Map(dict(rules[ns or "host"][1])))
     monkeypatch.setattr(rules_source, "fingerprint", lambda ns: rules[ns or "host"][0])
+    monkeypatch.setattr(rules_source, "nft_generation", lambda ns: rules[ns or "host"][0][0])
+    monkeypatch.setattr(rules_source, "legacy_digest", lambda ns: rules[ns or "host"][0][1])
     monkeypatch.setattr(rules_source, "local_addresses", lambda ns: ())
     now = [0.0]
     kn = knowledge.NodeKnowledge(Names(), clock=lambda: now[0])
@@ -70,7 +72,7 @@ def test_empty_namespaces_are_not_watched(monkeypatch):
     kn, now = _node(monkeypatch, rules)
     kn.preload({1, 5})
     asked = []
-    monkeypatch.setattr(rules_source, "fingerprint", lambda ns: asked.append(ns) or (1, None))
+    monkeypatch.setattr(rules_source, "nft_generation", lambda ns: asked.append(ns) or 1)
     kn.check_changes()
     assert asked == [None]      # the host only: a pod's empty namespace costs nothing
 
@@ -135,3 +137,22 @@ COMMIT
     # one chain listed alone (no jumps in the dump): its endpoint still counts
     alone = "\n".join(ln for ln in dump.splitlines() if "KUBE-SVC-WEB" not in ln or ln.startswith(":"))
     assert parse_iptables_save(alone).lookup("10.244.0.10", 8080) is not None
+
+
+def test_a_heavy_legacy_dump_is_spaced_out(monkeypatch):
+    """iptables-legacy has no generation id: its dump is hashed, at most 2% of a core."""
+    rules = {"host": ((None, "d1"), {"10.244.0.10": "default/web"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1})
+    dumps = []
+
+    def slow_digest(ns):
+        dumps.append(now[0])
+        now[0] += 0.1          # a 100 ms dump (a few thousand Services)
+        return rules["host"][0][1]
+    monkeypatch.setattr(rules_source, "legacy_digest", slow_digest)
+    monkeypatch.setattr(knowledge.time, "perf_counter", lambda: now[0])
+    for t in range(1, 30):
+        now[0] = float(t)
+        kn.check_changes()
+    assert 3 <= len(dumps) <= 6, dumps      # every ~5 s, not every second
