@@ -29,6 +29,8 @@ class Score:
     services: Counter = field(default_factory=Counter)
     stderr: str = ""
     as_expected: int = 0       # attempts whose client-visible outcome is the scenario's
+    # the first incidents labeled otherwise than expected, whole: what a flaky case needs read
+    mislabeled: list = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -60,6 +62,8 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
         n = e.get("events", 1)
         s.labels[e["cause"]] += n
         s.services[e.get("service") or "-"] += n
+        if expected and e["cause"] != expected and len(s.mislabeled) < 5:
+            s.mislabeled.append(e)
     return s
 
 

@@ -5,7 +5,9 @@ rules families); and one burst under the default storm sampling. At least
 99% of the kernel events behind the scenario's own incidents carry the scenario's cause and
 Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
 printed (pytest -s, or the -rA summary) and kept in docs/confusion.md."""
+import json
 import os
+import sys
 
 import pytest
 
@@ -63,6 +65,11 @@ def test_scenario_gets_its_cause(sc, backend, variant):
         assert not faults, f"network fault labels on {sc.name}: {faults}"
     if s.expected != HEALTHY:
         assert s.total >= s.attempts, f"too few events seen: {dict(s.labels)}\n{s.stderr[-800:]}"
+        if s.hit_rate < 0.99 and s.mislabeled:
+            # past pytest's capture: a flaky case's xfail shows no message, and the incidents
+            # themselves are what tells the next occurrence apart (CI keeps stderr)
+            print(f"yardstick {sc.name}@{backend}: mislabeled incidents:\n"
+                  + "\n".join(json.dumps(e) for e in s.mislabeled), file=sys.__stderr__)
         assert s.hit_rate >= 0.99, f"{sc.name}@{backend}: {dict(s.labels)}"
         wrong_svc = {k: n for k, n in s.services.items() if k != sc.service}
         assert sum(wrong_svc.values()) <= 0.01 * s.total, f"services: {dict(s.services)}"
