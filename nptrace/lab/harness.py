@@ -16,6 +16,18 @@ import time
 from pathlib import Path
 
 
+
+def interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Stop a traced run as an SRE's Ctrl-C does (its clean-up runs), killed only when it
+    does not exit within timeout."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
 def _nptrace_cmd() -> list[str]:
     return [sys.executable, "-m", "nptrace.cli"]
 
@@ -71,13 +83,7 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
                             except OSError:
                                 pass
                 finally:
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                    interrupt(proc)
             events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
             return info, attempts, events, err.read_text()
     finally:

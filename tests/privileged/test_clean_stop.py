@@ -77,7 +77,7 @@ def plant_table(owner: str = "nptrace 999999 1") -> None:
 
 
 def lock_free(path: Path) -> bool:
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True

@@ -10,7 +10,6 @@ recorded gives the same sums, and `report` the same summary counts."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from loopback import need_root_and_bcc
 from nptrace.bench import three_causes as storm
+from nptrace.lab.harness import interrupt
 
 pytestmark = pytest.mark.privileged
 TAG = f"{os.getpid() % 10000}"
@@ -68,12 +68,7 @@ def test_three_cause_storm_is_counted_exactly(topo, tmp_path):
         after = storm.snapshot(SRV)
         m = storm.settled(port)    # two reads a second apart agree
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     truth = storm.truth(base, after)
     got = storm.exported(m)
     records = storm.total(m, "nptrace_kernel_events_total")

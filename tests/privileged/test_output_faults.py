@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from test_clean_stop import lock_free
+
 pytestmark = pytest.mark.privileged
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = f"npt-nospc{os.getpid() % 10000}-"
@@ -65,15 +67,7 @@ def one_error_line(rc, err, want):
 
 
 def lock_is_free():
-    import fcntl
-    fd = os.open("/run/nptrace/nptrace.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    return lock_free(Path("/run/nptrace/nptrace.lock"))
 
 
 def test_full_stdout_is_one_line_exit_2_and_the_stop_still_runs(full_fs, lab_up, tmp_path):
