@@ -110,6 +110,12 @@ def rule_unexpected_reply(ev, rname, history, ctx):
     if rname == "NO_SOCKET" and ev.type in (T_RST_SENT, T_DROP) \
             and ev.answered_flags & SYNACK == SYNACK:
         peer = (ev.daddr, ev.dport) if ev.type == T_RST_SENT else (ev.saddr, ev.sport)
+        if ctx.service_of(*peer) and not ctx.endpoint_of(*peer):
+            # The SYN-ACK comes from the Service's own front end: it WAS un-NATed. It is a
+            # retransmission reaching a client that already gave up on the connection (reset
+            # by a middlebox, timed out), a consequence of the flow's earlier cause; saying
+            # snat here outranks that cause when both land in one incident.
+            return None
         return ("snat", 0.9,
                 f"{peer[0]}:{peer[1]} answered a connection the client made to another address: "
                 "the reply was not un-NATed (it left by another node or path than the DNAT); "

@@ -195,3 +195,20 @@ def test_a_reported_root_cause_is_kept_without_its_raw_record():
     assert v.event.raw                                 # the incident itself keeps it
     [flow] = c.flows.values()
     assert flow.root.cause == "no_listener" and flow.root.ev.raw == b""
+
+
+def test_reset_of_a_late_syn_ack_from_the_frontend_is_not_snat():
+    # wrong-interface: the middlebox reset the client, then node1 retransmits its SYN-ACK
+    # (from the NodePort the client connected to, so un-NATed) and the client, with no socket
+    # left, resets it. Landing in the asymmetric reply's incident, it must not outrank it.
+    ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, iface_name=CTX.iface_name,
+                  service_of=lambda a, p: "default/web:http" if p == 30080 else None)
+    asym = E(type=ev.EvType.ASYM_IFACE, hook=ev.Hook.TC_EGRESS, ifindex=2, aux=7, ts_ns=1,
+             saddr="172.16.21.11", sport=30080, daddr="192.168.10.100", dport=40000)
+    late = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, ts_ns=2,
+             aux=ev.TCP_SYN | ev.TCP_ACK, saddr="192.168.10.100", sport=40000,
+             daddr="172.16.21.11", dport=30080)
+    [v] = classify([asym, late], ctx)
+    assert v.cause == "wrong_iface" and v.events == 2
+    [alone] = classify([late], ctx)
+    assert alone.cause == "unknown"      # no longer claimed as a masquerade fault
