@@ -4,7 +4,8 @@ For every ruleset, an oracle reads what kube-proxy's rule comments say about eac
 (its ClusterIPs, NodePorts, ExternalIPs, LB IPs, endpoints and drop/reject rules) with a few
 regexes of its own, independent of nptrace.services, and the test checks that the ServiceMap
 answers each of those lookups the same way. The packet flows kube-proxy's TestTracePacket-style
-tests assert (``*.flows.json``) are replayed through ``ServiceMap.trace``.
+tests assert (``*.flows.json``) are replayed through ``ServiceMap.trace``, on the iptables
+ruleset and on the nft rulesets of the same Services.
 """
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from nptrace.services import parse_iptables_restore, parse_nft
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "kube-proxy"
 CORPUS = FIX / "corpus"
 NODE_IP = "192.168.0.2"          # NewFakeProxier's node IP (testNodeIP)
-LOCAL = (NODE_IP, "127.0.0.1", "::1")
+NODE_IP6 = "2001:db8::1"         # its IPv6 proxier's (testNodeIPv6)
+LOCAL = (NODE_IP, NODE_IP6, "127.0.0.1", "::1")
+
+
+def node_ip(text: str) -> str:
+    """The node address NodePort lookups go to: the ruleset's family's (ip6 table, ip6tables)."""
+    return NODE_IP6 if re.search(r"\bip6 kube-proxy\b|--to-destination \[", text) else NODE_IP
 
 
 def rulesets() -> list[Path]:
@@ -137,7 +144,8 @@ def oracle_nft(text: str):
             kind = ("clusterip" if m.group(1) in cluster else
                     "loadbalancer" if (m.group(1), int(m.group(3))) in fw else None)  # else external or LB
             front[(m.group(1), int(m.group(3)))] = (_nft_svc(m.group(4)), kind)
-        m = re.match(r"add element \S+ \S+ service-nodeports \{ (\w+) \. (\d+) : goto (\S+) \}", line)
+        m = re.match(r'add element \S+ \S+ service-nodeports \{ (\w+) \. (\d+) (?:comment "[^"]*" )?: goto (\S+) \}',
+                     line)
         if m:
             front[(None, int(m.group(2)))] = (_nft_svc(m.group(3)), "nodeport")
         m = re.match(r"add rule \S+ \S+ endpoint-\w+-([^/]+)/([^/]+)/\w+/(\S+)__\S+ .*dnat to (\S+)", line)
@@ -186,6 +194,7 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
     """(lookups checked, failures) for one ruleset."""
     smap = parse(path).with_local_addrs(LOCAL)
     front, endpoints, drops, pod_short = oracle(path)
+    NODE = node_ip(path.read_text())
     n, fails = 0, []
 
     def expect(cond: bool, what: str) -> None:
@@ -195,14 +204,14 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
             fails.append(f"{path.name}: {what}")
 
     for (addr, port), (name, kind) in sorted(front.items(), key=str):
-        s = smap.lookup(addr or NODE_IP, port)
+        s = smap.lookup(addr or NODE, port)
         got = (s.name, s.kind) if s else None
         ok = s is not None and s.name == name and (kind is None or s.kind == kind)
-        expect(ok, f"lookup {addr or NODE_IP}:{port} -> {got}, want {(name, kind)}")
+        expect(ok, f"lookup {addr or NODE}:{port} -> {got}, want {(name, kind)}")
     for addr, port in gone_frontends(path, front):
-        s = smap.lookup(addr or NODE_IP, port)
+        s = smap.lookup(addr or NODE, port)
         expect(s is None or s.kind == "endpoint",
-               f"lookup {addr or NODE_IP}:{port} -> {(s.name, s.kind) if s else None}, want none "
+               f"lookup {addr or NODE}:{port} -> {(s.name, s.kind) if s else None}, want none "
                f"(another stage's Service)")
     for name, eps in sorted(endpoints.items()):
         svc = smap.service(name)
@@ -213,9 +222,9 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
             names = {s.name for s in smap.lookup_all(host, int(port)) if s.kind == "endpoint"}
             expect(name in names, f"endpoint {ep} -> {sorted(names)}, want {name}")
     for addr, port, name, reason, allowed in drops:
-        rules = smap.verdict_rules(addr or NODE_IP, port, include_invalid=False)
+        rules = smap.verdict_rules(addr or NODE, port, include_invalid=False)
         named = [(r.service, r.reason) for r in rules if r.reason != "other"]
-        expect((name, reason) in named, f"drop rule for {addr or NODE_IP}:{port}: {named}, "
+        expect((name, reason) in named, f"drop rule for {addr or NODE}:{port}: {named}, "
                                         f"want {(name, reason)}")
         if allowed:
             # a client inside loadBalancerSourceRanges is let through; one outside is dropped
@@ -229,35 +238,41 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
         if reason == "no_local_endpoint" and name in pod_short:
             # pod traffic is DNATed past the frontend's DROP (KUBE-EXT "pod traffic for ...")
             pod = pod_short[name].split("/")[0].rsplit(".", 1)[0] + ".2"
-            for who, src in (("pod", pod), ("node", NODE_IP)):
-                rules = smap.verdict_rules(addr or NODE_IP, port, include_invalid=False, saddr=src)
+            for who, src in (("pod", pod), ("node", NODE)):
+                rules = smap.verdict_rules(addr or NODE, port, include_invalid=False, saddr=src)
                 expect(not [r for r in rules if r.service == name and r.reason == reason],
-                       f"{who} {src} -> {addr or NODE_IP}:{port} is DNATed, yet meets "
+                       f"{who} {src} -> {addr or NODE}:{port} is DNATed, yet meets "
                        f"{[r.where() for r in rules]}")
-                hit = smap.matching_drop_rules(src, addr or NODE_IP, port)
+                hit = smap.matching_drop_rules(src, addr or NODE, port)
                 expect(not [r for r in hit if r.service == name and r.reason == reason],
-                       f"{who} {src} -> {addr or NODE_IP}:{port} matches {[r.where() for r in hit]}")
-            rules = smap.verdict_rules(addr or NODE_IP, port, include_invalid=False, saddr="203.0.113.2")
+                       f"{who} {src} -> {addr or NODE}:{port} matches {[r.where() for r in hit]}")
+            rules = smap.verdict_rules(addr or NODE, port, include_invalid=False, saddr="203.0.113.2")
             expect((name, reason) in [(r.service, r.reason) for r in rules],
-                   f"external client -> {addr or NODE_IP}:{port} must still meet the DROP")
+                   f"external client -> {addr or NODE}:{port} must still meet the DROP")
     return n, fails
 
 
-# the nft rendering of a flow list's Services: TestOverallNFTablesRules writes the Services
-# (names, IPs, ports, endpoints) TestOverallIPTablesRules / TestTracePacket write for iptables
-NFT_TWINS = {"TestTracePacket": FIX / "nft-overall.nft"}
+# the nft renderings of a flow list's Services: TestOverallNFTablesRules writes the Services
+# (names, IPs, ports, endpoints) TestOverallIPTablesRules / TestTracePacket write for iptables,
+# and knftables' kube-proxy example holds them in a later kube-proxy layout
+NFT_TWINS = {"TestTracePacket": (FIX / "nft-overall.nft", CORPUS / "knftables-kube-proxy-ipv4.nft")}
 
 
-def flow_cases(twins: bool = False):
+def flow_cases(twins: bool = True):
+    """(ruleset, flow, expected output, masq, node addresses) per flow and ruleset; a flow may
+    say what a backend's tracer prints instead (``"nft": {"output": ...}``, with a note)."""
     for f in sorted(CORPUS.glob("*.flows.json")):
         doc = json.loads(f.read_text())
         stem = f.name[: -len(".flows.json")]
         rules = [next(CORPUS.glob(stem + ".*[!n]"))]
         if twins:
-            rules += [NFT_TWINS[stem]] if stem in NFT_TWINS else []
+            rules += list(NFT_TWINS.get(stem, ()))
+        local = tuple(doc.get("nodeIPs", ())) or LOCAL
         for r in rules:
             for fl in doc["flows"]:
-                yield pytest.param(r, fl, id=f"{r.name}:{fl['name']}")
+                want = {**fl, **fl.get(r.suffix[1:], {})}
+                yield pytest.param(r, fl, want["output"], bool(want.get("masq")), local,
+                                   id=f"{r.name}:{fl['name']}")
 
 
 @pytest.mark.parametrize("path", rulesets(), ids=lambda p: p.name)
@@ -267,35 +282,50 @@ def test_corpus_lookups(path):
     assert not fails, "\n".join(fails)
 
 
-@pytest.mark.parametrize("rules,flow", list(flow_cases()))
-def test_corpus_packet_flows(rules, flow):
+@pytest.mark.parametrize("rules,flow,output,masq,local", list(flow_cases()))
+def test_corpus_packet_flows(rules, flow, output, masq, local):
     """kube-proxy's tracePacket: nat DNAT (all endpoints a probabilistic choice may give,
     joined by ", ") or a filter ACCEPT/DROP/REJECT, and whether the packet is marked for
-    masquerade."""
-    smap = parse(rules).with_local_addrs(LOCAL)
+    masquerade; on iptables (nat.py's walk) and nft (nft_trace.py's) alike."""
+    smap = parse(rules).with_local_addrs(local)
     t = smap.trace(flow["sourceIP"], flow["destIP"], flow["destPort"], flow.get("protocol", "tcp"))
-    assert (t.output, t.masq) == (flow["output"], bool(flow.get("masq"))), t
+    assert (t.output, t.masq) == (output, masq), t
 
 
-@pytest.mark.parametrize("rules,flow", list(flow_cases(twins=True)))
-def test_corpus_packet_flows_by_lookup(rules, flow):
-    """The same flows through what works for iptables and nft alike (``trace`` walks iptables
-    chains only): the Service the destination looks up to and its endpoints (the DNAT
-    targets), and the first drop/reject rule the packet meets. Masquerading is not checked."""
-    smap = parse(rules).with_local_addrs(LOCAL)
+@pytest.mark.parametrize("rules,flow,output,masq,local", list(flow_cases()))
+def test_corpus_packet_flows_by_lookup(rules, flow, output, masq, local):
+    """The same flows through the lookups: the Service the destination looks up to and its
+    endpoints (the DNAT targets), and the first drop/reject rule the packet meets.
+    Masquerading is not checked."""
+    smap = parse(rules).with_local_addrs(local)
     src, dst, port = flow["sourceIP"], flow["destIP"], flow["destPort"]
     proto = flow.get("protocol", "tcp")
     drops = [r for r in smap.matching_drop_rules(src, dst, port, proto) if r.reason != "conntrack_invalid"]
     svc = smap.lookup(dst, port, proto)
-    out = flow["output"]
-    if out in ("DROP", "REJECT"):
-        assert drops and drops[0].verdict == out.lower(), [r.where() for r in drops]
+    if output in ("DROP", "REJECT"):
+        assert drops and drops[0].verdict == output.lower(), [r.where() for r in drops]
     else:
         assert not drops, [(r.where(), r.cond.describe()) for r in drops]
-        if out in ("", "ACCEPT"):
+        if output in ("", "ACCEPT"):
             assert svc is None or svc.kind == "healthcheck", svc
         else:
-            assert svc is not None and set(svc.endpoints) == set(out.split(", ")), svc
+            assert svc is not None and set(svc.endpoints) == set(output.split(", ")), svc
+
+
+def test_corpus_trace_names_the_rule():
+    """A drop or reject the nft walk meets is reported with the Rule the parse made for it:
+    the map element with its Service and reason, the LB source-range rule."""
+    smap = parse(FIX / "nft-overall.nft").with_local_addrs(LOCAL)
+    t = smap.trace("203.0.113.2", "192.168.99.22", 80)
+    assert (t.verdict, t.rule.service, t.rule.reason) == ("drop", "ns2/svc2:p80", "no_local_endpoint")
+    t = smap.trace("10.0.0.2", "172.30.0.46", 80)
+    assert (t.verdict, t.rule.service, t.rule.reason) == ("reject", "ns6/svc6:p80", "no_endpoints")
+    t = smap.trace("203.0.113.130", "5.6.7.8", 80)      # outside loadBalancerSourceRanges
+    assert (t.output, t.rule.service, t.rule.reason) == ("DROP", "ns5/svc5:p80", "lb_source_range")
+    t = smap.trace("203.0.113.2", "5.6.7.8", 80)        # inside: DNATed, masqueraded
+    assert (t.output, t.masq) == ("10.180.0.3:80", True)
+    t = smap.trace("10.0.0.2", "172.30.0.99", 80)       # an unallocated ClusterIP
+    assert (t.output, t.rule.chain) == ("DROP", "cluster-ips-check")
 
 
 def test_corpus_totals():
