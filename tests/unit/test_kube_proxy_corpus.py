@@ -347,3 +347,82 @@ def test_trace_takes_a_base_chains_drop_policy():
     assert (t.output, t.verdict, t.rule.text) == ("DROP", "drop", "-P FORWARD DROP")
     t = smap.trace("203.0.113.2", "192.168.99.33", 80)  # svc4's ExternalIP: DNATed, policy
     assert t.dests[0] in ("10.180.0.4:80", "10.180.0.5:80") and t.masq
+
+
+# -- the lab's IPv6 rendering (nptrace/lab/kuberules.py) against real kube-proxy IPv6 rules -----
+def _nft_objects(text: str) -> dict[str, set]:
+    """What an nft dump declares, by kind: chains (with their headers), sets and maps (with their
+    types), rules, and the elements of each set or map one by one (no comments)."""
+    out: dict[str, set] = {"chain": set(), "set": set(), "map": set(), "rule": set(), "element": set()}
+    for line in text.splitlines():
+        m = re.match(r"add (chain|set|map|rule|element) (\S+ \S+) (.*)$", line)
+        if m is None:
+            continue
+        kind, table, rest = m.groups()
+        if kind == "element":
+            name, _, body = rest.partition(" ")
+            for e in body.strip()[1:-1].split(","):
+                key, _, value = e.partition(" : ")
+                key = re.sub(r' comment "[^"]*"', "", key).strip()
+                out[kind].add((table, name, key, value.strip()))
+        elif kind in ("set", "map"):
+            out[kind].add((table, re.sub(r' ; comment "[^"]*"', "", rest)))
+        else:
+            out[kind].add((table, rest))
+    return out
+
+
+def test_lab_ipv6_nft_names_are_kube_proxys():
+    """The lab's ``nft ip6 kube-proxy`` rendering of TestNodePorts' IPv6 Service names its
+    table, sets, maps, service/external/endpoint chains and elements as kube-proxy does
+    (knftables-kube-proxy-ipv6.nft). Two differences are kube-proxy versions, not family: the
+    lab follows 81810de6 (``filter-prerouting-pre-dnat`` and the other base chains of
+    nft-overall.nft; no ``tcp dport`` in the service chain's masquerade rule)."""
+    from nptrace.lab.kuberules import Endpoint, Service, render_nft
+    svc = Service("ns1", "svc1", "p80", 80, "fd00:172:30::41", node_port=3001,
+                  endpoints=(Endpoint("fd00:10:180::1", 80, "node-a"), Endpoint("fd00:10:180::2:1", 80, "test-node")))
+    lab = _nft_objects(render_nft([svc], "test-node", "fd00:10::/64", service_cidr="fd00:10:96::/112",
+                                  nodeport_ips=("2001:db8::1", "2001:db8:1::2")))
+    real = _nft_objects((CORPUS / "knftables-kube-proxy-ipv6.nft").read_text())
+    for kind in ("set", "map", "element"):
+        assert lab[kind] == real[kind], (kind, lab[kind] ^ real[kind])
+    per_svc = re.compile(r"^(?:service|external|endpoint|local|firewall)-[A-Z2-7]{8}-")
+    svc_chains = {c for c in real["chain"] if per_svc.match(c[1])}
+    assert svc_chains == {c for c in lab["chain"] if per_svc.match(c[1])}
+    assert {c[1] for c in svc_chains} == {
+        "service-ULMVA6XW-ns1/svc1/tcp/p80", "external-ULMVA6XW-ns1/svc1/tcp/p80",
+        "endpoint-ZVRFLKHO-ns1/svc1/tcp/p80__fd00.10.180..1/80",
+        "endpoint-2CRNCTTE-ns1/svc1/tcp/p80__fd00.10.180..2.1/80"}
+    norm = {(t, r.replace(" tcp dport 80 ", " ")) for t, r in real["rule"] if per_svc.match(r)}
+    assert norm == {r for r in lab["rule"] if per_svc.match(r[1])}
+    # the base chains are 81810de6's, in the ip6 family
+    v4 = _nft_objects((FIX / "nft-overall.nft").read_text())
+    base = {(t.replace("ip ", "ip6 "), r.replace("ip daddr", "ip6 daddr").replace("172.30.0.0/16", "fd00:10:96::/112"))
+            for kind in ("chain", "rule") for t, r in v4[kind] if not per_svc.match(r)}
+    assert {x for kind in ("chain", "rule") for x in lab[kind] if not per_svc.match(x[1])} == base
+
+
+def test_lab_ipv6_iptables_names_are_kube_proxys():
+    """The lab's ip6tables rendering of TestEnableLocalhostNodePortsIPv6's Service: the same nat
+    chains (KUBE-SVC/SVL/EXT/SEP hashes of ``[ff06::c1]:80``) and rules, the NodePorts jump
+    with kube-proxy's ``! -d ::1/128``. The lab's extra lines come from its pod CIDR (the test's
+    proxier has no local-traffic detector: no "pod traffic" and ``! -s`` masquerade rules); its
+    KUBE-FIREWALL chain is the 531be812 layout's."""
+    from nptrace.lab.kuberules import Endpoint, Service, render_iptables
+    svc = Service("ns1", "svc1", "p80", 80, "fd00:ab34::20", node_port=30001, etp="Local",
+                  endpoints=(Endpoint("ff06::c1", 80, "node-a"), Endpoint("ff06::c2", 80, "test-node")))
+    lab = render_iptables([svc], "test-node", "fd00:10::/64")
+    real = (CORPUS / "TestEnableLocalhostNodePortsIPv6.rules").read_text()
+
+    def tables(text):
+        out, tab = {}, None
+        for line in text.splitlines():
+            if line.startswith("*"):
+                tab = line[1:]
+            elif line.startswith((":", "-A")):
+                out.setdefault(tab, set()).add(line)
+        return out
+    lab_t, real_t = tables(lab), tables(real)
+    detector = ("pod traffic for", "! -s fd00:10::/64 -j KUBE-MARK-MASQ")
+    assert {x for x in lab_t["nat"] if not any(d in x for d in detector)} == real_t["nat"]
+    assert lab_t["filter"] - {":KUBE-FIREWALL - [0:0]"} == real_t["filter"]
