@@ -19,7 +19,6 @@ from .facts import ANY_LOCAL, Chain, Entry, Scope
 from .match import Match
 from .model import LOCAL_ADDRS, AddrSet, Rule, canon, norm_proto, split_hostport
 from .nft_rules import NftTable, generic_nft_table, parse_element, parse_nft_rule
-from .nft_trace import NftTracer
 
 _RE_DNAT = re.compile(r"\bdnat (?:ip6? )?to (\S+)")
 _RE_GOTO_EP = re.compile(r"goto (endpoint-[^\s,}]+)")
@@ -40,7 +39,6 @@ def _nft_name(base: str) -> tuple[str, str] | None:
 def kp_nft_table(t: NftTable, b: Builder) -> None:
     """kube-proxy's own nft table: Services from its maps and chains, drops from its vmaps."""
     tname = f"{t.family} {t.name}"
-    kp_start = len(b.kp)
 
     def elements(name: str):
         for e in t.sets.get(name, ()):
@@ -258,8 +256,6 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
                 "firewall-check", "nodeport-endpoints-check", "service-endpoints-check", "endpoints-check"}
     generic_nft_table(t, b, [c for c in t.order if not (
         c in plumbing or _RE_KP_CHAIN.match(c) or c.startswith(("filter-", "nat-")))])
-    # the packet walk of ServiceMap.trace, over this table's text (read on first use)
-    b.traces.append(NftTracer(t, [r for _, _, r in b.kp[kp_start:]], b.backend))
 
 
 def _digits(s: str) -> bool:

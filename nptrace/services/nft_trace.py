@@ -27,13 +27,15 @@ chains from their headers, so both kube-proxy layouts of the corpus work (81810d
 A rule with a match this walk does not read (``mark``, ``meta mark``, ``socket`` ...) does
 not match, so a packet is never sent down a path it may not take. A drop or reject is
 reported with the Rule the parse made for it (the map element, the firewall rule), else one
-made here. Cost: nothing at parse time (the table's text is kept, as LazyNat keeps the
-iptables nat lines); each chain is read into tokens on first use.
+made here. Cost: nothing at parse time but a reference to the dump's text (nft.py reads the
+table from it again on the first trace, about 0.5 s for 10,000 Services, rather than keep the
+parsed table: 19 MiB); each chain is read into tokens on first use.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from .match import Flow, parse_ports, unquote
 from .model import AddrSet, Rule, canon, norm_proto
@@ -131,18 +133,27 @@ class _Lookup:
 class NftTracer:
     """The walk over one kube-proxy nft table (``ip`` or ``ip6 kube-proxy``)."""
 
-    __slots__ = ("_t", "_rules", "_index", "_compiled", "_lookups", "_bases", "family", "label", "backend")
+    __slots__ = ("_load", "_t", "_rules", "_index", "_compiled", "_lookups", "_bases", "family", "label",
+                 "backend")
 
-    def __init__(self, t: NftTable, rules: list[Rule], backend: str):
-        self._t = t
+    def __init__(self, load: Callable[[], NftTable | None], family: str, name: str, rules: list[Rule],
+                 backend: str):
+        self._load = load       # reads the table from the dump's text again, on first use
+        self._t: NftTable | None = None
         self._rules = rules     # the Rules the parse made for this table (map elements, firewall)
         self._index: dict[tuple[str, str], Rule] | None = None
         self._compiled: dict[str, list] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._bases: dict[str, list[tuple[int, str, str]]] | None = None
-        self.family = 6 if t.family == "ip6" else 4 if t.family == "ip" else None
-        self.label = f"{t.family} {t.name}"
+        self.family = 6 if family == "ip6" else 4 if family == "ip" else None
+        self.label = f"{family} {name}"
         self.backend = backend
+
+    def table(self) -> NftTable:
+        if self._t is None:
+            self._t = self._load() or NftTable(*self.label.split(" ", 1))
+            self._load = None
+        return self._t
 
     # -- the packet path -----------------------------------------------------------------
     def trace(self, flow: Flow, local: frozenset[str]) -> NftTraceResult:
@@ -185,7 +196,7 @@ class NftTracer:
         """{hook: [(priority, type, chain)]} from the chain headers, in priority order."""
         if self._bases is None:
             out: dict[str, list[tuple[int, str, str]]] = {}
-            for name, header in self._t.headers.items():
+            for name, header in self.table().headers.items():
                 m = _RE_HEADER.search(header)
                 if m is None:
                     continue
@@ -266,7 +277,7 @@ class NftTracer:
         lst = self._compiled.get(name)
         if lst is None:
             lst = self._compiled[name] = [(pos, text, *compile_rule(text))
-                                          for pos, (text, _) in enumerate(self._t.chains.get(name, ()), 1)]
+                                          for pos, (text, _) in enumerate(self.table().chains.get(name, ()), 1)]
         return lst
 
     def rule_index(self) -> dict[tuple[str, str], Rule]:
@@ -304,7 +315,7 @@ class NftTracer:
     def _lookup(self, name: str, sels: tuple, pk: _Packet):
         lk = self._lookups.get(name)
         if lk is None:
-            lk = self._lookups[name] = _Lookup(self._t.sets.get(name, []))
+            lk = self._lookups[name] = _Lookup(self.table().sets.get(name, []))
         key = tuple(pk.value(s) for s in sels)
         if any(k is None for k in key):
             return None
