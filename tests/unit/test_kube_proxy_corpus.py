@@ -37,7 +37,7 @@ def rulesets() -> list[Path]:
 
 def parse(path: Path):
     text = path.read_text()
-    return (parse_nft if path.suffix == ".nft" else parse_iptables_restore)(text)
+    return (parse_nft if path.suffix.startswith(".nft") else parse_iptables_restore)(text)
 
 
 # -- the oracle: what the rule text itself says ---------------------------------------------
@@ -254,8 +254,11 @@ def check_ruleset(path: Path) -> tuple[int, list[str]]:
 
 # the nft renderings of a flow list's Services: TestOverallNFTablesRules writes the Services
 # (names, IPs, ports, endpoints) TestOverallIPTablesRules / TestTracePacket write for iptables,
-# and knftables' kube-proxy example holds them in a later kube-proxy layout
-NFT_TWINS = {"TestTracePacket": (FIX / "nft-overall.nft", CORPUS / "knftables-kube-proxy-ipv4.nft")}
+# and knftables' kube-proxy example holds them in a later kube-proxy layout; derived/ has the
+# iptables-save and `nft list ruleset` forms a live node prints of the overall rulesets
+NFT_TWINS = {"TestTracePacket": (FIX / "nft-overall.nft", CORPUS / "knftables-kube-proxy-ipv4.nft",
+                                 FIX / "derived" / "nft-overall.nft-list",
+                                 FIX / "derived" / "iptables-overall.iptables-save")}
 
 
 def flow_cases(twins: bool = True):
@@ -270,7 +273,7 @@ def flow_cases(twins: bool = True):
         local = tuple(doc.get("nodeIPs", ())) or LOCAL
         for r in rules:
             for fl in doc["flows"]:
-                want = {**fl, **fl.get(r.suffix[1:], {})}
+                want = {**fl, **fl.get("nft" if r.suffix.startswith(".nft") else "iptables", {})}
                 yield pytest.param(r, fl, want["output"], bool(want.get("masq")), local,
                                    id=f"{r.name}:{fl['name']}")
 
@@ -426,3 +429,24 @@ def test_lab_ipv6_iptables_names_are_kube_proxys():
     detector = ("pod traffic for", "! -s fd00:10::/64 -j KUBE-MARK-MASQ")
     assert {x for x in lab_t["nat"] if not any(d in x for d in detector)} == real_t["nat"]
     assert lab_t["filter"] - {":KUBE-FIREWALL - [0:0]"} == real_t["filter"]
+
+
+def test_ipv6_nodeports_and_dual_stack_trace():
+    """kube-proxy's ip6 table: the NodePort answers on each ``nodeport-ips`` address (TestNodePorts'
+    secondary node IP too) and on no other node address; endpoints look up back to the
+    Service. Merged with an ip table (a dual-stack node), each family's packets take their
+    own table's walk."""
+    from nptrace.services import merge
+    doc = json.loads((CORPUS / "knftables-kube-proxy-ipv6.flows.json").read_text())
+    v6 = parse(CORPUS / "knftables-kube-proxy-ipv6.nft").with_local_addrs(doc["nodeIPs"] + ["2001:db8:2::9"])
+    for addr in ("2001:db8::1", "2001:db8:1::2"):
+        s = v6.lookup(addr, 3001)
+        assert (s.name, s.kind, s.node_port) == ("ns1/svc1:p80", "nodeport", 3001), addr
+    assert v6.lookup("2001:db8:2::9", 3001) is None          # a node address outside nodeport-ips
+    assert v6.trace("2600:5200::1", "2001:db8:2::9", 3001).output == ""
+    for ep in ("fd00:10:180::1", "fd00:10:180::2:1"):
+        assert [s.name for s in v6.lookup_all(ep, 80)] == ["ns1/svc1:p80"]
+    both = merge(parse(CORPUS / "knftables-kube-proxy-ipv4.nft"), v6).with_local_addrs(LOCAL)
+    assert both.trace("fd00:10::2", "fd00:172:30::41", 80).output == "[fd00:10:180::1]:80, [fd00:10:180::2:1]:80"
+    assert both.trace("10.0.0.2", "172.30.0.41", 80).output == "10.180.0.1:80"
+    assert both.trace("10.0.0.2", "172.30.0.46", 80).output == "REJECT"
