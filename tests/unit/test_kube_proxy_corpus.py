@@ -450,3 +450,59 @@ def test_ipv6_nodeports_and_dual_stack_trace():
     assert both.trace("fd00:10::2", "fd00:172:30::41", 80).output == "[fd00:10:180::1]:80, [fd00:10:180::2:1]:80"
     assert both.trace("10.0.0.2", "172.30.0.41", 80).output == "10.180.0.1:80"
     assert both.trace("10.0.0.2", "172.30.0.46", 80).output == "REJECT"
+
+
+# -- kube-proxy's flow tests on the lab's renderings of their Services --------------------------
+# pkg/proxy/nftables/proxier_test.go @ 81810de6 (kubernetes/kubernetes, Apache-2.0): the Services
+# and the runPacketFlowTests of TestExternalTrafficPolicyLocal / -Cluster and TestNodePorts
+# ("ipv6": --nodeport-addresses left to NewFakeProxier's, so 2001:db8::1 only). kube-proxy runs
+# them on the rules its proxier generates inside the test; here they run on the rules the lab
+# renders for the same Services (kuberules.py), iptables and nft, through ServiceMap.trace.
+_KP_NODE_IPS = ("192.168.0.2", "192.168.1.2", "192.168.99.11", "2001:db8::1", "2001:db8:1::2")
+_EXT, _POD = "203.0.113.2", "10.0.0.2"
+_BOTH, _LOCAL_EP = "10.180.0.1:80, 10.180.2.1:80", "10.180.2.1:80"
+_V6_BOTH = "[fd00:10:180::1]:80, [fd00:10:180::2:1]:80"
+KP_FLOW_TESTS = {
+    "TestExternalTrafficPolicyLocal": ("Local", [
+        (_POD, "172.30.0.41", 80, _BOTH, False), (_POD, "192.168.99.11", 80, _BOTH, False),
+        (_EXT, "192.168.99.11", 80, _LOCAL_EP, False), (_POD, "1.2.3.4", 80, _BOTH, False),
+        (_EXT, "1.2.3.4", 80, _LOCAL_EP, False), (_POD, "192.168.0.2", 3001, _BOTH, False),
+        (_EXT, "192.168.0.2", 3001, _LOCAL_EP, False)]),
+    "TestExternalTrafficPolicyCluster": ("Cluster", [
+        (_POD, "172.30.0.41", 80, _BOTH, False), (_POD, "192.168.99.11", 80, _BOTH, True),
+        (_EXT, "192.168.99.11", 80, _BOTH, True), (_POD, "1.2.3.4", 80, _BOTH, True),
+        (_EXT, "1.2.3.4", 80, _BOTH, True), (_POD, "192.168.0.2", 3001, _BOTH, True),
+        (_EXT, "192.168.0.2", 3001, _BOTH, True)]),
+    "TestNodePorts-ipv6": ("Cluster", [
+        ("fd00:10::2", "fd00:172:30::41", 80, _V6_BOTH, False),
+        ("2600:5200::1", "2001:db8::1", 3001, _V6_BOTH, True),
+        ("2001:db8::1", "2001:db8::1", 3001, _V6_BOTH, True),
+        ("2600:5200::1", "2001:db8:1::2", 3001, "", False)]),   # "secondary nodeIP ignores NodePorts"
+}
+
+
+def _kp_test_rules(test: str, backend: str) -> str:
+    from nptrace.lab.kuberules import Endpoint, Service, render_iptables, render_nft
+    etp, _ = KP_FLOW_TESTS[test]
+    if test.endswith("ipv6"):
+        svc = Service("ns1", "svc1", "p80", 80, "fd00:172:30::41", node_port=3001, etp=etp,
+                      endpoints=(Endpoint("fd00:10:180::1", 80, ""), Endpoint("fd00:10:180::2:1", 80, "test-node")))
+        pods, svc_cidr, np_ips = "fd00:10::/64", "fd00:10:96::/112", ("2001:db8::1",)
+    else:
+        svc = Service("ns1", "svc1", "p80", 80, "172.30.0.41", node_port=3001, etp=etp,
+                      health_check_node_port=30000 if etp == "Local" else 0,
+                      external_ips=("192.168.99.11",), lb_ips=("1.2.3.4",),
+                      endpoints=(Endpoint("10.180.0.1", 80, ""), Endpoint("10.180.2.1", 80, "test-node")))
+        pods, svc_cidr, np_ips = "10.0.0.0/8", "172.30.0.0/16", ("192.168.0.2",)
+    if backend == "nft":
+        return render_nft([svc], "test-node", pods, service_cidr=svc_cidr, nodeport_ips=np_ips)
+    return render_iptables([svc], "test-node", pods, nodeport_addresses=np_ips)
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nft"])
+@pytest.mark.parametrize("test", sorted(KP_FLOW_TESTS))
+def test_kube_proxy_flows_on_lab_rules(test, backend):
+    text = _kp_test_rules(test, backend)
+    smap = (parse_nft if backend == "nft" else parse_iptables_restore)(text).with_local_addrs(_KP_NODE_IPS)
+    got = [(s, d, p, *(lambda t: (t.output, t.masq))(smap.trace(s, d, p))) for s, d, p, _, _ in KP_FLOW_TESTS[test][1]]
+    assert got == KP_FLOW_TESTS[test][1]
