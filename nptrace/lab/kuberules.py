@@ -235,7 +235,9 @@ def render_iptables(services, node: str, cluster_cidr: str, *, faults=frozenset(
         nat["KUBE-SERVICES"].append(_line(
             "-A", "KUBE-SERVICES", "-m", "comment", "--comment",
             "kubernetes service nodeports; NOTE: this must be the last rule in this chain",
-            "-m", "addrtype", "--dst-type", "LOCAL", "-j", "KUBE-NODEPORTS"))
+            "-m", "addrtype", "--dst-type", "LOCAL",
+            # IPv6 NodePorts never answer on ::1 (TestEnableLocalhostNodePortsIPv6)
+            *(("!", "-d", "::1/128") if ":" in cluster_cidr else ()), "-j", "KUBE-NODEPORTS"))
 
     if ":" not in cluster_cidr:   # route_localnet exists for IPv4 only
         filt["KUBE-FIREWALL"].append(_line(

@@ -24,8 +24,10 @@ Limits:
     checked without the node's addresses: give them with :meth:`ServiceMap.with_local_addrs`,
     otherwise every address except a known ClusterIP counts as possibly local.
   * Rule matching (:meth:`ServiceMap.matching_drop_rules`) is best effort, not an iptables or nft
-    evaluator: match.py says what it evaluates and what not. kube-proxy's DNAT is modelled for
-    iptables dumps only (nat.py, :meth:`ServiceMap.trace`), not for nft's vmaps.
+    evaluator: match.py says what it evaluates and what not. kube-proxy's DNAT before the
+    filter rules (``dnat_of``, what ``verdict_rules(saddr=)`` and ``matching_drop_rules`` ask)
+    is modelled for iptables dumps only (nat.py). :meth:`ServiceMap.trace` walks both:
+    nat.py for iptables, nft_trace.py for kube-proxy's nft table (vmaps, ``numgen``).
 
 Cost, measured on the 2-vCPU test VM with 10,000 Services in the fixture pattern: 0.5 s to parse
 ``iptables-save`` (120k lines) or the knftables dump, 0.65 s for ``nft -a list ruleset``
@@ -43,6 +45,7 @@ Modules, each importing (at run time) only those listed before it:
   build.py           Builder, which a parse fills and finish()es into a ServiceMap
   iptables.py        parse_iptables_save / parse_iptables_restore
   nft_rules.py       NftTable, set elements, one nft rule -> Match, generic tables
+  nft_trace.py       the packet walk of kube-proxy's nft table, for ServiceMap.trace
   nft_kube_proxy.py  kube-proxy's own nft table
   nft.py             parse_nft
 """

@@ -45,6 +45,7 @@ class Builder:
         self.ignored = 0
         self.vip_only: set = set()
         self.nat: list = []  # iptables.LazyNat per dump, for nat.py
+        self.traces: list = []  # nft_trace.NftTracer per kube-proxy nft table, for ServiceMap.trace
         self.families: dict[str, int] = {}   # table label -> 4 / 6 where the dump says it
 
     def info(self, name: str, proto: str | None = None) -> Info:
@@ -68,4 +69,5 @@ class Builder:
             if fam and r.cond is not None:
                 r.cond.family = fam
         return ServiceMap(self.infos, kp_rules=self.kp, chains=self.chains, ignored=self.ignored,
-                          backends=(self.backend,), vip_only=self.vip_only, nat=self.nat)
+                          backends=(self.backend,), vip_only=self.vip_only, nat=self.nat,
+                          traces=self.traces)

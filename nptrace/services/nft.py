@@ -14,6 +14,7 @@ from typing import Iterable
 from .build import Builder, gc_paused
 from .nft_kube_proxy import kp_nft_table
 from .nft_rules import NFT_DROPISH, NftTable, generic_nft_table, split_elements
+from .nft_trace import NftTracer
 from .servicemap import ServiceMap
 
 _FAMILIES = frozenset({"ip", "ip6", "inet", "arp", "bridge", "netdev"})
@@ -62,6 +63,30 @@ def parse_nft(text: str, *, skip_tables: Iterable[str] = (), backend: str = "nft
 
 def _parse_nft(text: str, skip: frozenset[str], backend: str) -> ServiceMap:
     b = Builder(backend)
+    tables = _read(text, b)
+    for t in tables.values():
+        if f"{t.family} {t.name}" in skip:
+            continue
+        if t.family in ("ip", "ip6"):   # inet (both families) and the others: no label
+            b.families[f"{t.family} {t.name}"] = 6 if t.family == "ip6" else 4
+        if t.name == "kube-proxy" and t.family in ("ip", "ip6"):
+            start = len(b.kp)
+            kp_nft_table(t, b)
+            # ServiceMap.trace's walk; it reads the table again from the text on first use
+            # rather than keep these objects (19 MiB for 10,000 Services)
+            b.traces.append(NftTracer(_reader(text, t.family, t.name), t.family, t.name,
+                                      [r for _, _, r in b.kp[start:]], backend))
+        else:
+            generic_nft_table(t, b)
+    return b.finish()
+
+
+def _reader(text: str, family: str, name: str):
+    return lambda: _read(text, Builder("nft")).get((family, name))
+
+
+def _read(text: str, b: Builder) -> dict[tuple[str, str], NftTable]:
+    """The tables of a dump, their chains' rule texts and their sets' elements."""
     tables: dict[tuple[str, str], NftTable] = {}
 
     def tab(fam: str, name: str) -> NftTable:
@@ -140,16 +165,7 @@ def _parse_nft(text: str, skip: frozenset[str], backend: str) -> ServiceMap:
         elif kind in ("set", "map") and s.startswith("elements"):
             cur_t.set(name).extend(split_elements(_brace_body(s)))
         # other block kinds hold no rules
-    for t in tables.values():
-        if f"{t.family} {t.name}" in skip:
-            continue
-        if t.family in ("ip", "ip6"):   # inet (both families) and the others: no label
-            b.families[f"{t.family} {t.name}"] = 6 if t.family == "ip6" else 4
-        if t.name == "kube-proxy" and t.family in ("ip", "ip6"):
-            kp_nft_table(t, b)
-        else:
-            generic_nft_table(t, b)
-    return b.finish()
+    return tables
 
 
 def _nft_command(s: str, handle, tab, b: Builder) -> None:

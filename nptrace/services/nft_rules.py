@@ -47,6 +47,11 @@ class NftTable:
         return lst
 
 
+def nft_tokens(text: str) -> list[str]:
+    """One rule's tokens: quoted strings whole, braces and commas apart."""
+    return _RE_NFT_TOK.findall(text)
+
+
 def split_elements(body: str) -> list[str]:
     """Top-level comma split, keeping quoted comments and braces whole."""
     parts = body.split(",") if '"' not in body and "{" not in body else _RE_ELEMENT.findall(body)
@@ -129,7 +134,7 @@ def _skip_stmt(toks: list[str], i: int) -> int:
 def parse_nft_rule(text: str, t: NftTable | None = None) -> tuple[Match, str, str | None, str | None]:
     """(conditions, action, comment, jump/goto target) of one nft rule; limits in match.py's docstring."""
     m = Match()
-    toks = _RE_NFT_TOK.findall(text)
+    toks = nft_tokens(text)
     n = len(toks)
     action, comment, target = "other", None, None
 

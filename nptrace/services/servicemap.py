@@ -45,7 +45,7 @@ class ServiceMap:
 
     def __init__(self, infos: dict[str, Info] | None = None, *, kp_rules=(), chains=(),
                  ignored: int = 0, backends: tuple[str, ...] = (),
-                 local_addrs: frozenset[str] | None = None, vip_only=(), nat=()):
+                 local_addrs: frozenset[str] | None = None, vip_only=(), nat=(), traces=()):
         self._infos: dict[str, Info] = dict(infos or {})
         self._kp_rules: list[tuple[str, object, Rule]] = list(kp_rules)
         self._chains: list[Chain] = list(chains)
@@ -55,6 +55,7 @@ class ServiceMap:
         # (addr, port, proto) kube-proxy handles without DNAT (no-endpoint map keys)
         self._vip_only = frozenset(vip_only)
         self._nat = tuple(nat)  # iptables.LazyNat per dump: kube-proxy's nat chains, for nat.py
+        self._traces = tuple(traces)  # nft_trace.NftTracer per kube-proxy nft table, for trace()
         self._cache: dict[tuple[str, str], Service] = {}
         self._index()
 
@@ -131,7 +132,7 @@ class ServiceMap:
         local = frozenset(a for a in (canon(x) for x in addrs) if a)
         return ServiceMap(self._infos, kp_rules=self._kp_rules, chains=self._chains,
                           ignored=self.ignored, backends=self.backends, local_addrs=local,
-                          vip_only=self._vip_only, nat=self._nat)
+                          vip_only=self._vip_only, nat=self._nat, traces=self._traces)
 
     def __len__(self) -> int:
         return len(self._infos)
@@ -343,19 +344,33 @@ class ServiceMap:
 
     def trace(self, saddr: str, daddr: str, dport: int, proto="tcp") -> "Trace":
         """kube-proxy's own test tracer (``tracePacket``) over this map: the nat DNAT targets,
-        then the filter verdict for the DNATed packet (a SYN: conntrack state NEW). The filter
-        walk takes the hook the packet crosses (input to a local address, output from one,
-        else forward) or, in restore input without base chains, kube-proxy's filter chains."""
+        then the filter verdict for the DNATed packet (a SYN: conntrack state NEW).
+
+        iptables: nat.py's walk, then the filter walk of the hook the packet crosses (input to
+        a local address, output from one, else forward) or, in restore input without base
+        chains, kube-proxy's filter chains. nft: kube-proxy's own table is walked hook by
+        hook (nft_trace.py: its vmaps, ``numgen``, service/external/endpoint/firewall
+        chains); other tables' filter chains decide when it does not.
+        """
+        local = self.local_addrs or frozenset()
+        first = Flow(saddr, daddr, None, dport, proto, None, None, {"NEW"})
+        nft = None
+        for tr in self._traces:
+            if tr.family in (None, family_of(first)):
+                nft = tr.trace(first, local)
+                if nft.dests or nft.verdict:
+                    break
         nat = self.dnat_of(saddr, daddr, dport, proto)
+        dests = list(nat.dests) or (list(nft.dests) if nft else [])
+        masq = nat.masq or bool(nft and nft.masq)
+        verdict = (nft.verdict, nft.rule) if nft is not None and nft.verdict else None
         d, p, st = canon(daddr) or daddr, int(dport), {"NEW"}
-        if nat.dests:
-            host, _, port = nat.dests[0].rpartition(":")
+        if dests:
+            host, _, port = dests[0].rpartition(":")
             d, p, st = host.strip("[]"), int(port), {"NEW", "DNAT"}
         flow = Flow(saddr, d, None, p, proto, None, None, st)
-        local = self.local_addrs or frozenset()
         hook = "input" if flow.daddr in local else "output" if flow.saddr in local else "forward"
-        verdict = None
-        for (_, label), t in self._tables.items():
+        for (_, label), t in self._tables.items() if verdict is None else ():
             if label.split("#")[0].split()[-1] != "filter":
                 continue
             roots = [r for r in t.roots if r.hook == hook and r.entries]
@@ -370,10 +385,10 @@ class ServiceMap:
                     break
             if verdict is not None:
                 break
-        outputs = list(nat.dests)
+        outputs = list(dests)
         if verdict is not None:
             outputs.append(verdict[0].upper())
-        return Trace(", ".join(outputs), nat.masq, tuple(nat.dests), verdict[0] if verdict else None,
+        return Trace(", ".join(outputs), masq, tuple(dests), verdict[0] if verdict else None,
                      verdict[1] if verdict else None)
 
     def _verdict_walk(self, ch: Chain, t: Table, flow: Flow, depth: int):
@@ -436,6 +451,7 @@ def merge(*maps: ServiceMap) -> ServiceMap:
     local: frozenset[str] | None = None
     vip_only: set = set()
     nat: list = []
+    traces: list = []
     for m in maps:
         for name, inf in m._infos.items():
             if name in infos:
@@ -447,8 +463,9 @@ def merge(*maps: ServiceMap) -> ServiceMap:
         backends.extend(b for b in m.backends if b not in backends)
         vip_only |= m._vip_only
         nat.extend(m._nat)
+        traces.extend(m._traces)
         if m.local_addrs is not None:
             local = (local or frozenset()) | m.local_addrs
     return ServiceMap(infos, kp_rules=kp, chains=chains, ignored=sum(m.ignored for m in maps),
                       backends=tuple(backends), local_addrs=local, vip_only=vip_only,
-                      nat=nat)
+                      nat=nat, traces=traces)
