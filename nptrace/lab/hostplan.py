@@ -1,8 +1,8 @@
 """What each lab host gets, as commands to run on that host: the part a VM provisioner reuses.
 
 ``host_steps(spec, host, backend)`` is pure: interfaces it creates itself (bridge, VXLAN),
-links up, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall rules,
-sysctls, and long-running servers. ``apply_role(spec, host, run, spawn, backend)`` runs
+links up, offloads, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall
+rules, conntrack entries, sysctls, and long-running servers. ``apply_role(spec, host, run, spawn, backend)`` runs
 them: ``run(argv, input=None)`` executes one command on that host, ``spawn(argv)`` starts
 a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
 
@@ -67,6 +67,13 @@ def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
     for name in [*ifaces, *extra_ports]:
         steps.append(_ip("link", "set", name, "up"))
     for name, i in ifaces.items():
+        # `offload = {tx = "off"}`: ethtool -K features; tx off makes the stack compute each
+        # checksum in software before the packet leaves (CHECKSUM_NONE on the wire), not the
+        # device (CHECKSUM_PARTIAL, which a veth peer accepts unverified)
+        if i.get("offload"):
+            steps.append(Step("run", ("ethtool", "-K", name,
+                                      *(str(x) for kv in i["offload"].items() for x in kv))))
+    for name, i in ifaces.items():
         for a in i.get("addrs", []):
             # nodad: usable at once (no tentative second), as a CNI sets pod addresses
             steps.append(_ip("addr", "add", a, "dev", name, *(("nodad",) if ":" in a else ())))
@@ -115,6 +122,20 @@ def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
     return steps
 
 
+def conntrack_fill_steps(spec: Spec, host: str) -> list[Step]:
+    """``conntrack_fill = N``: N established, ASSURED TCP entries (idle long-lived connections
+    to the host's first address; early drop never evicts ASSURED ones), loaded in one
+    ``conntrack -R``. With nf_conntrack_max = N the table is full."""
+    d = spec.hosts[host]
+    n = int(d.get("conntrack_fill", 0))
+    if n <= 0:
+        return []
+    dst = next(a.split("/")[0] for i in d["ifaces"].values() for a in i.get("addrs", []) if ":" not in a)
+    lines = [f"-I -p tcp -s 198.18.{k // 250}.{k % 250 + 1} -d {dst} --sport {10000 + k} --dport 443 "
+             "--state ESTABLISHED -t 86400 -u ASSURED,SEEN_REPLY" for k in range(n)]
+    return [Step("run", ("conntrack", "-R", "/dev/stdin"), "\n".join(lines) + "\n")]
+
+
 def server_steps(spec: Spec, host: str) -> list[Step]:
     d = spec.hosts[host]
     listens = []
@@ -153,6 +174,7 @@ def host_steps(spec: Spec, host: str, backend: str) -> list[Step]:
     if d["kind"] == "node":
         steps += kube_proxy_steps(spec, host, backend)
     steps += firewall_steps(spec, host, backend)
+    steps += conntrack_fill_steps(spec, host)
     # After the rules: nf_conntrack_* sysctls are per namespace and exist once conntrack is loaded.
     steps += sysctl_steps(spec, host)
     steps += server_steps(spec, host)

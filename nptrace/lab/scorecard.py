@@ -31,6 +31,8 @@ class Score:
     as_expected: int = 0       # attempts whose client-visible outcome is the scenario's
     # the first incidents labeled otherwise than expected, whole: what a flaky case needs read
     mislabeled: list = field(default_factory=list)
+    hint_missing: int = 0      # events of the expected cause whose hint lacks a word of `hint`
+    hint_example: str = ""     # the first such hint
 
     @property
     def total(self) -> int:
@@ -45,9 +47,10 @@ class Score:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0, max_rate: int | None = 0) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = ()) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
-    storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok)."""
+    storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok). ``hint``:
+    words each incident of the expected cause must name (the scenario's ``hint``)."""
     inodes: dict = {}
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
@@ -64,6 +67,9 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
         s.services[e.get("service") or "-"] += n
         if expected and e["cause"] != expected and len(s.mislabeled) < 5:
             s.mislabeled.append(e)
+        if expected and e["cause"] == expected and not all(w in (e.get("hint") or "") for w in hint):
+            s.hint_missing += n
+            s.hint_example = s.hint_example or e.get("hint") or "(no hint)"
     return s
 
 
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
             [("nft", "ipv6")] * ("ipv6" in sc.variants and "nft" in sc.backends)
         for backend, variant in runs:
             s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
-                      observe=sc.observe)
+                      observe=sc.observe, hint=sc.hint)
             scores.append(s)
             print(f"{s.scenario:<32} {dict(s.outcomes)} {dict(s.labels)}", file=sys.stderr)
     md = matrix_markdown(scores)

@@ -206,7 +206,7 @@ def rename_argv(argv, nics: dict[str, str]) -> list[str]:
     if not nics:
         return argv
     tool = os.path.basename(argv[0])
-    if tool == "ip":
+    if tool in ("ip", "ethtool"):
         return [nics.get(a, a) for a in argv]
     if tool == "sysctl":
         return [rename_sysctl(a, nics) for a in argv]

@@ -50,7 +50,7 @@ def expected_role(spec, role, backend, nics, view=None):
             argvs = [["ip", "route", "add", str(n), *s.argv[4:]]
                      for n in sorted(lab - own, key=lambda n: int(n.network_address))]
         for a in argvs:
-            if a[0] == "ip":
+            if a[0] in ("ip", "ethtool"):
                 a = [nics.get(x, x) for x in a]
             elif a[0] == "sysctl":
                 a = [x if not x.startswith("net.ipv4.conf.") else
