@@ -251,8 +251,9 @@ def delete_namespaces(names, recorded_pids=()) -> None:
 
 # ----------------------------------------------------------------------------- host-wide sysctls
 
-# Read-only in a child namespace since Linux 4.x (nf_conntrack_standalone.c: mode 0444 unless
-# init_net), while each namespace's own count is checked against nf_conntrack_max.
+# Read-only in a child namespace (nf_conntrack_standalone.c: "Don't allow non-init_net ns to
+# alter global sysctls", mode 0444; 0444 measured on 6.18), while __nf_conntrack_alloc checks
+# each namespace's own count against the one nf_conntrack_max.
 HOST_WIDE = ("net.netfilter.nf_conntrack_max", "net.netfilter.nf_conntrack_expect_max",
              "net.netfilter.nf_conntrack_buckets")
 PROC_SYS = Path("/proc/sys")

@@ -18,14 +18,12 @@ import pytest
 from nptrace import lab
 from nptrace.lab import model
 from nptrace.lab.errors import HostBusy
-from nptrace.lab.scorecard import HEALTHY, FAULTLESS, matrix_markdown, score
+from nptrace.lab.scorecard import HEALTHY, FAULTLESS, cases, matrix_markdown, score
 
 pytestmark = pytest.mark.privileged
 COUNT = int(os.environ.get("NPT_ATTRIBUTION_COUNT", "100"))
 PREFIX = f"npt-at{os.getpid() % 10000}-"
-CASES = [(sc, b, None) for sc in lab.scenarios() for b in sc.backends] + \
-    [(sc, "iptables", v) for sc in lab.scenarios() for v in sc.variants] + \
-    [(sc, "nft", "ipv6") for sc in lab.scenarios() if "ipv6" in sc.variants and "nft" in sc.backends]
+CASES = cases(lab.scenarios())
 SCORES = []
 # Cases the lab reproduces and nptrace does not yet label right: strict, so a fix shows up as
 # a failure that asks for the entry to go.

@@ -140,3 +140,23 @@ def test_yardstick_counts_hints_that_lack_the_scenarios_words(monkeypatch):
                         hint=("/256 entries", "drop counter", "nf_conntrack_max=512"))
     assert s.labels == Counter({"conntrack_full": 2}) and s.hint_missing == 1 and s.hint_example == "full"
     assert scorecard.score("conntrack-table-full", "conntrack_full", 2).hint_missing == 0
+
+
+def test_confusion_matrix_round_trips_and_merges_in_yardstick_order():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "confusion.md").read_text()
+    table = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    old = scorecard.parse_markdown(text)
+    assert len(old) >= 60 and [ln for ln in scorecard.matrix_markdown(old).splitlines()
+                               if ln.startswith("| ")] == table
+    order = [scorecard.row_name(sc.name, b, v) for sc, b, v in scorecard.cases(model.load_scenarios())]
+    assert len(order) == len(set(order)) and set(s.scenario for s in old) <= set(order)
+    old = [s for s in old if s.scenario != "offload-checksum@nft"]   # a row not there yet
+    new = scorecard.Score("offload-checksum@nft", "checksum", 100, Counter(), Counter({"checksum": 300}))
+    again = scorecard.Score(old[0].scenario, old[0].expected, 100, Counter(), Counter({"unknown": 3}))
+    merged = scorecard.merge(old, [new, again], order)
+    assert len(merged) == len(old) + 1 and merged[0] is again
+    names = [s.scenario for s in merged]
+    assert names == sorted(names, key=order.index)
+    assert names.index("offload-checksum@nft") < names.index("etp-local-no-endpoint/reject")   # base rows first
+    assert " checksum |" in scorecard.matrix_markdown(merged).splitlines()[0]
