@@ -2,9 +2,9 @@
 
 ``host_steps(spec, host, backend)`` is pure: interfaces it creates itself (bridge, VXLAN),
 links up, offloads, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall
-rules, conntrack entries, sysctls, and long-running servers. ``apply_role(spec, host, run, spawn, backend)`` runs
-them: ``run(argv, input=None)`` executes one command on that host, ``spawn(argv)`` starts
-a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
+rules, conntrack entries, sysctls, and long-running servers.
+``apply_role(spec, host, run, spawn, backend)`` runs them: ``run(argv, input=None)`` executes
+one command on that host, ``spawn(argv)`` starts a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
 
 Interfaces named in [networks] and pod veths already exist when these steps run.
 """
@@ -60,6 +60,8 @@ def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
             if i.get("remote"):
                 args += ["remote", i["remote"]]
             args += ["dev", i["dev"], "dstport", i.get("dstport", 4789), "nolearning"]
+            if i.get("udpcsum"):   # outer UDP checksums (off by default for VXLAN over IPv4)
+                args.append("udpcsum")
             steps.append(_ip(*args))
     bridges = [n for n, i in ifaces.items() if i.get("type") == "bridge"]
     for port in extra_ports:
@@ -119,6 +121,10 @@ def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
             steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d[key]))
     if d.get("nft") and (not node or backend == "nft"):
         steps.append(Step("run", ("nft", "-f", "-"), d["nft"]))
+    # `nic_nft`: a netdev-family table standing in for what a NIC or the wire does to packets
+    # (a rewrite after the checksum), whatever the node's kube-proxy backend
+    if d.get("nic_nft"):
+        steps.append(Step("run", ("nft", "-f", "-"), d["nic_nft"]))
     return steps
 
 

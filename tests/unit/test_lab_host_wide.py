@@ -160,3 +160,20 @@ def test_confusion_matrix_round_trips_and_merges_in_yardstick_order():
     assert names == sorted(names, key=order.index)
     assert names.index("offload-checksum@nft") < names.index("etp-local-no-endpoint/reject")   # base rows first
     assert " checksum |" in scorecard.matrix_markdown(merged).splitlines()[0]
+
+
+def test_overlay_checksums_the_vxlan_packets_and_rewrites_them_on_every_backend():
+    spec = model.compile_spec("offload-checksum", "overlay")
+    n1 = hostplan.host_steps(spec, "node1", "iptables")
+    (vx,) = [s for s in n1 if "vxlan" in s.argv]
+    assert vx.argv[-1] == "udpcsum" and Step("run", ("ethtool", "-K", "ul0", "tx", "off")) in n1
+    assert "udpcsum" not in next(s for s in hostplan.host_steps(spec, "node2", "nft") if "vxlan" in s.argv).argv
+    for backend in spec.backends:   # the wire's rewrite is not a kube-proxy rule
+        (wire,) = [s for s in hostplan.host_steps(spec, "node2", backend)
+                   if s.argv[0] == "nft" and "netdev" in (s.input or "")]
+        assert 'device "ul0"' in wire.input and "@th,544,16 set" in wire.input
+    assert not [s for s in hostplan.host_steps(spec, "mbox", "iptables") if s.argv[0] == "nft"]
+    assert {e.node for e in spec.services[0].endpoints} == {"node2"}
+    # on a VM the netdev chain's device is the VM's NIC
+    cmds = vm.role_commands(spec, "node2", "iptables", {"eth0": "eth1", "ul0": "eth2"})
+    assert any(c.input and 'device "eth2"' in c.input for c in cmds)

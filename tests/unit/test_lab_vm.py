@@ -161,7 +161,8 @@ def test_reset_and_prepare(tmp_path):
     text = [c.shell() for c in cmds]
     assert text[0] == "systemctl stop 'nptrace-lab-*' || true"
     for want in ("ip netns del npt-web-0 || true", "ip link del cni0 || true", "ip link del flannel.1 || true",
-                 "ip addr flush dev eth3 || true", "nft flush ruleset || true", "conntrack -F || true"):
+                 "ip addr flush dev eth3 || true", "nft flush ruleset || true", "conntrack -F || true",
+                 "ethtool -K eth3 tx on || true"):
         assert want in text
     assert not any("sysctl" in t for t in text)          # no baseline yet
     (tmp_path / "sysctl-baseline.json").write_text(json.dumps({"net.ipv4.ip_forward": "0"}))
