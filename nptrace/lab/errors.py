@@ -15,3 +15,8 @@ class NotRoot(LabError):
 
 class NotUp(LabError):
     """The scenario is not up under this prefix."""
+
+
+class HostBusy(LabError):
+    """A scenario that changes a host-wide setting cannot come up safely now (the machine's own
+    use of it, or another lab holding it)."""

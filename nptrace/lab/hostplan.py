@@ -1,10 +1,10 @@
 """What each lab host gets, as commands to run on that host: the part a VM provisioner reuses.
 
 ``host_steps(spec, host, backend)`` is pure: interfaces it creates itself (bridge, VXLAN),
-links up, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall rules,
-sysctls, and long-running servers. ``apply_role(spec, host, run, spawn, backend)`` runs
-them: ``run(argv, input=None)`` executes one command on that host, ``spawn(argv)`` starts
-a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
+links up, offloads, addresses, routes, neighbours, kube-proxy's rules (nodes), extra firewall
+rules, conntrack entries, sysctls, and long-running servers.
+``apply_role(spec, host, run, spawn, backend)`` runs them: ``run(argv, input=None)`` executes
+one command on that host, ``spawn(argv)`` starts a daemon there. How hosts are made (namespaces, veth wires) lives in netns.py.
 
 Interfaces named in [networks] and pod veths already exist when these steps run.
 """
@@ -60,12 +60,21 @@ def _iface_steps(d: dict, extra_ports: list[str]) -> list[Step]:
             if i.get("remote"):
                 args += ["remote", i["remote"]]
             args += ["dev", i["dev"], "dstport", i.get("dstport", 4789), "nolearning"]
+            if i.get("udpcsum"):   # outer UDP checksums (off by default for VXLAN over IPv4)
+                args.append("udpcsum")
             steps.append(_ip(*args))
     bridges = [n for n, i in ifaces.items() if i.get("type") == "bridge"]
     for port in extra_ports:
         steps.append(_ip("link", "set", port, "master", bridges[0]))
     for name in [*ifaces, *extra_ports]:
         steps.append(_ip("link", "set", name, "up"))
+    for name, i in ifaces.items():
+        # `offload = {tx = "off"}`: ethtool -K features; tx off makes the stack compute each
+        # checksum in software before the packet leaves (CHECKSUM_NONE on the wire), not the
+        # device (CHECKSUM_PARTIAL, which a veth peer accepts unverified)
+        if i.get("offload"):
+            steps.append(Step("run", ("ethtool", "-K", name,
+                                      *(str(x) for kv in i["offload"].items() for x in kv))))
     for name, i in ifaces.items():
         for a in i.get("addrs", []):
             # nodad: usable at once (no tentative second), as a CNI sets pod addresses
@@ -112,7 +121,25 @@ def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
             steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d[key]))
     if d.get("nft") and (not node or backend == "nft"):
         steps.append(Step("run", ("nft", "-f", "-"), d["nft"]))
+    # `nic_nft`: a netdev-family table standing in for what a NIC or the wire does to packets
+    # (a rewrite after the checksum), whatever the node's kube-proxy backend
+    if d.get("nic_nft"):
+        steps.append(Step("run", ("nft", "-f", "-"), d["nic_nft"]))
     return steps
+
+
+def conntrack_fill_steps(spec: Spec, host: str) -> list[Step]:
+    """``conntrack_fill = N``: N established, ASSURED TCP entries (idle long-lived connections
+    to the host's first address; early drop never evicts ASSURED ones), loaded in one
+    ``conntrack -R``. With nf_conntrack_max = N the table is full."""
+    d = spec.hosts[host]
+    n = int(d.get("conntrack_fill", 0))
+    if n <= 0:
+        return []
+    dst = next(a.split("/")[0] for i in d["ifaces"].values() for a in i.get("addrs", []) if ":" not in a)
+    lines = [f"-I -p tcp -s 198.18.{k // 250}.{k % 250 + 1} -d {dst} --sport {10000 + k} --dport 443 "
+             "--state ESTABLISHED -t 86400 -u ASSURED,SEEN_REPLY" for k in range(n)]
+    return [Step("run", ("conntrack", "-R", "/dev/stdin"), "\n".join(lines) + "\n")]
 
 
 def server_steps(spec: Spec, host: str) -> list[Step]:
@@ -153,6 +180,7 @@ def host_steps(spec: Spec, host: str, backend: str) -> list[Step]:
     if d["kind"] == "node":
         steps += kube_proxy_steps(spec, host, backend)
     steps += firewall_steps(spec, host, backend)
+    steps += conntrack_fill_steps(spec, host)
     # After the rules: nf_conntrack_* sysctls are per namespace and exist once conntrack is loaded.
     steps += sysctl_steps(spec, host)
     steps += server_steps(spec, host)

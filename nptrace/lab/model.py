@@ -4,8 +4,11 @@ A scenario file holds: name, story (one line), cause, service ("ns/name:port"), 
 notes, [topology] and [services] tables deep-merged into data/topology.toml, [[trigger]]
 entries (who connects where, expected client-visible outcomes), optional [[lb_view]]
 health-check probes, optional [kube_proxy] switches (faults, no_local), optional
-``backends`` (default: all), optional [[step]] entries, and optional [variants.NAME]
-tables deep-merged over the scenario itself.
+``backends`` (default: all), optional [[step]] entries, optional ``hint`` (words the hint
+of the scenario's incidents must name: the interface, device or numbers at fault), optional
+``explain_gap`` (why `nptrace explain` cannot predict the cause from the node's state: its
+tests expect it to fail), and optional [variants.NAME] tables deep-merged over the scenario
+itself.
 
 Steps change the lab while the trigger's connections are held open (triggers with a
 ``then`` table: the second exchange comes after every step), in order:
@@ -74,6 +77,8 @@ class Scenario:
     expect: tuple[str, ...]    # client-visible outcomes the trigger must show
     path: Path = field(compare=False, repr=False)
     observe: float = 1.0       # seconds a tracer should keep watching after the trigger
+    hint: tuple[str, ...] = ()  # words each incident's hint must contain (the yardstick checks)
+    explain_gap: str = ""     # why `nptrace explain` cannot predict the cause from the node's state
 
 
 def _variants(raw: dict) -> list[str]:
@@ -92,7 +97,8 @@ def _scenario(raw: dict, path: Path) -> Scenario:
     return Scenario(name=raw["name"], story=raw["story"], cause=raw.get("cause") or None,
                     service=raw["service"], backends=tuple(raw.get("backends", BACKENDS)),
                     variants=tuple(_variants(raw)), expect=expect, path=path,
-                    observe=float(raw.get("observe", 1.0)))
+                    observe=float(raw.get("observe", 1.0)), hint=tuple(raw.get("hint", ())),
+                    explain_gap=raw.get("explain_gap", ""))
 
 
 def load_scenarios() -> list[Scenario]:
@@ -131,6 +137,7 @@ class Spec:
     services6: list = field(default_factory=list)
     cluster_cidr6: str = ""
     service_cidr6: str = ""
+    hint: tuple[str, ...] = ()
 
     def host_ns(self, host: str, prefix: str) -> str:
         return f"{prefix}{host}"
@@ -178,7 +185,7 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
                              int(kp.get("scale", 0)), topo["service_cidr"]),
         trigger=trigger, lb_view=raw.get("lb_view", []),
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
-        backends=tuple(raw.get("backends", BACKENDS)),
+        backends=tuple(raw.get("backends", BACKENDS)), hint=tuple(raw.get("hint", ())),
     )
     if ipv6:
         m = dualstack.Mapper(topo.get("ipv6", {}))
@@ -279,6 +286,11 @@ def validate(spec: Spec) -> None:
         for ifname in d.get("ifaces", {}):
             if len(ifname) > 15:
                 raise UsageError(f"{where}: interface name {ifname!r} on {h} is longer than 15")
+        for ifname, i in d.get("ifaces", {}).items():
+            if not isinstance(i.get("offload", {}), dict):
+                raise UsageError(f"{where}: {h} {ifname} offload must be a table of ethtool -K features")
+        if not isinstance(d.get("conntrack_fill", 0), int) or d.get("conntrack_fill", 0) < 0:
+            raise UsageError(f"{where}: {h} conntrack_fill must be a number of entries")
         if d["kind"] == "pod" and d.get("node") not in spec.hosts:
             raise UsageError(f"{where}: pod {h} sits on unknown node {d.get('node')!r}")
     for net, members in spec.networks.items():

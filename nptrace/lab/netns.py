@@ -8,6 +8,10 @@ after ``ip netns del``, so teardown kills what ``ip netns pids`` lists first.
 
 State (scenario, backend, namespaces, server pids) is kept in /run/nptrace/lab/ so that
 up, trigger and down can run from separate processes.
+
+A few sysctls a scenario gives a host are host-wide on one kernel (HOST_WIDE): they are set
+in the root namespace, with the value they had kept in the state and put back by teardown
+(also after a failed up, a Ctrl-C, or `lab down --all` after a crash).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .errors import LabError, NotRoot, UsageError
+from .errors import HostBusy, LabError, NotRoot, UsageError
 from .hostplan import SERVER, pod_veth
 from .model import Spec
 
@@ -243,3 +247,93 @@ def delete_namespaces(names, recorded_pids=()) -> None:
     for ns in names:
         if ns in present:
             sh(["ip", "netns", "del", ns], check=False)
+
+
+# ----------------------------------------------------------------------------- host-wide sysctls
+
+# Read-only in a child namespace (nf_conntrack_standalone.c: "Don't allow non-init_net ns to
+# alter global sysctls", mode 0444; 0444 measured on 6.18), while __nf_conntrack_alloc checks
+# each namespace's own count against the one nf_conntrack_max.
+HOST_WIDE = ("net.netfilter.nf_conntrack_max", "net.netfilter.nf_conntrack_expect_max",
+             "net.netfilter.nf_conntrack_buckets")
+PROC_SYS = Path("/proc/sys")
+CT_COUNT = "net/netfilter/nf_conntrack_count"
+
+
+def split_host_wide(steps) -> tuple[list, dict[str, str]]:
+    """(the host's steps without host-wide sysctls, {key: value} of those)."""
+    from .hostplan import Step
+    out, wide = [], {}
+    for st in steps:
+        if st.argv[0] == "sysctl":
+            args = [a for a in st.argv if a.partition("=")[0] in HOST_WIDE]
+            wide.update(a.split("=", 1) for a in args)
+            keep = [a for a in st.argv if a not in args]
+            if len(args) and not any("=" in a for a in keep):
+                continue
+            st = Step(st.kind, tuple(keep), st.input)
+        out.append(st)
+    return out, wide
+
+
+def _sysctl_path(key: str) -> Path:
+    return PROC_SYS / key.replace(".", "/")
+
+
+def _ct_counts(skip: set[str]) -> dict[str, int]:
+    """nf_conntrack_count of the root namespace and of every named one not in ``skip``."""
+    out = {}
+    try:
+        out["the root namespace"] = int((PROC_SYS / CT_COUNT).read_text())
+    except (OSError, ValueError):
+        pass
+    for ns in sorted(existing_namespaces() - skip):
+        r = sh(["ip", "netns", "exec", ns, "cat", str(PROC_SYS / CT_COUNT)], check=False)
+        if r.returncode == 0 and r.stdout.strip().isdigit():
+            out[ns] = int(r.stdout)
+    return out
+
+
+def other_holder(prefix: str) -> str | None:
+    """The prefix of another lab that holds a host-wide sysctl changed, if any."""
+    for p in sorted(STATE_DIR.glob("*state.json")) if STATE_DIR.is_dir() else ():
+        other = p.name[:-len("state.json")]
+        st = load_state(other)
+        if other != prefix and st and st.get("host_wide"):
+            return f"{st['scenario']} (prefix {other!r})"
+    return None
+
+
+def set_host_wide(values: dict[str, str], state: dict, own: set[str]) -> None:
+    """Set the host-wide sysctls, the old values saved in ``state`` first. A limit
+    (nf_conntrack_max) is refused while a namespace outside the lab (``own``) holds more
+    than half of it: lowering it would drop that namespace's new connections."""
+    if not values:
+        return
+    holder = other_holder(state["prefix"])
+    if holder:
+        raise HostBusy(f"lab {holder} holds host-wide sysctls changed; take it down first")
+    limit = values.get("net.netfilter.nf_conntrack_max")
+    if limit is not None:
+        busy = {ns: n for ns, n in _ct_counts(own).items() if n > int(limit) // 2}
+        if busy:
+            raise HostBusy("scenario lowers the host-wide nf_conntrack_max to " + limit + ", but "
+                           + ", ".join(f"{ns} holds {n} conntrack entries" for ns, n in busy.items())
+                           + ": its new connections would be dropped too; run it where the table is quieter")
+    saved = state.setdefault("host_wide", {})
+    for k, v in values.items():
+        path = _sysctl_path(k)
+        saved.setdefault(k, path.read_text().strip())
+        save_state(state["prefix"], state)   # before the change: teardown must find it
+        path.write_text(str(v))
+
+
+def restore_host_wide(state: dict) -> None:
+    """Put back what set_host_wide changed (no-op when nothing was)."""
+    for k, v in (state.get("host_wide") or {}).items():
+        try:
+            _sysctl_path(k).write_text(v)
+        except OSError as e:
+            raise LabError(f"cannot restore {k}={v}: {e.strerror}; set it by hand "
+                           f"(sysctl -w {k}={v})") from None
+    state["host_wide"] = {}

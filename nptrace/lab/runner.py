@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import model, netns
-from .errors import LabError, NotUp, UsageError
+from .errors import HostBusy, LabError, NotUp, UsageError
 from .hostplan import host_steps, kube_proxy_steps, pod_veth
 from .model import BACKENDS, Spec
 
@@ -61,10 +61,17 @@ class LabInfo:
         return d
 
 
-def _check_tools(backend: str) -> None:
+def _check_tools(backend: str, spec: Spec | None = None) -> None:
     missing = [t for t in ("ip", "sysctl", _TOOLS[backend]) if not shutil.which(t)]
     if missing:
         raise LabError(f"missing tool(s) {', '.join(missing)}: install iproute2, procps, iptables and nftables")
+    # what the scenario's own host keys run (ethtool for `offload`, conntrack for `conntrack_fill`)
+    used = {st.argv[0] for h in (spec.hosts if spec else ()) for st in host_steps(spec, h, backend)
+            if st.kind == "run" and not st.argv[0].startswith("/")}
+    missing = sorted(t for t in used if not shutil.which(t))
+    if missing:
+        raise LabError(f"missing tool(s) {', '.join(missing)} this scenario runs: install them "
+                       f"(Debian packages of the same names; `make setup` does)")
 
 
 def _info(spec: Spec, backend: str, prefix: str) -> LabInfo:
@@ -104,7 +111,7 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
     if backend not in spec.backends:
         raise UsageError(f"scenario {name!r} has no {backend} form (backends: {', '.join(spec.backends)})")
     netns.require_root()
-    _check_tools(backend)
+    _check_tools(backend, spec)
     st = netns.load_state(prefix)
     if st:
         raise LabError(f"scenario {st['scenario']} is already up under prefix {prefix!r}; "
@@ -112,6 +119,10 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
     ns = netns.lab_namespaces(spec, prefix)
     pending = {h for h, d in spec.hosts.items() if d.get("pending")}   # appear in a step
     live = {h: n for h, n in ns.items() if h not in pending}
+    holder = netns.other_holder(prefix)
+    if holder:   # its lowered limits would drop this lab's connections
+        raise HostBusy(f"lab {holder} holds host-wide sysctls changed (nf_conntrack_max); "
+                       f"take it down before bringing up another")
     leftovers = sorted(set(ns.values()) & netns.existing_namespaces())
     if leftovers:
         raise LabError(f"namespace(s) {', '.join(leftovers)} exist from an earlier run; "
@@ -122,13 +133,17 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
     try:
         netns.make_namespaces(live.values(), ipv6=spec.ipv6)
         netns.wire(spec, ns)
-        procs = []
+        procs, wide = [], {}
         for host in sorted(set(spec.hosts) - pending, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
-            for argv in netns.run_batched(ns[host], host_steps(spec, host, backend)):
+            steps, host_wide = netns.split_host_wide(host_steps(spec, host, backend))
+            wide.update(host_wide)
+            for argv in netns.run_batched(ns[host], steps):
                 procs.append(netns.spawn(ns[host], argv, netns.log_dir(prefix) / f"{host}.log"))
                 state["pids"].append(procs[-1].pid)
         netns.save_state(prefix, state)
         netns.wait_ready(procs)
+        # last: the lab's own tables are filled, and nothing of it is left half made
+        netns.set_host_wide(wide, state, set(live.values()))
         gone = [ns[h] for h, d in spec.hosts.items() if d.get("gone")]
         if gone:  # the pod was deleted after kube-proxy last synced: its namespace goes away
             netns.delete_namespaces(gone)
@@ -222,7 +237,10 @@ def run_steps(spec: Spec, state: dict, prefix: str) -> None:
 
 
 def _teardown(prefix: str, state: dict) -> None:
-    netns.delete_namespaces(state.get("namespaces", []), state.get("pids", []))
+    try:
+        netns.restore_host_wide(state)
+    finally:
+        netns.delete_namespaces(state.get("namespaces", []), state.get("pids", []))
     netns.drop_state(prefix)
     shutil.rmtree(netns.log_dir(prefix), ignore_errors=True)
 
@@ -254,7 +272,10 @@ def down_all(prefix: str | None = None) -> list[str]:
             hosts |= set(model.compile_spec(sc.name, v).hosts)
     names = {f"{prefix}{h}" for h in hosts} | set(st.get("namespaces", []))
     present = sorted(names & netns.existing_namespaces())
-    netns.delete_namespaces(present, st.get("pids", []))
+    try:
+        netns.restore_host_wide(st)
+    finally:
+        netns.delete_namespaces(present, st.get("pids", []))
     netns.drop_state(prefix)
     shutil.rmtree(netns.log_dir(prefix), ignore_errors=True)
     return present

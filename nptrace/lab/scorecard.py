@@ -1,7 +1,10 @@
 """How well nptrace names causes: every lab scenario traced by the real `nptrace run --json`,
 the labels of the scenario's own flows counted into a confusion matrix.
 
-    python -m nptrace.lab.scorecard [--count 100] [--markdown docs/confusion.md] [SCENARIO ...]
+    python -m nptrace.lab.scorecard [--count 100] [--markdown docs/confusion.md [--merge]] [SCENARIO ...]
+
+``--merge`` re-runs only the SCENARIOs named and keeps every other row of the file as it was
+(the full yardstick holds the machine for about ten minutes).
 
 A flow belongs to a scenario's trigger when one of its ports is a client port of an attempt
 (masquerade keeps the client's port; ephemeral ports are unique within one run).
@@ -31,6 +34,8 @@ class Score:
     as_expected: int = 0       # attempts whose client-visible outcome is the scenario's
     # the first incidents labeled otherwise than expected, whole: what a flaky case needs read
     mislabeled: list = field(default_factory=list)
+    hint_missing: int = 0      # events of the expected cause whose hint lacks a word of `hint`
+    hint_example: str = ""     # the first such hint
 
     @property
     def total(self) -> int:
@@ -45,9 +50,10 @@ class Score:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0, max_rate: int | None = 0) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = ()) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
-    storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok)."""
+    storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok). ``hint``:
+    words each incident of the expected cause must name (the scenario's ``hint``)."""
     inodes: dict = {}
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
@@ -64,7 +70,46 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
         s.services[e.get("service") or "-"] += n
         if expected and e["cause"] != expected and len(s.mislabeled) < 5:
             s.mislabeled.append(e)
+        if expected and e["cause"] == expected and not all(w in (e.get("hint") or "") for w in hint):
+            s.hint_missing += n
+            s.hint_example = s.hint_example or e.get("hint") or "(no hint)"
     return s
+
+
+def cases(scenarios) -> list[tuple]:
+    """(scenario, backend, variant) in the yardstick's order: each scenario on every backend,
+    then each variant on iptables, then the dual-stack forms on nft."""
+    return [(sc, b, None) for sc in scenarios for b in sc.backends] + \
+        [(sc, "iptables", v) for sc in scenarios for v in sc.variants] + \
+        [(sc, "nft", "ipv6") for sc in scenarios if "ipv6" in sc.variants and "nft" in sc.backends]
+
+
+def row_name(name: str, backend: str, variant: str | None) -> str:
+    return name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else "")
+
+
+def parse_markdown(text: str) -> list[Score]:
+    """The rows of a matrix_markdown table back as Scores (counts from the shares, rounded)."""
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    if not rows:
+        return []
+    head = [c.strip() for c in rows[0].strip().strip("|").split("|")]
+    causes = head[3:-1]
+    out = []
+    for ln in rows[1:]:
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        total = int(cells[2])
+        labels = Counter({c: round(float(v.rstrip("%")) * total / 100)
+                          for c, v in zip(causes, cells[3:-1]) if v})
+        out.append(Score(cells[0], cells[1], 0, Counter(), labels))
+    return out
+
+
+def merge(old: list[Score], new: list[Score], order: list[str]) -> list[Score]:
+    """``old`` with the rows ``new`` re-ran replaced, in the yardstick's ``order`` of row names."""
+    rows = {s.scenario: s for s in old} | {s.scenario: s for s in new}
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(rows.values(), key=lambda s: rank.get(s.scenario, len(rank)))
 
 
 def matrix_markdown(scores: list[Score]) -> str:
@@ -89,18 +134,28 @@ def main(argv=None) -> int:
     ap.add_argument("scenarios", nargs="*")
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--markdown")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the --markdown file that this run does not re-run")
     a = ap.parse_args(argv)
+    from nptrace.lab.model import compile_spec
+    if a.merge and not (a.markdown and a.scenarios):
+        ap.error("--merge needs --markdown FILE and the SCENARIOs to re-run")
+    all_cases = cases(lab.scenarios())
     scores = []
-    for sc in lab.scenarios():
+    for sc, backend, variant in all_cases:
         if a.scenarios and sc.name not in a.scenarios:
             continue
-        runs = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants] + \
-            [("nft", "ipv6")] * ("ipv6" in sc.variants and "nft" in sc.backends)
-        for backend, variant in runs:
-            s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
-                      observe=sc.observe)
-            scores.append(s)
-            print(f"{s.scenario:<32} {dict(s.outcomes)} {dict(s.labels)}", file=sys.stderr)
+        s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
+                  observe=sc.observe, hint=compile_spec(sc.name, variant).hint)
+        scores.append(s)
+        print(f"{s.scenario:<32} {dict(s.outcomes)} {dict(s.labels)}", file=sys.stderr)
+    if a.merge:
+        try:
+            with open(a.markdown) as f:
+                old = parse_markdown(f.read())
+        except FileNotFoundError:
+            old = []
+        scores = merge(old, scores, [row_name(sc.name, b, v) for sc, b, v in all_cases])
     md = matrix_markdown(scores)
     print(md)
     if a.markdown:
@@ -109,8 +164,14 @@ def main(argv=None) -> int:
                     "Each lab scenario traced by `nptrace run --json --max-rate 0` (tc on the nodes' "
                     "interfaces), "
                     f"{a.count} client connection attempts each; cells are the share of the "
-                    "scenario's own resets and drops given each cause. Regenerate with "
-                    "`python -m nptrace.lab.scorecard --markdown docs/confusion.md`.\n\n" + md + "\n")
+                    "scenario's own resets and drops given each cause. The `/ipv6` rows are the "
+                    "dual-stack forms (IPv6 trigger, ip6tables or nft `ip6 kube-proxy` rules beside "
+                    "IPv4's). Regenerate with "
+                    "`python -m nptrace.lab.scorecard --markdown docs/confusion.md` (the whole "
+                    "yardstick, tests/privileged/test_attribution.py's cases), or re-run some "
+                    "scenarios' rows with `--merge SCENARIO ...`"
+                    + (f" (this one: {', '.join(a.scenarios)} re-run, the other rows kept)" if a.merge else "")
+                    + ".\n\n" + md + "\n")
     return 0
 
 

@@ -14,8 +14,8 @@ data; on a VM they pass through ``hostplan.apply_role`` with a ``run`` that adap
    pulls), so a lab ``default via G`` becomes one route via G per lab subnet the host is
    not attached to: everything ``default`` carried in the namespace lab.
 3. Around them: a reset of what an earlier apply left (servers, pod namespaces, lab
-   devices, addresses, routes, firewall, conntrack, and the sysctls scenarios changed,
-   restored from the values first seen), then the preparation netns.make_namespaces
+   devices, addresses, routes, TX checksum offload back on, firewall, conntrack, and the
+   sysctls scenarios changed, restored from the values first seen), then the preparation netns.make_namespaces
    gives a namespace: per-interface rp_filter 0 (so conf.all alone sets the mode) and no
    IPv6 on the lab NICs.
 
@@ -174,12 +174,13 @@ def nic_map(vm: dict, macs: dict[str, str], overrides: dict[str, str] | None = N
 # ----------------------------------------------------------------------------- adapting commands
 
 _IPT_TEXT = re.compile(r"(?P<opt>(?:^|\s)(?:-i|-o|--in-interface|--out-interface)\s+)(?P<name>[\w.+-]+)")
-_NFT_TEXT = re.compile(r"(?P<opt>\b(?:iifname|oifname|iif|oif)\s+(?:!=\s*)?)(?P<q>\"?)(?P<name>[\w.+-]+)(?P=q)")
+_NFT_TEXT = re.compile(r"(?P<opt>\b(?:iifname|oifname|iif|oif|device)\s+(?:!=\s*)?)(?P<q>\"?)(?P<name>[\w.+-]+)(?P=q)")
 _SYSCTL_KEY = re.compile(r"^(?P<head>net[./]ipv[46][./](?:conf|neigh)[./])(?P<name>[^./=]+)(?P<tail>[./].*)$")
 
 
 def rename_text(text: str, nics: dict[str, str]) -> str:
-    """Interface names in iptables-restore (-i/-o) and nft (iifname/oifname) text."""
+    """Interface names in iptables-restore (-i/-o) and nft (iifname/oifname, a netdev chain's
+    device) text."""
     if not nics or not text:
         return text
 
@@ -206,7 +207,7 @@ def rename_argv(argv, nics: dict[str, str]) -> list[str]:
     if not nics:
         return argv
     tool = os.path.basename(argv[0])
-    if tool == "ip":
+    if tool in ("ip", "ethtool"):
         return [nics.get(a, a) for a in argv]
     if tool == "sysctl":
         return [rename_sysctl(a, nics) for a in argv]
@@ -335,6 +336,7 @@ def reset_cmds(spec: Spec, role: str, nics: dict[str, str], profile: str, prefix
         if lab in nics:
             out.append(["ip", "route", "flush", "dev", nics[lab]])
             out.append(["ip", "addr", "flush", "dev", nics[lab]])
+            out.append(["ethtool", "-K", nics[lab], "tx", "on"])   # an `offload` a scenario turned off
     if not cluster_owned:
         # iptables-nft's tables are nft tables: one flush covers both.
         out.append(["nft", "flush", "ruleset"])

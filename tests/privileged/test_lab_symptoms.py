@@ -129,3 +129,40 @@ def test_failed_up_leaves_nothing(monkeypatch):
     with pytest.raises(lab.LabError, match="failed"):
         lab.up("healthy", prefix=PREFIX)
     assert _ours() == [] and netns.load_state(PREFIX) is None
+
+
+CTMAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
+
+
+def test_host_wide_limit_is_held_while_up_and_always_put_back(monkeypatch):
+    """conntrack-table-full lowers the host-wide nf_conntrack_max (read-only in a namespace)
+    while it is up: node1's table is at the limit, no other lab comes up meanwhile, and the old
+    value is back after down, and after an up interrupted (Ctrl-C) once the limit was set."""
+    if not CTMAX.exists():
+        pytest.skip("no nf_conntrack in this kernel")
+    saved = CTMAX.read_text()
+    try:
+        lab.up("conntrack-table-full", prefix=PREFIX)
+    except lab.LabError as e:   # HostBusy: the machine's own table is too full to lower it
+        pytest.skip(str(e))
+    try:
+        assert CTMAX.read_text().strip() == "256"
+        count = netns.sh(["ip", "netns", "exec", f"{PREFIX}node1", "cat",
+                          "/proc/sys/net/netfilter/nf_conntrack_count"]).stdout
+        assert int(count) >= 256
+        with pytest.raises(lab.LabError, match="holds host-wide sysctls"):
+            lab.up("healthy", prefix=PREFIX[:-1] + "b-")
+    finally:
+        lab.down("conntrack-table-full", prefix=PREFIX)
+    assert CTMAX.read_text() == saved and _ours() == []
+
+    real = netns.set_host_wide
+
+    def then_ctrl_c(*a, **kw):
+        real(*a, **kw)
+        assert CTMAX.read_text().strip() == "256"
+        raise KeyboardInterrupt
+    monkeypatch.setattr(netns, "set_host_wide", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        lab.up("conntrack-table-full", prefix=PREFIX)
+    assert CTMAX.read_text() == saved and _ours() == [] and netns.load_state(PREFIX) is None

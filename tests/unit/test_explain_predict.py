@@ -37,7 +37,8 @@ def test_every_scenario_has_a_fixture():
     (tests/privileged/test_explain.py, NPTRACE_WRITE_EXPLAIN_FIXTURES=1)."""
     from nptrace import lab
     have = {json.loads(p.read_text())["scenario"] for p in CASES}
-    assert have == {s.name for s in lab.scenarios()}
+    # explain_gap: a cause the node's state does not show before packets flow (known gaps)
+    assert have == {s.name for s in lab.scenarios() if not s.explain_gap}
     for p in CASES:
         d, facts = load(p)
         if lab.model.compile_spec(d["scenario"]).steps:

@@ -55,6 +55,7 @@ def test_causes_cover_the_issue_list():
         "networkpolicy-drop": "policy_drop", "no-listener": "no_listener", "stale-endpoint": "proxy",
         "conntrack-invalid": "conntrack_invalid", "app-reset": "app_reset", "healthy": None,
         "rollout-in-flight": "proxy", "container-restart": "app_reset",
+        "offload-checksum": "checksum", "conntrack-table-full": "conntrack_full",
     }
 
 

@@ -50,7 +50,7 @@ def expected_role(spec, role, backend, nics, view=None):
             argvs = [["ip", "route", "add", str(n), *s.argv[4:]]
                      for n in sorted(lab - own, key=lambda n: int(n.network_address))]
         for a in argvs:
-            if a[0] == "ip":
+            if a[0] in ("ip", "ethtool"):
                 a = [nics.get(x, x) for x in a]
             elif a[0] == "sysctl":
                 a = [x if not x.startswith("net.ipv4.conf.") else
@@ -161,7 +161,8 @@ def test_reset_and_prepare(tmp_path):
     text = [c.shell() for c in cmds]
     assert text[0] == "systemctl stop 'nptrace-lab-*' || true"
     for want in ("ip netns del npt-web-0 || true", "ip link del cni0 || true", "ip link del flannel.1 || true",
-                 "ip addr flush dev eth3 || true", "nft flush ruleset || true", "conntrack -F || true"):
+                 "ip addr flush dev eth3 || true", "nft flush ruleset || true", "conntrack -F || true",
+                 "ethtool -K eth3 tx on || true"):
         assert want in text
     assert not any("sysctl" in t for t in text)          # no baseline yet
     (tmp_path / "sysctl-baseline.json").write_text(json.dumps({"net.ipv4.ip_forward": "0"}))
