@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
@@ -43,6 +44,8 @@ def render_text(pred, facts, observed=None) -> str:
         same = observed["cause"] == pred.cause
         lines.append(f"observed in {observed['seconds']:g} s: {got} "
                      f"({'as predicted' if same else 'differs from the prediction'})")
+        if observed.get("hint"):
+            lines.append(f"  hint: {observed['hint']}")
     return "\n".join(lines)
 
 
@@ -98,12 +101,17 @@ def explain_command(client, to, service, iface, netns, probe, output, as_json, r
         if hp is None or not 0 < hp[1] < 65536:
             raise ExplainError(f"bad --to {to!r}: want ADDR:PORT ([ADDR]:PORT for IPv6)")
         dst, port = hp
+    t0 = time.monotonic()
     facts = g.gather(c, dst, port, netns=netns, iif=iface, do_probe=probe)
     pred = predict(facts)
     observed = None
     if confirm:
         from .confirm import observe
         observed = observe(facts, confirm, ready_file)
+        # predicted again with the counters' increase over the trace too: bad checksums from
+        # another host move only while packets flow
+        facts.moved = g.moved(facts.counters, g.counters(netns), time.monotonic() - t0)
+        pred = predict(facts)
     if as_json or output == "json":
         d = {"prediction": pred.to_dict(), "facts": facts.to_dict()}
         if observed is not None:

@@ -1,6 +1,7 @@
 """`explain --confirm SECONDS`: trace the client's next connections with the real tracer
 (host filter = the client's address, tc on the ingress interface) and count the causes of the
-incidents seen, to print beside the prediction. Needs what `nptrace run` needs."""
+incidents seen, with the first hint of each (the interface a bad checksum came in by, the
+table's numbers), to print beside the prediction. Needs what `nptrace run` needs."""
 from __future__ import annotations
 
 from collections import Counter
@@ -10,15 +11,17 @@ from nptrace.config import Config, IfaceSpec, parse_hosts
 
 
 class _Count:
-    """A sink that only counts incident causes."""
+    """A sink that only counts incident causes and keeps each cause's first hint."""
 
     def __init__(self):
         self.causes: Counter = Counter()
+        self.hints: dict[str, str] = {}
 
     def write(self, v) -> None:
         cause = getattr(v, "cause", None)
         if cause:
             self.causes[cause] += 1
+            self.hints.setdefault(cause, getattr(v, "hint", ""))
 
     def close(self) -> None:
         pass
@@ -39,4 +42,5 @@ def observe(facts, seconds: float, ready_file: str | None = None) -> dict:
         tracer.stop()
     causes = dict(sink.causes)
     best = min(causes, key=lambda c: RANK.get(c, 99)) if causes else None
-    return {"seconds": seconds, "causes": causes, "cause": best}
+    return {"seconds": seconds, "causes": causes, "cause": best,
+            "hint": sink.hints.get(best) if best else None}

@@ -40,6 +40,13 @@ class Facts:
     # the client: the reply destination), "socket" (a local pod holds that connection:
     # true/false; null: not a local pod)}]; None: not looked (older fixtures)
     inflight: list | None = None
+    # the namespace's own counters (gather.counters), read before the probes: nf_conntrack_count
+    # and _max, conntrack's drop / insert_failed / early_drop (`conntrack -S`), TcpInCsumErrors
+    # and UdpInCsumErrors (/proc/net/snmp, as nstat names them); {}: none readable
+    counters: dict = field(default_factory=dict)
+    # their increase over a window: gather's own run (the probes), and with --confirm the trace
+    # too: {"seconds": s, name: increase}; None: read once (older fixtures)
+    moved: dict | None = None
 
     def local_addrs(self) -> set[str]:
         return {a for lst in self.addrs.values() for a in lst}

@@ -2,7 +2,9 @@
 conntrack sysctls, `ip route get` for the SYN (with its ingress interface) and for the reply,
 the netfilter rules (node/rules_source.py), the local pods (the namespaces at the other end of
 the node's veths) with their listening sockets, and one probe connection from the node to each
-endpoint (`probe=False` skips it).
+endpoint (`probe=False` skips it); the namespace's conntrack table (count, limit, `conntrack -S`
+counters) and checksum-error counters, read before the probes and again at the end, so that
+what moved while explain ran is known.
 
 Needs root (reading rules and entering namespaces). Each step is one `ip`/`ss` call or a short
 thread in the namespace (kernel/nsenter.py); a probe costs at most PROBE_TIMEOUT_S twice.
@@ -15,10 +17,12 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from nptrace.errors import NptraceError
 from nptrace.kernel import nsenter
+from nptrace.node.knowledge import conntrack_stat, read_conntrack
 from nptrace.services.model import fmt_ep, split_hostport
 
 from .facts import Facts, Route
@@ -178,6 +182,55 @@ def inflight(netns: str | None, client: str, dst: str, port: int, pods: dict) ->
     return flows
 
 
+CT_STATS = ("insert_failed", "early_drop")      # `conntrack -S` columns beside drop
+CSUM_ERRORS = ("TcpInCsumErrors", "UdpInCsumErrors")
+MOVING = ("drop", *CT_STATS, *CSUM_ERRORS)      # the counters whose increase is kept
+
+
+def csum_errors(snmp: str) -> dict:
+    """TcpInCsumErrors and UdpInCsumErrors from /proc/net/snmp text: a header line and a value
+    line a protocol ("Tcp: ... InCsumErrors" / "Tcp: ... 3")."""
+    lines = [ln.split() for ln in snmp.splitlines()]
+    out = {}
+    for head, vals in zip(lines[::2], lines[1::2]):
+        name = f"{head[0].rstrip(':')}InCsumErrors" if head else ""
+        if name in CSUM_ERRORS and "InCsumErrors" in head and len(vals) == len(head):
+            out[name] = int(vals[head.index("InCsumErrors")])
+    return out
+
+
+def _read_counters() -> dict:
+    """counters() in the calling thread's namespace (/proc/thread-self/net: the thread's, not
+    the process's)."""
+    out: dict = {}
+    ct = read_conntrack()
+    if ct is not None:
+        out["nf_conntrack_count"], out["nf_conntrack_max"], out["drop"] = ct
+        stat = conntrack_stat("/proc/thread-self/net/stat/nf_conntrack") or {}
+        out.update({k: stat[k] for k in CT_STATS if k in stat})
+    try:
+        with open("/proc/thread-self/net/snmp") as f:
+            out.update(csum_errors(f.read()))
+    except OSError:
+        pass
+    return out
+
+
+def counters(netns: str | None) -> dict:
+    """The namespace's conntrack table (count, limit: host-wide, read-only in a child namespace)
+    and conntrack's and the stack's drop counters, read by one short thread in it."""
+    try:
+        return nsenter.run_in(nsenter.path_of(netns), _read_counters, "npt-explain")
+    except OSError:
+        return {}
+
+
+def moved(first: dict, last: dict, seconds: float) -> dict:
+    """Each MOVING counter's increase from one reading to the next."""
+    return {"seconds": round(seconds, 2),
+            **{k: last[k] - first[k] for k in MOVING if k in first and k in last}}
+
+
 def _probe_one(ep: str) -> dict:
     host, port = split_hostport(ep)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -256,10 +309,12 @@ def gather(client: str, dst: str, port: int, *, netns: str | None = None, iif: s
             iif, source = owner[0], "address"
         elif back.ok and back.dev:
             iif, source = back.dev, "route"
+    t0 = time.monotonic()
+    first = counters(netns)            # before the probes: they add conntrack entries
     rp, ct = sysctls(netns, [i for i in addrs if i != "lo"])
     facts = Facts(client=client, dst=dst, port=port, netns=netns, iif=iif, iif_source=source,
                   addrs=addrs, rp_filter=rp, route_to_client=back, sysctl=ct,
-                  rules=rules(netns), local_pods=local_pods(netns))
+                  rules=rules(netns), local_pods=local_pods(netns), counters=first)
     smap = service_map(facts)
     svc = smap.lookup(dst, port)
     eps = list(svc.endpoints) if svc is not None else []
@@ -270,7 +325,8 @@ def gather(client: str, dst: str, port: int, *, netns: str | None = None, iif: s
     if do_probe and eps:
         facts.probes = probe(netns, eps)
     facts.inflight = inflight(netns, client, dst, port, facts.local_pods)
+    facts.moved = moved(first, counters(netns), time.monotonic() - t0)
     return facts
 
 
-__all__ = ["ExplainError", "fmt_ep", "gather", "route_get"]
+__all__ = ["ExplainError", "counters", "fmt_ep", "gather", "moved", "route_get"]

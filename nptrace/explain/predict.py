@@ -1,8 +1,10 @@
 """The predictor: Facts -> what happens to the SYN and its reply, step by step, ending in the
 cause nptrace would label (classify.verdict.CAUSES), or None when the connection should work.
 
-Pure. The order follows the packet: kube-proxy's verdict on the address the client used (no
-endpoints, no local endpoint, source ranges), the ingress reverse-path check (done after nat
+Pure. The order follows the packet: checksum errors the namespace counted while explain ran
+(the stack drops such packets on arrival), the conntrack table (full: conntrack drops a new
+connection in PREROUTING, before any rule), kube-proxy's verdict on the address the client used
+(no endpoints, no local endpoint, source ranges), the ingress reverse-path check (done after nat
 PREROUTING, so on the DNATed packet), the forward filter per endpoint (NetworkPolicy-style
 drops), the endpoint's answer (local pods' listening sockets, the node's probe connection), the
 reply's source NAT and the interface the reply leaves by, then idle-connection conntrack
@@ -14,8 +16,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from nptrace.classify.rules import TAG_CAUSES
+from nptrace.classify.rules import TAG_CAUSES, conntrack_full
 from nptrace.classify.verdict import RANK
+from nptrace.node.checks import CONNTRACK_FULL
 from nptrace.services import ServiceMap
 from nptrace.services.model import canon, fmt_ep, split_hostport
 
@@ -158,6 +161,10 @@ def predict(facts: Facts, smap: ServiceMap | None = None) -> Prediction:
     add(Step("ingress", f"SYN {fmt_ep(client, 0)[:-2]} > {fmt_ep(dst, port)} arrives on "
                         f"{iif or '?'}" + (f" ({how})" if how else "")))
 
+    csum = _checksum(facts)
+    if csum is not None:
+        add(csum)
+
     svc = smap.lookup(dst, port) if smap else None
     if svc is None:
         add(Step("service", f"no kube-proxy Service answers on {fmt_ep(dst, port)} in this "
@@ -167,6 +174,12 @@ def predict(facts: Facts, smap: ServiceMap | None = None) -> Prediction:
                             f"externalTrafficPolicy {'Local' if svc.etp_local else 'Cluster'}; "
                             f"endpoints {', '.join(svc.endpoints) or 'none'}"
                             + (f"; local {', '.join(svc.local_endpoints)}" if svc.etp_local else "")))
+
+    table = _conntrack_table(facts)
+    if table is not None:
+        add(table)
+        if table.cause:
+            return _finish(steps, {}, svc)
 
     # kube-proxy's own verdict for the address the client used
     if smap:
@@ -225,6 +238,67 @@ def predict(facts: Facts, smap: ServiceMap | None = None) -> Prediction:
                                f" ({held[1]} of {len(facts.inflight)} open connections; new "
                                f"connections: {new or 'they work'})")
     return _finish(steps, per_ep, svc, global_causes)
+
+
+def _window(facts: Facts, name: str) -> str:
+    """" (+N in S s)" when the counter moved while explain ran, else ""."""
+    m = facts.moved or {}
+    return f" (+{m[name]} in {m['seconds']:g} s)" if m.get(name) else ""
+
+
+def _conntrack_table(facts: Facts) -> Step | None:
+    """The namespace's conntrack table, judged by the tracer's own rule (classify.rules
+    conntrack_full: at its limit, or conntrack's drop counter moved while explain ran): full,
+    a new connection's SYN is dropped in nf_conntrack_in; above CONNTRACK_FULL, a warning."""
+    c = facts.counters
+    count, cmax = c.get("nf_conntrack_count"), c.get("nf_conntrack_max")
+    if count is None or not cmax:
+        return None
+    drop_new = (facts.moved or {}).get("drop", 0)
+    stats = ", ".join(f"{k} {c[k]}{_window(facts, k)}" for k in ("drop", "insert_failed", "early_drop")
+                      if k in c)
+    table = f"conntrack table {count}/{cmax} entries ({100 * count // cmax}%)" + \
+        (f"; conntrack -S: {stats}" if stats else "")
+    timeout = facts.sysctl.get("nf_conntrack_tcp_timeout_established")
+    remedy = (f"raise the limit (sysctl -w net.netfilter.nf_conntrack_max={cmax * 2}) or shorten "
+              f"the timeouts that fill it (`conntrack -L | awk '{{print $4}}' | sort | uniq -c` "
+              f"counts the entries by state"
+              + (f"; nf_conntrack_tcp_timeout_established is {timeout} s" if timeout else "") + ")")
+    if conntrack_full({"ct_count": count, "ct_max": cmax, "ct_drop_new": drop_new}):
+        why = f"conntrack dropped {drop_new} new connections while explain ran, its own probes " \
+            f"included" if drop_new else "at its limit"
+        return Step("conntrack", f"{table}: full ({why}): a new connection's SYN is dropped in "
+                                 f"nf_conntrack_in before any rule sees it (the kernel's "
+                                 f"'nf_conntrack: table full, dropping packet'); connections "
+                                 f"already in the table still pass. Remedy: {remedy}",
+                    "conntrack_full")
+    if count / cmax > CONNTRACK_FULL:
+        return Step("conntrack", f"{table}: nearly full; at the limit new connections are dropped "
+                                 f"(conntrack_full): {remedy}")
+    return Step("conntrack", table)
+
+
+def _checksum(facts: Facts) -> Step | None:
+    """Bad checksums on arrival leave the node's state as it was: only the namespace's
+    TcpInCsumErrors / UdpInCsumErrors moving while explain ran (its probes; --confirm's trace)
+    show them. The counters are the namespace's, not only this client's."""
+    c, m = facts.counters, facts.moved or {}
+    names = [k for k in ("TcpInCsumErrors", "UdpInCsumErrors") if k in c]
+    if not names:
+        return None
+    seen = ", ".join(f"{k} {c[k]}{_window(facts, k)}" for k in names)
+    if not any(m.get(k) for k in names):
+        quiet = f"none in the last {m['seconds']:g} s" if "seconds" in m else "read once"
+        return Step("ingress", f"{seen} in this namespace, {quiet}: no bad checksum arrived "
+                               f"while explain ran (a fault on another host shows only while "
+                               f"packets flow: --confirm)")
+    return Step("ingress", f"{seen} in this namespace: packets arrive with a bad checksum and the "
+                           f"kernel drops them on arrival (TCP_CSUM / UDP_CSUM), before any "
+                           f"socket; a device on the sender's path computed or offloaded the "
+                           f"checksum before the packet was rewritten (NAT, VXLAN). Turn its TX "
+                           f"checksum offload off (`ethtool -K <dev> tx-checksum-ip-generic off`, "
+                           f"or the CNI's setting); --confirm names the interface they arrive by",
+                "checksum")
 
 
 NO_INFLIGHT = ("the causes of connections in flight show in the node's state only while they "

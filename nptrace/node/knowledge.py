@@ -213,7 +213,7 @@ class NodeKnowledge:
         got = None
         if ns is not False:
             try:
-                vals = nsenter.run_in(nsenter.path_of(ns), _read_conntrack, "npt-ct")
+                vals = nsenter.run_in(nsenter.path_of(ns), read_conntrack, "npt-ct")
             except OSError:
                 vals = None
             if vals is not None:
@@ -274,7 +274,7 @@ class NodeKnowledge:
         return dev
 
 
-def _read_conntrack() -> tuple[int, int, int] | None:
+def read_conntrack() -> tuple[int, int, int] | None:
     """(count, max, drop) of the calling thread's network namespace. /proc/sys/net follows the
     thread's namespace, /proc/net the process's: hence /proc/thread-self/net."""
     try:
@@ -290,13 +290,17 @@ def _read_conntrack() -> tuple[int, int, int] | None:
 def conntrack_drops(path) -> int | None:
     """The sum over CPUs of the ``drop`` column of /proc/net/stat/nf_conntrack (hex): new
     connections conntrack dropped because the table was full and nothing could be evicted."""
+    return (conntrack_stat(path) or {}).get("drop")
+
+
+def conntrack_stat(path) -> dict[str, int] | None:
+    """Each column of /proc/net/stat/nf_conntrack (hex, one row a CPU: what `conntrack -S`
+    prints) summed over CPUs: drop, insert_failed, early_drop, ... None: no such file."""
     try:
         with open(path) as f:
             head, *rows = f.read().split("\n")
     except OSError:
         return None
     cols = head.split()
-    if "drop" not in cols:
-        return None
-    i = cols.index("drop")
-    return sum(int(r.split()[i], 16) for r in rows if len(r.split()) > i)
+    cells = [r.split() for r in rows]
+    return {c: sum(int(r[i], 16) for r in cells if len(r) > i) for i, c in enumerate(cols)}

@@ -173,3 +173,84 @@ def test_in_flight_connections_whose_pod_lost_their_sockets_are_app_reset():
     assert p.cause == "app_reset" and "holds no socket of them" in p.steps[-1].text
     p = predict(_inflight([ep], True))
     assert p.cause is None and "held by the endpoint's socket" in p.steps[-1].text
+
+
+# -- the namespace's counters: conntrack table (conntrack_full), checksum errors (checksum) ----
+
+def _counters(count=10, cmax=256, moved=None, **more):
+    _, facts = load(FIX / "healthy-0.json")
+    c = {"nf_conntrack_count": count, "nf_conntrack_max": cmax, "drop": 0, "insert_failed": 0,
+         "early_drop": 0, "TcpInCsumErrors": 0, "UdpInCsumErrors": 0, **more}
+    return replace(facts, counters=c, moved=moved)
+
+
+def test_a_full_table_predicts_conntrack_full_before_any_rule():
+    _, facts = load(FIX / "conntrack-table-full-0.json")
+    p = predict(facts)
+    step = next(s for s in p.steps if s.cause == "conntrack_full")
+    assert step.stage == "conntrack" and "257/256 entries" in step.text
+    assert "drop 4 (+3 in 1.09 s)" in step.text and "insert_failed 0" in step.text
+    assert "nf_conntrack_max=512" in step.text and "timeouts that fill it" in step.text
+    # the SYN never reaches kube-proxy's rules: no endpoint is judged (its probes timed out)
+    assert p.endpoints == {} and p.service == "default/web:http"
+    assert p.summary == "predicted: conntrack_full"
+
+
+def test_conntrack_table_with_room_nearly_full_and_dropping():
+    p = predict(_counters(100, moved={"seconds": 1.0, "drop": 0}))
+    assert p.cause is None
+    assert any(s.stage == "conntrack" and s.text == "conntrack table 100/256 entries (39%); "
+               "conntrack -S: drop 0, insert_failed 0, early_drop 0" for s in p.steps)
+    p = predict(_counters(240))                                     # 93%: a warning, no cause
+    step = next(s for s in p.steps if s.stage == "conntrack")
+    assert p.cause is None and step.cause is None and "nearly full" in step.text
+    assert "nf_conntrack_max=512" in step.text
+    assert predict(_counters(255)).cause == "conntrack_full"        # within 1% (classify's rule)
+    # conntrack's drop counter moving while explain ran is enough (classify's rule again)
+    p = predict(_counters(100, moved={"seconds": 1.2, "drop": 2}))
+    assert p.cause == "conntrack_full"
+    assert "conntrack dropped 2 new connections while explain ran" in p.steps[-1].text
+    assert predict(replace(_counters(), counters={})).cause is None  # not readable: no step
+
+
+def test_checksum_errors_moving_while_explain_ran_predict_checksum():
+    p = predict(_counters(moved={"seconds": 8.2, "TcpInCsumErrors": 4}, TcpInCsumErrors=7))
+    step = next(s for s in p.steps if s.cause == "checksum")
+    assert p.cause == "checksum" and step.stage == "ingress"
+    assert step.text.startswith("TcpInCsumErrors 7 (+4 in 8.2 s), UdpInCsumErrors 0")
+    assert "tx-checksum-ip-generic off" in step.text
+    # counted before, not while explain ran: said, no cause (a fault elsewhere needs traffic)
+    p = predict(_counters(moved={"seconds": 1.1, "TcpInCsumErrors": 0}, TcpInCsumErrors=7))
+    assert p.cause is None
+    assert any("none in the last 1.1 s" in s.text and "--confirm" in s.text for s in p.steps)
+    assert any("read once" in s.text for s in predict(_counters()).steps)
+
+
+SNMP = """Ip: Forwarding DefaultTTL InReceives
+Ip: 1 64 111425
+Tcp: RtoAlgorithm InSegs OutRsts InCsumErrors
+Tcp: 1 110615 1854 3
+Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors InCsumErrors
+Udp: 807 0 0 812 0 0 5
+UdpLite: InDatagrams InCsumErrors
+UdpLite: 0 9
+"""
+
+
+def test_counter_readers():
+    from nptrace.explain.gather import csum_errors, moved
+    assert csum_errors(SNMP) == {"TcpInCsumErrors": 3, "UdpInCsumErrors": 5}
+    assert csum_errors("") == {}
+    assert moved({"drop": 1, "TcpInCsumErrors": 3, "nf_conntrack_count": 9},
+                 {"drop": 4, "TcpInCsumErrors": 3, "nf_conntrack_count": 2}, 1.234) == \
+        {"seconds": 1.23, "drop": 3, "TcpInCsumErrors": 0}
+
+
+def test_conntrack_stat_sums_each_column(tmp_path):
+    from nptrace.node.knowledge import conntrack_drops, conntrack_stat
+    p = tmp_path / "nf_conntrack"
+    p.write_text("entries insert_failed drop early_drop\n"
+                 "00000101 00000001 00000004 00000000\n00000101 00000002 0000000a 00000003\n")
+    got = conntrack_stat(p)
+    assert (got["insert_failed"], got["drop"], got["early_drop"]) == (3, 14, 3)
+    assert conntrack_drops(p) == 14 and conntrack_stat(tmp_path / "absent") is None
