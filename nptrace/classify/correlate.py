@@ -378,8 +378,9 @@ class Classifier:
         flows, cap = self.flows, self.ctx.max_flows
         kmap, strong, weak = self.keys, self.strong, self.weak
         ctx = self.ctx
+        popitem = flows.popitem
         while len(flows) > cap:
-            flow = next(iter(flows))
+            flow = popitem(False)[0]         # the oldest, out of flows in the same call
             pending = flow.pending
             if pending:
                 if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
@@ -393,7 +394,6 @@ class Classifier:
             for k in flow.keys:
                 if kmap.get(k) is flow:
                     del kmap[k]
-            del flows[flow]
             if strong:
                 strong.pop(flow, None)
             if weak:
