@@ -11,10 +11,20 @@ pipeline  what `nptrace run --json` does per record after the ring walk (the dec
           storm). A second run feeds the storm's real mix (4 records per reset: kfree_skb of
           the SYN, tcp_send_reset, the RST on tc egress, kfree_skb of the RST at the client).
           Both report labeled records/s against the target, >= 200,000/s (issue #16), and
-          resets/s beside it. (Measured on the 2-core lab VM, CPython 3.11: the design's floor,
-          one Flow, Verdict and JSON line per reset held in a 16384-flow queue with no rules,
-          no lookups and a constant line, is ~230k records/s; the rest is the rules, the
-          Context lookups and the evidence.)
+          resets/s beside it. Both run the live loop's code: the label memo
+          (classify/labelmemo.py: a record's own label kept by the values its rules read) and
+          the one-event line template (sinks/jsonl.py) are on, as in `nptrace run`.
+          Measured on the 2-core lab VM, CPython 3.11, 2026-12-01, in CPU time of 3 runs
+          alternating with main's tree (wall time moved 50k-160k/s with the VM's load that
+          hour): single 90k/s before, 108k/s after; mix 142k/s before, 161k/s after. A stripped
+          loop that keeps only what correlation needs per reset (one Flow in the key map and
+          the two time queues, eviction past 16384 flows with the incident's lookups, a line
+          from a template; no rules, no Event, Labeled or Verdict objects, no queue-head
+          bookkeeping) runs at ~207k/s, 4.8 us a record: the floor of this design in CPython.
+          What is left above it (py-spy, single): the JSON line 24% (a third of it the float
+          repr of the two times), the record loop of feed_many 22% (its dict inserts over
+          16384 live flows), eviction and queue heads 18%, decode 10%, the incident's lookups
+          and Verdict 15%.
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
 reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
 (sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:

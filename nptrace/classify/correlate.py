@@ -25,9 +25,10 @@ from typing import Iterable, Iterator
 from nptrace import names
 from nptrace.events import Event
 
-from .rules import UNKNOWN_HINT, rules_for
+from .labelmemo import LabelMemo, run_rules
+from .rules import rules_for
 from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
-                      T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, WEAK_DROPS, Context, Labeled,
+                      T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, Context, Labeled,
                       Verdict, reason_name)
 
 
@@ -103,7 +104,7 @@ class Classifier:
     (a head touched, a first flow into an empty queue, a NAT merge) makes it tick again
     earlier. Incidents are still cut exactly where `tick` before every event would cut them."""
 
-    def __init__(self, ctx: Context | None = None):
+    def __init__(self, ctx: Context | None = None, memo_labels: bool = True):
         self.ctx = ctx or Context()
         self.keys: dict = {}                                   # flow key -> Flow
         self.flows: OrderedDict[Flow, Flow] = OrderedDict()    # by last event, oldest first
@@ -111,6 +112,8 @@ class Classifier:
         self.weak: OrderedDict[Flow, Flow] = OrderedDict()     # open weak incidents, by first event
         self.now_ns = 0
         self._rules: dict[tuple, list] = {}    # (type, reason name) -> the RULES that can match
+        # labels by the values their rules read (None: the rules every time; tests compare)
+        self.memo: LabelMemo | None = LabelMemo() if memo_labels else None
         self._due_ns = _NEVER_VALID            # tick before any event at or after this time
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
 
@@ -218,6 +221,8 @@ class Classifier:
         nat = ctx.nat_peer
         drop_name, rst_name = ctx.drop_name, ctx.rst_name
         rules_of = self._rules
+        memo = self.memo
+        roots = memo.roots if memo is not None else _NO_ROOTS
         for ev in events:
             # Report what went quiet BEFORE this event joins its flow: incident boundaries
             # then depend on event times only, so a replay cuts incidents as the live run did.
@@ -279,19 +284,30 @@ class Classifier:
             if t in EVIDENCE_ONLY:
                 lab = _tuple_new(Labeled, (ev, rname, None, 0.0, ""))
             else:
-                rules = rules_of.get((t, rname))
-                if rules is None:
-                    rules = _rules_of(rules_of, t, rname)
-                for rule in rules:
-                    got = rule(ev, rname, pending, ctx)
-                    if got:
-                        lab = _tuple_new(Labeled, (ev, rname, *got)) \
-                            if type(got) is tuple and len(got) == 3 else Labeled(ev, rname, *got)
-                        break
+                # the label kept for the values its rules read (labelmemo.py), else the rules
+                node = roots.get((t, rname))
+                key = val = None
+                while node is not None:
+                    key = node[0](ev)
+                    val = node[2].get(key)
+                    if type(val) is list:        # a node below: another branch of the rules
+                        node = val
+                        continue
+                    if val is None:
+                        for getter, _fields, table in node[3]:     # a branch that read fewer fields
+                            val = table.get(getter(ev))
+                            if val is not None:
+                                break
+                    break
+                if type(val) is tuple:
+                    lab = _tuple_new(Labeled, (ev, rname, *val))
                 else:
-                    lab = _tuple_new(Labeled, (ev, rname, None, 0.0, "")) \
-                        if t == T_DROP and rname in WEAK_DROPS else \
-                        _tuple_new(Labeled, (ev, rname, "unknown", 0.0, UNKNOWN_HINT))
+                    rules = rules_of.get((t, rname))
+                    if rules is None:
+                        rules = _rules_of(rules_of, t, rname)
+                    got = memo.label(ev, rname, pending, ctx, rules, t, node, key, val) \
+                        if memo is not None else run_rules(ev, rname, pending, ctx, rules, t)
+                    lab = _tuple_new(Labeled, (ev, rname, *got))
             if not pending:
                 flow.first_ns = ts
                 flow.strong = False
@@ -362,8 +378,9 @@ class Classifier:
         flows, cap = self.flows, self.ctx.max_flows
         kmap, strong, weak = self.keys, self.strong, self.weak
         ctx = self.ctx
+        popitem = flows.popitem
         while len(flows) > cap:
-            flow = next(iter(flows))
+            flow = popitem(False)[0]         # the oldest, out of flows in the same call
             pending = flow.pending
             if pending:
                 if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
@@ -377,7 +394,6 @@ class Classifier:
             for k in flow.keys:
                 if kmap.get(k) is flow:
                     del kmap[k]
-            del flows[flow]
             if strong:
                 strong.pop(flow, None)
             if weak:
@@ -570,6 +586,7 @@ def _ts_key(l: Labeled) -> int:
 # reason_name of the types whose reason is their type's name (not a drop, reset or ICMP one)
 _TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
                 if t not in (T_DROP, T_RST_SENT, T_ICMP, T_WIRE_ICMP)}
+_NO_ROOTS: dict = {}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
 _DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
