@@ -256,7 +256,8 @@ class Tracer:
             self.pods = PodNames(self.outputs.node, api=kubeapi.from_env(), log=log).start()
             if self.pods.source != "none":
                 log(f"pods named from {self.pods.source}")
-            lookups = dict(iface_name=names.iface, service_of=kn.service_of,
+            lookups = dict(iface_name=names.iface, iface_peer=names.veth_peer,
+                           service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
                            route_iface=kn.route_iface, nat_peer=self._nat_peer,
                            pod_of=self.pods.pod_of, pod_of_netns=self.pods.pod_of_netns)
@@ -265,7 +266,7 @@ class Tracer:
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
                 for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of",
-                             "pod_of_netns"):
+                             "pod_of_netns", "iface_peer"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         self._start_exact(names, drops, rsts)

@@ -347,11 +347,16 @@ def rule_checksum(ev, rname, history, ctx):
         what = f"a VXLAN packet from {ev.outer_saddr} (inner {{saddr}}:{{sport}})"
     else:
         what += " from {saddr}:{sport} to {daddr}:{port}"
+    peer = ctx.iface_peer(ev.netns, ev.ifindex) if ev.ifindex else None
+    if peer:      # the path shows the sender: the veth's other end
+        sender, dev = f"{peer}, the other end of the veth {{iface}},", peer.rpartition("/")[2]
+    else:
+        sender, dev = ("the device that sent it (the peer of {iface} for a veth, the VXLAN "
+                       "device of the sending node for an overlay)"), "<dev>"
     return ("checksum", 0.9,
             what + " arrived on {iface} with a bad checksum and the kernel dropped it "
-            f"({rname}): the device that sent it (the peer of {{iface}} for a veth, the VXLAN "
-            "device of the sending node for an overlay) computed or offloaded the checksum "
-            "before the packet was rewritten. Turn its TX checksum offload off (`ethtool -K <dev> "
+            f"({rname}): {sender} computed or offloaded the checksum before the packet was "
+            f"rewritten. Turn its TX checksum offload off (`ethtool -K {dev} "
             "tx-checksum-ip-generic off`, or the CNI's setting) and count the errors with "
             "`nstat -az TcpInCsumErrors UdpInCsumErrors`")
 

@@ -56,12 +56,19 @@ def live_namespaces(proc: Path = Path("/proc")) -> set[int]:
 MAX_CACHED_NAMESPACES = 1024
 
 _RTM_NEWLINK, _RTM_GETLINK = 16, 18
-_IFLA_IFNAME = 3
+_IFLA_IFNAME, _IFLA_LINK, _IFLA_LINKINFO, _IFLA_LINK_NETNSID = 3, 5, 18, 37
+_IFLA_INFO_KIND = 1
 _IFINFO_LEN = 16                        # struct ifinfomsg
+_RTM_NEWNSID, _RTM_GETNSID = 88, 90
+_NETNSA_NSID, _NETNSA_FD = 1, 3
+_RTGENMSG_LEN = 4                       # struct rtgenmsg, padded
+_NLA_HDR = struct.Struct("=HH")
 
 
-def parse_links(data: bytes) -> tuple[dict[int, str], bool]:
-    """({ifindex: name} of the RTM_NEWLINK messages in one recv, dump finished)."""
+def parse_links(data: bytes, veths: dict | None = None) -> tuple[dict[int, str], bool]:
+    """({ifindex: name} of the RTM_NEWLINK messages in one recv, dump finished). With `veths`,
+    also fills {ifindex: (peer ifindex, peer netnsid or None)} for each veth: IFLA_LINK is the
+    peer's index in the namespace IFLA_LINK_NETNSID names (absent: this one)."""
     out: dict[int, str] = {}
     for mtype, start, end in messages(data):
         if mtype == NLMSG_DONE:
@@ -70,37 +77,99 @@ def parse_links(data: bytes) -> tuple[dict[int, str], bool]:
             raise error_of(data, start)
         if mtype == _RTM_NEWLINK and end - start >= NLMSG.size + _IFINFO_LEN:
             index = struct.unpack_from("=i", data, start + NLMSG.size + 4)[0]
+            link = nsid = kind = None
             for atype, payload in attrs(data, start + NLMSG.size + _IFINFO_LEN, end):
                 if atype == _IFLA_IFNAME:
                     out[index] = payload.split(b"\0", 1)[0].decode(errors="replace")
-                    break
+                    if veths is None:
+                        break
+                elif atype == _IFLA_LINK and len(payload) >= 4:
+                    link = struct.unpack_from("=i", payload)[0]
+                elif atype == _IFLA_LINK_NETNSID and len(payload) >= 4:
+                    nsid = struct.unpack_from("=i", payload)[0]
+                elif atype == _IFLA_LINKINFO:
+                    for itype, ipayload in attrs(payload, 0, len(payload)):
+                        if itype == _IFLA_INFO_KIND:
+                            kind = ipayload.split(b"\0", 1)[0]
+            if veths is not None and kind == b"veth" and link:
+                veths[index] = (link, nsid)
     return out, False
 
 
-def link_names(path: str | None) -> dict[int, str]:
-    """{ifindex: name} of the namespace at `path` (None: ours), by an RTM_GETLINK dump over a
-    netlink socket opened in it. In-process: a storm's first events from a namespace used to
-    fork `ip -j link show` (a fork of a 100 MB process, then ip itself)."""
+def _rtnl_in(path: str | None) -> socket.socket:
     sock = run_in(path, lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
                                               socket.NETLINK_ROUTE), "npt-links")
-    with sock:
-        sock.settimeout(5)
+    sock.settimeout(5)
+    return sock
+
+
+def link_names(path: str | None, veths: dict | None = None) -> dict[int, str]:
+    """{ifindex: name} of the namespace at `path` (None: ours), by an RTM_GETLINK dump over a
+    netlink socket opened in it (and its veths' peers into `veths`, see parse_links).
+    In-process: a storm's first events from a namespace used to fork `ip -j link show` (a
+    fork of a 100 MB process, then ip itself)."""
+    with _rtnl_in(path) as sock:
         req = request(_RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1, bytes(_IFINFO_LEN))
         sock.send(req)
         out: dict[int, str] = {}
         done = False
         while not done:
-            got, done = parse_links(sock.recv(1 << 16))
+            got, done = parse_links(sock.recv(1 << 16), veths)
             out.update(got)
         return out
 
 
-def link_names_or_none(path: str | None) -> dict[int, str]:
+def link_names_or_none(path: str | None, veths: dict | None = None) -> dict[int, str]:
     """link_names(), or {} when the namespace cannot be read (gone, no permission)."""
     try:
-        return link_names(path)
+        return link_names(path, veths)
     except OSError:
         return {}
+
+
+def nsid_request(fd: int, seq: int = 1) -> bytes:
+    """RTM_GETNSID for the namespace open at `fd`: its id as the asking namespace names it."""
+    attr = _NLA_HDR.pack(8, _NETNSA_FD) + struct.pack("=I", fd)
+    return request(_RTM_GETNSID, NLM_F_REQUEST, seq, bytes(_RTGENMSG_LEN) + attr)
+
+
+def parse_nsid(data: bytes) -> int | None:
+    """NETNSA_NSID of an RTM_NEWNSID answer (None: the namespace has no id here)."""
+    for mtype, start, end in messages(data):
+        if mtype == NLMSG_ERROR:
+            raise error_of(data, start)
+        if mtype == _RTM_NEWNSID:
+            for atype, payload in attrs(data, start + NLMSG.size + _RTGENMSG_LEN, end):
+                if atype == _NETNSA_NSID and len(payload) >= 4:
+                    nsid = struct.unpack_from("=i", payload)[0]
+                    return None if nsid < 0 else nsid
+    return None
+
+
+def nsids_seen_from(path: str | None, candidates: dict[int, str]) -> dict[int, int]:
+    """{nsid: inode} of the `candidates` ({inode: path}) as the namespace at `path` names
+    them (the ids IFLA_LINK_NETNSID carries there); {} when it cannot be asked."""
+    out: dict[int, int] = {}
+    try:
+        sock = _rtnl_in(path)
+    except OSError:
+        return out
+    with sock:
+        for seq, (inode, cpath) in enumerate(candidates.items(), 1):
+            try:
+                fd = os.open(cpath, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                sock.send(nsid_request(fd, seq))
+                nsid = parse_nsid(sock.recv(1 << 12))
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if nsid is not None:
+                out[nsid] = inode
+    return out
 
 
 class Names:
@@ -108,6 +177,8 @@ class Names:
         self.refresh_s = refresh_s
         self._ns: dict[int, str] = {}
         self._links: dict[int, dict[int, str]] = {}
+        self._veths: dict[int, dict[int, tuple]] = {}     # inode -> parse_links' veths
+        self._nsids: dict[int, tuple[float, dict[int, int]]] = {}   # inode -> (when, nsid map)
         self._last_scan: dict[int, float] = {}
         try:
             self.host = host_inode()
@@ -136,20 +207,62 @@ class Names:
                     continue
         return None
 
-    def _load_links(self, inode: int) -> dict[int, str]:
+    def _path(self, inode: int) -> tuple[bool, str | None]:
+        """(found, path to open it; None for the host: where nptrace runs)."""
         name = self._ns.get(inode)
         if name == "":
-            return link_names_or_none(None)    # the host: where nptrace runs
+            return True, None
         if name:
-            return link_names_or_none(str(RUN_NETNS / name))
+            return True, str(RUN_NETNS / name)
         pid = self._pid_in(inode)
-        return link_names_or_none(f"/proc/{pid}/ns/net") if pid else {}
+        return (True, f"/proc/{pid}/ns/net") if pid else (False, None)
+
+    def _load_links(self, inode: int) -> dict[int, str]:
+        found, path = self._path(inode)
+        veths: dict[int, tuple] = {}
+        links = link_names_or_none(path, veths) if found else {}
+        self._veths[inode] = veths
+        return links
+
+    def veth_peer(self, netns: int, ifindex: int) -> str | None:
+        """The name (as iface() gives it) of the other end of the veth `ifindex` in `netns`,
+        or None (not a veth, or its peer's namespace is not one nptrace can name)."""
+        if self.iface(netns, ifindex) is None:      # loads the namespace's links and veths
+            return None
+        v = self._veths.get(netns, {}).get(ifindex)
+        if v is None:
+            return None
+        link, nsid = v
+        if nsid is None:                            # both ends in one namespace
+            return self.iface(netns, link)
+        peer_ns = self._nsid_map(netns).get(nsid)
+        return self.iface(peer_ns, link) if peer_ns else None
+
+    def _nsid_map(self, netns: int) -> dict[int, int]:
+        """{nsid: inode} of the namable namespaces as `netns` numbers them, refreshed at most
+        every refresh_s (a veth's peer namespace is asked for only on a rare drop)."""
+        now = time.monotonic()
+        hit = self._nsids.get(netns)
+        if hit is not None and now - hit[0] < self.refresh_s:
+            return hit[1]
+        self._rescan_ns()
+        found, path = self._path(netns)
+        cands = {i: ("/proc/self/ns/net" if n == "" else str(RUN_NETNS / n))
+                 for i, n in self._ns.items() if i != netns}
+        got = nsids_seen_from(path, cands) if found else {}
+        while len(self._nsids) >= MAX_CACHED_NAMESPACES:
+            del self._nsids[next(iter(self._nsids))]
+        self._nsids[netns] = (now, got)
+        return got
 
     def prune(self, alive) -> int:
         """Forget the namespaces not in `alive` (live_namespaces()); returns how many."""
         gone = [i for i in self._links if i not in alive]
         for i in gone:
             self._links.pop(i, None)
+        for cache in (self._veths, self._nsids):
+            for i in [i for i in cache if i not in alive]:
+                del cache[i]
         for i in [i for i in self._last_scan if i not in alive]:
             del self._last_scan[i]
         return len(gone)

@@ -258,6 +258,7 @@ def NF_RULE(v, where):
 LOOKUPS = {
     "endpoint_of": (Tuple(ADDR, PORT), Opt(NAME)),
     "route_iface": (Tuple(NETNS, ADDR), Opt(NAME)),
+    "iface_peer": (Tuple(NETNS, U32), Opt(NAME)),
     "nat_peer": (Tuple(ADDR, PORT, ADDR, PORT), Opt(Tuple(ADDR, PORT, ADDR, PORT))),
     "nf_rule": (Tuple(NETNS, ADDR, ADDR, PORT, ADDR, PORT, _bool, _bool), Opt(NF_RULE)),
 }

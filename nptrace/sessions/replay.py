@@ -70,6 +70,7 @@ def context_from_header(h: dict, known: LookupTables) -> Context:
                    service_of=lambda a, p: get(SERVICE, (a, p)),
                    endpoint_of=recorded("endpoint_of"), nf_rule=recorded("nf_rule"),
                    route_iface=recorded("route_iface"), nat_peer=recorded("nat_peer"),
+                   iface_peer=recorded("iface_peer"),
                    pod_of=recorded("pod_of"), pod_of_netns=recorded("pod_of_netns"))
 
 

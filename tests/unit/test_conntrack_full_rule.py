@@ -83,3 +83,17 @@ def test_bad_tcp_checksum_is_checksum_naming_the_interface():
     assert "arrived on npt-node1/eth1 with a bad checksum" in v.hint and "TCP_CSUM" in v.hint
     assert "ethtool -K" in v.hint and "192.168.10.100:40000" in v.hint
     assert "checksum" in CAUSES and PRIORITY[0] == "checksum"
+    assert "the peer of npt-node1/eth1 for a veth" in v.hint
+
+
+def test_checksum_hint_names_the_veth_peer_that_sent_it():
+    names = {10: "TCP_CSUM"}
+    ctx = Context(drop_name=lambda v: names.get(v, f"R{v}"),
+                  iface_name=lambda ns, i: {7: "npt-node1/eth1"}.get(i),
+                  iface_peer=lambda ns, i: "npt-mbox/east" if i == 7 else None)
+    e = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=10, ifindex=7,
+                            tcpflags=ev.TCP_SYN, ts_ns=1000, saddr="192.168.10.100", sport=40000,
+                            daddr="192.168.10.11", dport=30080))
+    [v] = classify([e], ctx)
+    assert "npt-mbox/east, the other end of the veth npt-node1/eth1," in v.hint
+    assert "ethtool -K east tx-checksum-ip-generic off" in v.hint

@@ -74,6 +74,11 @@ def _check_decoders(data: bytes) -> None:
     try:
         got, done = netns.parse_links(data)
         assert isinstance(got, dict) and isinstance(done, bool)
+        veths: dict = {}
+        assert netns.parse_links(data, veths)[0] == got
+        assert all(type(p) is int and (n is None or type(n) is int) for p, n in veths.values())
+        nsid = netns.parse_nsid(data)
+        assert nsid is None or nsid >= 0
     except OSError:
         pass        # an NLMSG_ERROR message: the documented answer, link_names_or_none's case
 
