@@ -32,7 +32,9 @@ def _mem_with(size, orig, reply, ends):
     mem = bytearray(size * natpeers.NAT_SLOT)
     for addr, port in ends:
         o = natpeers.nat_set(socket.inet_pton(socket.AF_INET, addr) + bytes(12), port, size) * natpeers.NAT_SLOT
-        mem[o:o + 72] = natpeers.nat_key(*orig) + natpeers.nat_key(*reply)
+        mem[o:o + 36] = natpeers.nat_key(*orig)
+        mem[o + 61] = 1                                 # nat: the pair is there
+        mem[o + 64:o + 100] = natpeers.nat_key(*reply)
     return bytes(mem)
 
 
