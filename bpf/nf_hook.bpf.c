@@ -100,17 +100,18 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 static __always_inline void npt_nat_store(const u8 *addr, u16 port, const struct npt_nat_key *orig,
 					  const struct npt_nat_key *reply, u64 now)
 {
-	u32 i = npt_conn_set(addr, port), j = i + 1;
-	struct npt_conn_slot *a = conn_slots.lookup(&i), *b = conn_slots.lookup(&j);
-	if (!a || !b)
+	u32 i = npt_conn_set_of(addr, port);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
+	if (!c)
 		return;
-	struct npt_conn_slot *s;
-	if (npt_nat_key_eq(&a->key, orig)) {
-		s = a;
-	} else if (npt_nat_key_eq(&b->key, orig)) {
-		s = b;
+	int w;
+	if (npt_nat_key_eq(&c->way[0].key, orig)) {
+		w = 0;
+	} else if (npt_nat_key_eq(&c->way[1].key, orig)) {
+		w = 1;
 	} else {
-		s = a->syn_ns <= b->syn_ns ? a : b;
+		w = c->way[0].syn_ns <= c->way[1].syn_ns ? 0 : 1;
+		struct npt_conn_slot *s = &c->way[w];
 		s->key = *orig;
 		s->netns = 0;       /* no SYN tc saw: tc's lookups pass it by */
 		s->syn_ns = now;
@@ -118,8 +119,8 @@ static __always_inline void npt_nat_store(const u8 *addr, u16 port, const struct
 		s->syns = 0;
 		s->reported = 0;
 	}
-	s->peer = *reply;
-	s->nat = 1;
+	c->nat[w].peer = *reply;
+	c->way[w].nat = 1;
 }
 
 /* skb->_nfct carries enum ip_conntrack_info in its low 3 bits (include/linux/skbuff.h

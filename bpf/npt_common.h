@@ -122,7 +122,7 @@ static __always_inline void npt_count(struct npt_event *e)
  * TLB miss in a 16 MiB array, ~0.3 us there: tc's SYN slot and the NAT slot were two such
  * writes, in two maps, per NodePort connection; one slot per connection makes the second
  * write land on the line tc's just brought in (and its neighbour). A new connection takes its
- * own slot of its set, else the empty or the older one (npt_conn_set; nptrace/kernel/natpeers.py
+ * own slot of its set, else the empty or the older one (npt_conn_set_of; nptrace/kernel/natpeers.py
  * computes the same set and compares the tuples). A slot survives t seconds at R new
  * connections/s with probability e^-x (1 + x), x = 2 R t / NPT_CONN_SLOTS (twice that with
  * SNAT: 99.7% (99%) for 5 s at 1k/s with 131072 slots, 82% (56%) at 10k/s); a SYN watched in
@@ -136,12 +136,11 @@ static __always_inline void npt_count(struct npt_event *e)
  * per way and direction, a storm's unlinked records cost four syscalls each. It also aligns
  * them: an mmapable array's values start on a page (kernel/bpf/arraymap.c), a plain one's at
  * offsetof(struct bpf_array, value), 312 on 6.18, so each slot would straddle a line more. */
-BPF_F_TABLE("array", u32, struct npt_conn_slot, conn_slots, NPT_CONN_SETS * NPT_CONN_WAYS,
-	    BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct npt_conn_set, conn_slots, NPT_CONN_SETS, BPF_F_MMAPABLE);
 
-/* First slot of the set of the end addr:port (16-byte address). Mirrored by
- * nptrace/kernel/natpeers.py nat_set(); keep the two identical. */
-static __always_inline u32 npt_conn_set(const u8 *addr, u16 port)
+/* The set of the end addr:port (16-byte address). Mirrored by nptrace/kernel/natpeers.py
+ * nat_set() (which numbers slots: set * 2); keep the two identical. */
+static __always_inline u32 npt_conn_set_of(const u8 *addr, u16 port)
 {
 	const u32 *w = (const u32 *)addr;
 	u32 h = port;
@@ -149,7 +148,7 @@ static __always_inline u32 npt_conn_set(const u8 *addr, u16 port)
 	for (int i = 0; i < 4; i++)
 		h = (h ^ w[i]) * 0x9E3779B1u;
 	h ^= h >> 16;
-	return (h % NPT_CONN_SETS) * NPT_CONN_WAYS;
+	return h % NPT_CONN_SETS;
 }
 #endif /* NPT_WITH_TC || NPT_NAT_VIEW */
 
@@ -166,35 +165,40 @@ static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const str
 	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
 }
 
-/* k's other tuple from one slot: 1 and *peer when k is either of the slot's tuples. */
-static __always_inline int npt_nat_match(const struct npt_conn_slot *s, const struct npt_nat_key *k,
-					 struct npt_nat_key *peer)
+/* k's other tuple from one way of a set: 1 and *peer when k is either of its tuples. */
+static __always_inline int npt_nat_match(const struct npt_conn_slot *s,
+					 const struct npt_nat_key *reply,
+					 const struct npt_nat_key *k, struct npt_nat_key *peer)
 {
-	if (!s || !s->nat)
+	if (!s->nat)
 		return 0;
 	if (npt_nat_key_eq(&s->key, k)) {
-		*peer = s->peer;
+		*peer = *reply;
 		return 1;
 	}
-	if (npt_nat_key_eq(&s->peer, k)) {
+	if (npt_nat_key_eq(reply, k)) {
 		*peer = s->key;
 		return 1;
 	}
 	return 0;
 }
 
+static __always_inline int npt_nat_match_set(u32 i, const struct npt_nat_key *k,
+					     struct npt_nat_key *peer)
+{
+	struct npt_conn_set *c = conn_slots.lookup(&i);
+	if (!c)
+		return 0;
+	return npt_nat_match(&c->way[0], &c->nat[0].peer, k, peer) ||
+	       npt_nat_match(&c->way[1], &c->nat[1].peer, k, peer);
+}
+
 /* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
  * hook wrote: 1 and *peer, or 0. The client end is k's source or destination: both sets. */
 static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
 {
-	u32 i = npt_conn_set(k->src, k->sport), j = i + 1;
-	if (npt_nat_match(conn_slots.lookup(&i), k, peer) ||
-	    npt_nat_match(conn_slots.lookup(&j), k, peer))
-		return 1;
-	i = npt_conn_set(k->dst, k->dport);
-	j = i + 1;
-	return npt_nat_match(conn_slots.lookup(&i), k, peer) ||
-	       npt_nat_match(conn_slots.lookup(&j), k, peer);
+	return npt_nat_match_set(npt_conn_set_of(k->src, k->sport), k, peer) ||
+	       npt_nat_match_set(npt_conn_set_of(k->dst, k->dport), k, peer);
 }
 #endif /* NPT_NAT_VIEW */
 

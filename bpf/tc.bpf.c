@@ -253,11 +253,12 @@ static __always_inline int npt_tc_mine(const struct npt_conn_slot *s, const u8 *
 static __always_inline struct npt_conn_slot *npt_tc_find(const u8 *client, u16 cport, u32 netns,
 							 u8 family, struct npt_conn_slot **victim)
 {
-	u32 i = npt_conn_set(client, cport), j = i + 1;
-	struct npt_conn_slot *a = conn_slots.lookup(&i), *b = conn_slots.lookup(&j);
+	u32 i = npt_conn_set_of(client, cport);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
 	*victim = 0;
-	if (!a || !b)
+	if (!c)
 		return 0;
+	struct npt_conn_slot *a = &c->way[0], *b = &c->way[1];
 	if (npt_tc_mine(a, client, cport, netns, family))
 		return a;
 	if (npt_tc_mine(b, client, cport, netns, family))

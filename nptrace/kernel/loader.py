@@ -234,10 +234,10 @@ class Probes:
         except KeyError:
             return (b"", 0, (0,))
         size = len(m)
-        if ct.sizeof(m.Leaf) != natpeers.NAT_SLOT:
-            raise LoadError(f"conn_slots slot is {ct.sizeof(m.Leaf)} bytes, loader expects "
-                            f"{natpeers.NAT_SLOT}")
-        length = -(-size * natpeers.NAT_SLOT // mmap.PAGESIZE) * mmap.PAGESIZE
+        if ct.sizeof(m.Leaf) != natpeers.CONN_SET:
+            raise LoadError(f"conn_slots set is {ct.sizeof(m.Leaf)} bytes, loader expects "
+                            f"{natpeers.CONN_SET}")
+        length = -(-size * natpeers.CONN_SET // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             mem = mmap.mmap(m.map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
             flag = mmap.mmap(u.map_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
