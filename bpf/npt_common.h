@@ -165,40 +165,37 @@ static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const str
 	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
 }
 
-/* k's other tuple from one way of a set: 1 and *peer when k is either of its tuples. */
-static __always_inline int npt_nat_match(const struct npt_conn_slot *s,
-					 const struct npt_nat_key *reply,
-					 const struct npt_nat_key *k, struct npt_nat_key *peer)
+/* k's other tuple from one way of a set (a pointer into the map: no 36-byte copy on the
+ * stack, which tcp_send_reset's program with --host has no room for), or 0. */
+static __always_inline const struct npt_nat_key *npt_nat_match(const struct npt_conn_slot *s,
+							       const struct npt_nat_key *reply,
+							       const struct npt_nat_key *k)
 {
 	if (!s->nat)
 		return 0;
-	if (npt_nat_key_eq(&s->key, k)) {
-		*peer = *reply;
-		return 1;
-	}
-	if (npt_nat_key_eq(reply, k)) {
-		*peer = s->key;
-		return 1;
-	}
+	if (npt_nat_key_eq(&s->key, k))
+		return reply;
+	if (npt_nat_key_eq(reply, k))
+		return &s->key;
 	return 0;
 }
 
-static __always_inline int npt_nat_match_set(u32 i, const struct npt_nat_key *k,
-					     struct npt_nat_key *peer)
+static __always_inline const struct npt_nat_key *npt_nat_match_set(u32 i,
+								   const struct npt_nat_key *k)
 {
 	struct npt_conn_set *c = conn_slots.lookup(&i);
 	if (!c)
 		return 0;
-	return npt_nat_match(&c->way[0], &c->nat[0].peer, k, peer) ||
-	       npt_nat_match(&c->way[1], &c->nat[1].peer, k, peer);
+	const struct npt_nat_key *p = npt_nat_match(&c->way[0], &c->nat[0].peer, k);
+	return p ? p : npt_nat_match(&c->way[1], &c->nat[1].peer, k);
 }
 
 /* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
- * hook wrote: 1 and *peer, or 0. The client end is k's source or destination: both sets. */
-static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
+ * hook wrote, or 0. The client end is k's source or destination: both sets. */
+static __always_inline const struct npt_nat_key *npt_nat_find(const struct npt_nat_key *k)
 {
-	return npt_nat_match_set(npt_conn_set_of(k->src, k->sport), k, peer) ||
-	       npt_nat_match_set(npt_conn_set_of(k->dst, k->dport), k, peer);
+	const struct npt_nat_key *p = npt_nat_match_set(npt_conn_set_of(k->src, k->sport), k);
+	return p ? p : npt_nat_match_set(npt_conn_set_of(k->dst, k->dport), k);
 }
 #endif /* NPT_NAT_VIEW */
 
@@ -239,21 +236,21 @@ static __always_inline u64 npt_flow_hash(struct npt_event *e)
 		u32 zero = 0;
 		u64 *used = nat_used.lookup(&zero);
 		if (used && *used) {
-			struct npt_nat_key k = {}, peer;
+			struct npt_nat_key k = {};
 			__builtin_memcpy(k.src, e->saddr, 16);
 			__builtin_memcpy(k.dst, e->daddr, 16);
 			k.sport = e->sport;
 			k.dport = e->dport;
-			int found = npt_nat_find(&k, &peer);
-			if (!found) {            /* a packet of the other direction */
+			const struct npt_nat_key *peer = npt_nat_find(&k);
+			if (!peer) {             /* a packet of the other direction */
 				__builtin_memcpy(k.src, e->daddr, 16);
 				__builtin_memcpy(k.dst, e->saddr, 16);
 				k.sport = e->dport;
 				k.dport = e->sport;
-				found = npt_nat_find(&k, &peer);
+				peer = npt_nat_find(&k);
 			}
-			if (found)
-				p = npt_tuple_hash(peer.src, peer.sport, peer.dst, peer.dport);
+			if (peer)
+				p = npt_tuple_hash(peer->src, peer->sport, peer->dst, peer->dport);
 		}
 #endif
 	}
