@@ -15,9 +15,11 @@
  * packet that is not its connection's first costs one load (skb->_nfct: its ctinfo bits say
  * ESTABLISHED/REPLY), within the noise of an empty program; the first packet of a NATed TCP
  * connection costs two probe reads (its conntrack tuples and status in one, the TCP flags)
- * and one nat_peers slot write, two with SNAT (measured in-program with bpf_ktime on the 6.18
+ * and one conn_slots write, two with SNAT (measured in-program with bpf_ktime on the 6.18
  * VM: the record was 0.9 us with two slot writes of 0.33 us each, most of it cache and TLB
- * misses; it was 1.5 us with two LRU-hash inserts).
+ * misses; it was 1.5 us with two LRU-hash inserts). Where tc watched the SYN come in, the
+ * slot is the one tc ingress took for it microseconds before on the same CPU: the write adds
+ * the reply tuple to a line already in cache (npt_common.h conn_slots).
  * With -DNPT_NF_NAT_ONLY=0 it reads the TCP flags (5 probe reads) of every packet and builds
  * an event for each SYN and RST segment.
  *
@@ -91,27 +93,34 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 }
 
 #if NPT_NF_NAT_ONLY
-/* nat_peers, its slots and hash: npt_common.h (the storm sampler reads them too) */
+/* conn_slots, its slots and hash: npt_common.h (the storm sampler reads them too) */
 
-/* Store the pair (orig, reply) in the set of the client end addr:port: over the pair's own
- * slot, else the empty or older one. */
+/* Store the pair (orig, reply) in the set of the end addr:port: into the slot of orig (tc's
+ * for its SYN, or ours from an earlier packet), else over the empty or older one. */
 static __always_inline void npt_nat_store(const u8 *addr, u16 port, const struct npt_nat_key *orig,
 					  const struct npt_nat_key *reply, u64 now)
 {
-	u32 i = npt_nat_set(addr, port), j = i + 1;
-	struct npt_nat_slot *a = nat_peers.lookup(&i), *b = nat_peers.lookup(&j);
-	if (!a || !b)
+	u32 i = npt_conn_set_of(addr, port);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
+	if (!c)
 		return;
-	struct npt_nat_slot *s;
-	if (npt_nat_key_eq(&a->key, orig))
-		s = a;
-	else if (npt_nat_key_eq(&b->key, orig))
-		s = b;
-	else
-		s = a->ns <= b->ns ? a : b;
-	s->peer = *reply;
-	s->ns = now;
-	s->key = *orig;
+	int w;
+	if (npt_nat_key_eq(&c->way[0].key, orig)) {
+		w = 0;
+	} else if (npt_nat_key_eq(&c->way[1].key, orig)) {
+		w = 1;
+	} else {
+		w = c->way[0].syn_ns <= c->way[1].syn_ns ? 0 : 1;
+		struct npt_conn_slot *s = &c->way[w];
+		s->key = *orig;
+		s->netns = 0;       /* no SYN tc saw: tc's lookups pass it by */
+		s->syn_ns = now;
+		s->family = 0;
+		s->syns = 0;
+		s->reported = 0;
+	}
+	c->nat[w].peer = *reply;
+	c->way[w].nat = 1;
 }
 
 /* skb->_nfct carries enum ip_conntrack_info in its low 3 bits (include/linux/skbuff.h

@@ -92,48 +92,55 @@ static __always_inline void npt_count(struct npt_event *e)
 #ifndef NPT_NF_NAT_ONLY
 #define NPT_NF_NAT_ONLY 1
 #endif
-/* The netfilter-hook program (nf_hook.bpf.c, -DNPT_WITH_NF_HOOK) keeps NAT tuples in nat_peers */
+/* The netfilter-hook program (nf_hook.bpf.c, -DNPT_WITH_NF_HOOK) adds NAT tuples to conn_slots */
 #define NPT_NAT_VIEW (NPT_WITH_NF_HOOK && NPT_NF_NAT_ONLY)
+#ifndef NPT_FLOW_TABLE_SIZE
+#define NPT_FLOW_TABLE_SIZE 65536      /* slots for tc's flows (--iface) */
+#endif
+#if NPT_WITH_TC || NPT_NAT_VIEW
 #if NPT_NAT_VIEW
 #ifndef NPT_NAT_PEERS
 #define NPT_NAT_PEERS 131072    /* slots; one per connection (two with SNAT) */
 #endif
-/* The two tuples of every NATed connection, written at its first packet and looked up by
- * user space only when an incident needs them (classify.Context.nat_peer): linking a client's
- * tuple to its pod's costs nothing per healthy connection in user space. A slot holds the
- * pair (key = the original tuple, peer = the reply tuple, each in its packet direction) and
- * sits in the set of the connection's CLIENT end: the original tuple's source, which is the
- * reply tuple's destination unless SNAT changed it. A lookup by either tuple probes the sets of
- * both its ends and compares it with both tuples of each slot (npt_nat_find).
+#define NPT_CONN_SLOTS (NPT_FLOW_TABLE_SIZE > NPT_NAT_PEERS ? NPT_FLOW_TABLE_SIZE : NPT_NAT_PEERS)
+#else
+#define NPT_CONN_SLOTS NPT_FLOW_TABLE_SIZE
+#endif
+/* One slot per connection (struct npt_conn_slot, nptrace_events.h): what tc saw of its SYN
+ * (tc.bpf.c: SYN retransmissions, asymmetric SYN-ACKs) and the two tuples of its NAT
+ * (nf_hook.bpf.c), looked up by user space only when an incident needs them
+ * (classify.Context.nat_peer): linking a client's tuple to its pod's costs nothing per
+ * healthy connection in user space. A slot sits in the set of the connection's CLIENT end: the
+ * original tuple's source, which is the reply tuple's destination unless SNAT changed it (then
+ * the netfilter hook also writes the pair into the set of the SNAT end). A NAT lookup by
+ * either tuple probes the sets of both its ends and compares it with both tuples of each slot
+ * (npt_nat_find).
  *
- * A 2-way set-associative array, not an LRU hash: the two LRU inserts per connection
- * (free-list pop, bucket lock, cold element, an eviction once full) were most of this
- * program's cost, about 0.6 us each under bpf_stats on the 6.18 VM (BPF_F_NO_COMMON_LRU
- * measured slower). A set write touches three cold cache lines and a page of a 10 MiB array
- * (TLB miss): about 0.3 us on that VM, so a connection without SNAT writes one slot, not one
- * per tuple (one with SNAT writes the pair into the set of each end). The pair takes its own
- * slot of its set, else the empty or older one (npt_nat_set; nptrace/kernel/natpeers.py
- * computes the same set and compares the tuples). A mapping survives t seconds at R new NATed
- * connections/s with probability e^-x (1 + x), x = 2 R t / NPT_NAT_PEERS (twice that with SNAT:
- * 99.7% (99%) for 5 s at 1k/s with 131072 slots, 82% (56%) at 10k/s). Slots are written without
- * a lock; two CPUs writing one slot at the same instant can mix it, and the tuple compare in
- * user space catches most of that (a wrong link needs both to hash to one set within
+ * A 2-way set-associative array, not an LRU hash: an LRU insert (free-list pop, bucket lock,
+ * cold element, an eviction once full) cost 0.6-0.9 us under bpf_stats on the 6.18 VM
+ * (BPF_F_NO_COMMON_LRU measured slower). What a slot write costs is its cold cache lines and a
+ * TLB miss in a 16 MiB array, ~0.3 us there: tc's SYN slot and the NAT slot were two such
+ * writes, in two maps, per NodePort connection; one slot per connection makes the second
+ * write land on the line tc's just brought in (and its neighbour). A new connection takes its
+ * own slot of its set, else the empty or the older one (npt_conn_set_of; nptrace/kernel/natpeers.py
+ * computes the same set and compares the tuples). A slot survives t seconds at R new
+ * connections/s with probability e^-x (1 + x), x = 2 R t / NPT_CONN_SLOTS (twice that with
+ * SNAT: 99.7% (99%) for 5 s at 1k/s with 131072 slots, 82% (56%) at 10k/s); a SYN watched in
+ * two namespaces (the node's and the pod's devices) takes one slot in each, in one set. Slots
+ * are written without a lock; two CPUs writing one slot at the same instant can mix it, and the
+ * tuple compares catch most of that (a wrong link needs both to hash to one set within
  * nanoseconds). */
-/* struct npt_nat_key / npt_nat_slot: nptrace_events.h (user space reads the slots) */
-#define NPT_NAT_WAYS 2
-#define NPT_NAT_SETS (NPT_NAT_PEERS / NPT_NAT_WAYS)
-/* BPF_F_MMAPABLE: user space reads the slots from memory (natpeers.NatPeers); with a
- * bpf() lookup per way and direction, a storm's unlinked records cost four syscalls each */
-BPF_F_TABLE("array", u32, struct npt_nat_slot, nat_peers, NPT_NAT_SETS * NPT_NAT_WAYS,
-	    BPF_F_MMAPABLE);
-/* [0] != 0 once any NATed connection was stored: until then user space skips the lookups
- * (a node without NAT, or before kube-proxy's first connection). Written only while 0, so the
- * line stays shared among CPUs instead of bouncing once per connection. */
-BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
+#define NPT_CONN_WAYS 2
+#define NPT_CONN_SETS (NPT_CONN_SLOTS / NPT_CONN_WAYS)
+/* BPF_F_MMAPABLE: user space reads the slots from memory (natpeers.find); with a bpf() lookup
+ * per way and direction, a storm's unlinked records cost four syscalls each. It also aligns
+ * them: an mmapable array's values start on a page (kernel/bpf/arraymap.c), a plain one's at
+ * offsetof(struct bpf_array, value), 312 on 6.18, so each slot would straddle a line more. */
+BPF_F_TABLE("array", u32, struct npt_conn_set, conn_slots, NPT_CONN_SETS, BPF_F_MMAPABLE);
 
-/* First slot of the set of the end addr:port (16-byte address). Mirrored by
- * nptrace/kernel/natpeers.py nat_set(); keep the two identical. */
-static __always_inline u32 npt_nat_set(const u8 *addr, u16 port)
+/* The set of the end addr:port (16-byte address). Mirrored by nptrace/kernel/natpeers.py
+ * nat_set() (which numbers slots: set * 2); keep the two identical. */
+static __always_inline u32 npt_conn_set_of(const u8 *addr, u16 port)
 {
 	const u32 *w = (const u32 *)addr;
 	u32 h = port;
@@ -141,8 +148,15 @@ static __always_inline u32 npt_nat_set(const u8 *addr, u16 port)
 	for (int i = 0; i < 4; i++)
 		h = (h ^ w[i]) * 0x9E3779B1u;
 	h ^= h >> 16;
-	return (h % NPT_NAT_SETS) * NPT_NAT_WAYS;
+	return h % NPT_CONN_SETS;
 }
+#endif /* NPT_WITH_TC || NPT_NAT_VIEW */
+
+#if NPT_NAT_VIEW
+/* [0] != 0 once any NATed connection was stored: until then user space skips the lookups
+ * (a node without NAT, or before kube-proxy's first connection). Written only while 0, so the
+ * line stays shared among CPUs instead of bouncing once per connection. */
+BPF_F_TABLE("array", u32, u64, nat_used, 1, BPF_F_MMAPABLE);
 
 static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const struct npt_nat_key *b)
 {
@@ -151,35 +165,37 @@ static __always_inline int npt_nat_key_eq(const struct npt_nat_key *a, const str
 	       x[5] == y[5] && x[6] == y[6] && x[7] == y[7] && x[8] == y[8];
 }
 
-/* k's other tuple from one slot: 1 and *peer when k is either of the slot's tuples. */
-static __always_inline int npt_nat_match(const struct npt_nat_slot *s, const struct npt_nat_key *k,
-					 struct npt_nat_key *peer)
+/* k's other tuple from one way of a set (a pointer into the map: no 36-byte copy on the
+ * stack, which tcp_send_reset's program with --host has no room for), or 0. */
+static __always_inline const struct npt_nat_key *npt_nat_match(const struct npt_conn_slot *s,
+							       const struct npt_nat_key *reply,
+							       const struct npt_nat_key *k)
 {
-	if (!s)
+	if (!s->nat)
 		return 0;
-	if (npt_nat_key_eq(&s->key, k)) {
-		*peer = s->peer;
-		return 1;
-	}
-	if (npt_nat_key_eq(&s->peer, k)) {
-		*peer = s->key;
-		return 1;
-	}
+	if (npt_nat_key_eq(&s->key, k))
+		return reply;
+	if (npt_nat_key_eq(reply, k))
+		return &s->key;
 	return 0;
 }
 
-/* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
- * hook wrote: 1 and *peer, or 0. The client end is k's source or destination: both sets. */
-static __always_inline int npt_nat_find(const struct npt_nat_key *k, struct npt_nat_key *peer)
+static __always_inline const struct npt_nat_key *npt_nat_match_set(u32 i,
+								   const struct npt_nat_key *k)
 {
-	u32 i = npt_nat_set(k->src, k->sport), j = i + 1;
-	if (npt_nat_match(nat_peers.lookup(&i), k, peer) ||
-	    npt_nat_match(nat_peers.lookup(&j), k, peer))
-		return 1;
-	i = npt_nat_set(k->dst, k->dport);
-	j = i + 1;
-	return npt_nat_match(nat_peers.lookup(&i), k, peer) ||
-	       npt_nat_match(nat_peers.lookup(&j), k, peer);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
+	if (!c)
+		return 0;
+	const struct npt_nat_key *p = npt_nat_match(&c->way[0], &c->nat[0].peer, k);
+	return p ? p : npt_nat_match(&c->way[1], &c->nat[1].peer, k);
+}
+
+/* The tuple k's connection has on the other side of its NAT, from the slots the netfilter
+ * hook wrote, or 0. The client end is k's source or destination: both sets. */
+static __always_inline const struct npt_nat_key *npt_nat_find(const struct npt_nat_key *k)
+{
+	const struct npt_nat_key *p = npt_nat_match_set(npt_conn_set_of(k->src, k->sport), k);
+	return p ? p : npt_nat_match_set(npt_conn_set_of(k->dst, k->dport), k);
 }
 #endif /* NPT_NAT_VIEW */
 
@@ -205,7 +221,7 @@ static __always_inline u64 npt_tuple_hash(const u8 *s, u16 sp, const u8 *d, u16 
  * of a NAT: the smaller hash of its two conntrack tuples (original and reply). A record with
  * the conntrack entry has both; one without (the client's, a pod's own stack) has its own
  * tuple and, when the netfilter hook stored the connection's NAT, the other one from
- * nat_peers. 0: no ports, no flow (sampled per record). */
+ * conn_slots. 0: no ports, no flow (sampled per record). */
 static __always_inline u64 npt_flow_hash(struct npt_event *e)
 {
 	u64 h, p;
@@ -220,21 +236,21 @@ static __always_inline u64 npt_flow_hash(struct npt_event *e)
 		u32 zero = 0;
 		u64 *used = nat_used.lookup(&zero);
 		if (used && *used) {
-			struct npt_nat_key k = {}, peer;
+			struct npt_nat_key k = {};
 			__builtin_memcpy(k.src, e->saddr, 16);
 			__builtin_memcpy(k.dst, e->daddr, 16);
 			k.sport = e->sport;
 			k.dport = e->dport;
-			int found = npt_nat_find(&k, &peer);
-			if (!found) {            /* a packet of the other direction */
+			const struct npt_nat_key *peer = npt_nat_find(&k);
+			if (!peer) {             /* a packet of the other direction */
 				__builtin_memcpy(k.src, e->daddr, 16);
 				__builtin_memcpy(k.dst, e->saddr, 16);
 				k.sport = e->dport;
 				k.dport = e->sport;
-				found = npt_nat_find(&k, &peer);
+				peer = npt_nat_find(&k);
 			}
-			if (found)
-				p = npt_tuple_hash(peer.src, peer.sport, peer.dst, peer.dport);
+			if (peer)
+				p = npt_tuple_hash(peer->src, peer->sport, peer->dst, peer->dport);
 		}
 #endif
 	}

@@ -201,22 +201,48 @@ enum npt_stat {
 	NPT_S_MAX       = 8,
 };
 
-/* NAT map (npt_common.h `nat_peers`, written by nf_hook.bpf.c, read by user space from memory):
- * both tuples of a NATed connection (key: the original, peer: the reply), each in its packet
- * direction, in the set of its client end (npt_common.h npt_nat_set).
- * Mirrored by nptrace/kernel/natpeers.py (NatKey, NatSlot); tests/unit/test_layout.py checks it.
- * Addresses as in npt_event (IPv4 in the first 4 bytes), ports host order. npt_nat_key_eq()
- * compares the key as 9 __u32 words: keep it 36 bytes with no padding. */
+/* Connection map (npt_common.h `conn_slots`, read by user space from memory): one slot per
+ * connection, in the set of its CLIENT end (npt_common.h npt_conn_set_of), written once by each
+ * hook that knows something of it. tc ingress takes the slot at the SYN (its way[]: the SYN's
+ * tuple, namespace, ISN, ingress devices); the netfilter hook, at the same connection's first
+ * packet just after SNAT, finds that slot by the tuple (the line it compares is still in the
+ * CPU's cache: tc ran microseconds before on this CPU) and adds the reply tuple (nat[], nat =
+ * 1), or takes a slot of its own where no tc program saw the SYN. Two cold slot writes per
+ * NodePort connection became one (nf_hook.bpf.c, tc.bpf.c). A set is 256 bytes: the two ways'
+ * tc lines side by side (what every lookup reads: one 128-byte pair of lines, which the
+ * adjacent-line prefetcher fetches together), then the two reply tuples (what only the
+ * netfilter hook writes and only NAT lookups read), in one page.
+ * Mirrored by nptrace/kernel/natpeers.py (NatKey, ConnSlot, ConnNat, ConnSet);
+ * tests/unit/test_layout.py checks it. Addresses as in npt_event (IPv4 in the first 4
+ * bytes), ports host order. npt_nat_key_eq() compares the key as 9 __u32 words: keep it 36
+ * bytes with no padding. */
 struct npt_nat_key {
 	__u8  src[16];
 	__u8  dst[16];
 	__u16 sport;
 	__u16 dport;
 };
-struct npt_nat_slot {
-	struct npt_nat_key key;     /* all zero when empty */
-	struct npt_nat_key peer;
-	__u64 ns;                   /* when written: the older slot of a set is replaced */
+struct npt_conn_slot {          /* one cache line: what tc writes at the SYN */
+	struct npt_nat_key key;     /* the first packet's tuple, client -> where it connected
+				       (conntrack's original tuple); all zero when empty */
+	__u32 netns;                /* inode of the namespace tc saw the SYN in; 0: none did */
+	__u64 syn_ns;               /* when the slot was taken or the SYN last came again: the
+				       older slot of a set is replaced */
+	__u32 isn;                  /* the SYN's sequence number */
+	__u32 in_ifindex;           /* ingress device of the SYN */
+	__u32 in_ifindex2;          /* a device stacked on or under it the same SYN also crossed */
+	__u8  family;               /* AF_INET / AF_INET6 of the SYN tc saw; 0: none */
+	__u8  nat;                  /* 1: the set's nat[] of this way holds the reply tuple */
+	__u8  syns;                 /* copies of the SYN tc saw, at most 255; 0: none */
+	__u8  reported;             /* tc's NPT_REPORTED_*: one anomaly event per flow and kind */
+};
+struct npt_conn_nat {           /* one cache line: what the netfilter hook adds */
+	struct npt_nat_key peer;    /* conntrack's reply tuple, in its packet direction */
+	__u8  _pad[28];
+};
+struct npt_conn_set {
+	struct npt_conn_slot way[2];
+	struct npt_conn_nat nat[2];
 };
 
 /* Packet bytes (--pcap): struct npt_packet, then cap_len bytes of the packet as the kernel had

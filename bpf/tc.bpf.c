@@ -41,20 +41,21 @@
  * With -DNPT_TC_KSKB=0 the netns comes from tc_ifaces {ifindex -> netns inode}, filled at
  * attach time (ambiguous when two watched namespaces reuse an ifindex), and ct stays empty.
  *
- * Flow state (tc_flows, a 2-way set-associative array): keyed by the CLIENT (SYN source
- * address and port) and the netns,
- * so that an un-NATed reply still finds its SYN (its server side differs by definition), and
- * ifindexes are only compared within one namespace. SYNs are recorded on ingress only and
- * SYN-ACKs checked on egress only: a forwarded SYN leaving by the pod's veth is not a second
- * request. The same SYN crossing two stacked devices (bridge port then bridge, slave then
- * VLAN/VXLAN device) within 10 ms records both ifindexes; deeper stacks (bond slaves with the
- * bond) can report a false ASYM_IFACE: watch either the upper or the lower devices.
+ * Flow state (conn_slots, npt_common.h: one 2-way set-associative array of connections that
+ * the netfilter hook adds its NAT tuples to): a SYN's slot is found by its CLIENT end (source
+ * address and port) and the netns, so that an un-NATed reply still finds its SYN (its server
+ * side differs by definition), and ifindexes are only compared within one namespace. SYNs are
+ * recorded on ingress only and SYN-ACKs checked on egress only: a forwarded SYN leaving by the
+ * pod's veth is not a second request. The same SYN crossing two stacked devices (bridge port
+ * then bridge, slave then VLAN/VXLAN device) within 10 ms records both ifindexes; deeper
+ * stacks (bond slaves with the bond) can report a false ASYM_IFACE: watch either the upper or
+ * the lower devices.
  * Why an array and not an LRU hash: every new connection's SYN writes one flow, and an LRU
  * insert (free-list pop, bucket lock, cold element; an eviction once full) cost about 0.9 us
  * per SYN under bpf_stats on the 6.18 VM, a few percent of a NodePort's connection rate. A
- * slot write touches one cold cache line. A new flow takes the empty or the older of its
- * set's two slots: at R new connections/s a flow survives t seconds with probability
- * e^-x (1 + x), x = 2 R t / NPT_FLOW_TABLE_SIZE (99.9% for a SYN retransmitted 1 s later at
+ * slot write touches one cold cache line (the SYN's half of the slot). A new flow takes the
+ * empty or the older of its set's two slots: at R new connections/s a flow survives t seconds
+ * with probability e^-x (1 + x), x = 2 R t / slots (99.9% for a SYN retransmitted 1 s later at
  * 1k conn/s with 65536 slots, 96% at 10k/s; the LRU kept every flow younger than 65536
  * inserts). Slots are written without a lock: two CPUs writing one slot for two new flows at
  * the same instant can leave it mixed, and a key compare catches most of that.
@@ -64,9 +65,6 @@
 
 #if NPT_WITH_TC
 
-#ifndef NPT_FLOW_TABLE_SIZE
-#define NPT_FLOW_TABLE_SIZE 65536
-#endif
 #ifndef NPT_TC_KSKB
 #define NPT_TC_KSKB 1
 #endif
@@ -96,43 +94,12 @@
 #define NPT_REPORTED_IFACE 0x01
 #define NPT_REPORTED_SRC   0x02
 
-struct npt_tc_flow_key {
-	u8  client[16];     /* SYN source address */
-	u32 netns;          /* inode of the namespace the SYN was seen in */
-	u16 cport;          /* SYN source port, host order */
-	u16 family;
-};
-
-struct npt_tc_flow {
-	u64 syn_ns;         /* last time a new copy of the SYN arrived */
-	u8  server[16];     /* SYN destination: where the client connected to */
-	u32 isn;
-	u32 in_ifindex;     /* ingress device of the SYN */
-	u32 in_ifindex2;    /* a device stacked on or under it that the same SYN also crossed */
-	u16 sport;          /* SYN destination port, host order */
-	u8  syns;           /* copies of this SYN seen, at most 255 */
-	u8  reported;       /* NPT_REPORTED_*: one anomaly event per flow and kind */
-};
-
-/* One cache line: a SYN writes one cold line. */
-struct npt_tc_slot {
-	struct npt_tc_flow_key key;     /* all zero (family 0) when empty */
-	struct npt_tc_flow flow;
-};
-
 struct npt_tc_iface {
 	u32 netns;
 	u32 flags;          /* NPT_TC_IF_*, written by nptrace/kernel/tc.py iface_map_filler */
 };
 #define NPT_TC_IF_AMBIGUOUS 0x01  /* watched devices of several namespaces have this ifindex */
 
-#define NPT_TC_WAYS 2
-#define NPT_TC_SETS (NPT_FLOW_TABLE_SIZE / NPT_TC_WAYS)
-/* BPF_F_MMAPABLE for its layout, not for user space: an mmapable array's values start on a page
- * (kernel/bpf/arraymap.c), a plain one's at offsetof(struct bpf_array, value), 312 on 6.18, 56
- * bytes past a cache line: each 64-byte slot spanned two lines and a set three */
-BPF_F_TABLE("array", u32, struct npt_tc_slot, tc_flows, NPT_TC_SETS * NPT_TC_WAYS,
-	    BPF_F_MMAPABLE);
 /* UDP destination ports (host order) that carry VXLAN: 4789 (IANA), 8472 (Linux default) */
 /* vxlan_ports (UDP ports carrying VXLAN) is in npt_common.h: the tracepoints decapsulate too */
 /* Watched ifindex -> netns inode (npt_tc_netns) */
@@ -273,42 +240,52 @@ static __always_inline int npt_addr_eq(const u8 *a, const u8 *b)
 	return *(u64 *)a == *(u64 *)b && *(u64 *)(a + 8) == *(u64 *)(b + 8);
 }
 
-static __always_inline int npt_tc_key_eq(const struct npt_tc_flow_key *a,
-					 const struct npt_tc_flow_key *b)
+/* The slot of the flow whose SYN came from client:cport in netns, else 0 and *victim = the
+ * slot a new flow of it takes (the empty or the older one of its set). Slots the netfilter
+ * hook took alone (syns 0) are not tc's. */
+static __always_inline int npt_tc_mine(const struct npt_conn_slot *s, const u8 *client,
+				       u16 cport, u32 netns, u8 family)
 {
-	const u64 *x = (const u64 *)a, *y = (const u64 *)b;
-	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2];
+	return s->syns && s->netns == netns && s->key.sport == cport && s->family == family &&
+	       npt_addr_eq(s->key.src, client);
 }
 
-/* The slot holding fk's flow, else 0 and *victim = the slot a new flow of fk takes (the empty
- * or the older one of its set). The set is a multiplicative hash of the key's 32-bit words. */
-static __always_inline struct npt_tc_slot *npt_tc_find(const struct npt_tc_flow_key *fk,
-						       struct npt_tc_slot **victim)
+static __always_inline struct npt_conn_slot *npt_tc_find(const u8 *client, u16 cport, u32 netns,
+							 u8 family, struct npt_conn_slot **victim)
 {
-	const u32 *w = (const u32 *)fk;
-	u32 h = w[0] * 0x9E3779B1u;
-	h = (h ^ w[1]) * 0x85EBCA77u;
-	h = (h ^ w[2]) * 0xC2B2AE3Du;
-	h = (h ^ w[3]) * 0x9E3779B1u;
-	h = (h ^ w[4]) * 0x85EBCA77u;
-	h = (h ^ w[5]) * 0xC2B2AE3Du;
-	h ^= h >> 16;
-	u32 i = (h % NPT_TC_SETS) * NPT_TC_WAYS, j = i + 1;
-	struct npt_tc_slot *a = tc_flows.lookup(&i), *b = tc_flows.lookup(&j);
+	u32 i = npt_conn_set_of(client, cport);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
 	*victim = 0;
-	if (!a || !b)
+	if (!c)
 		return 0;
-	if (npt_tc_key_eq(&a->key, fk))
+	struct npt_conn_slot *a = &c->way[0], *b = &c->way[1];
+	if (npt_tc_mine(a, client, cport, netns, family))
 		return a;
-	if (npt_tc_key_eq(&b->key, fk))
+	if (npt_tc_mine(b, client, cport, netns, family))
 		return b;
-	if (!a->key.family)
-		*victim = a;
-	else if (!b->key.family)
-		*victim = b;
-	else
-		*victim = a->flow.syn_ns <= b->flow.syn_ns ? a : b;
+	*victim = a->syn_ns <= b->syn_ns ? a : b;
 	return 0;
+}
+
+/* A new flow's SYN into slot s: its first line, all of it (nat 0: a NAT pair of the slot's
+ * earlier connection no longer applies; the netfilter hook adds this one's). */
+static __always_inline void npt_tc_take(struct npt_conn_slot *s, const u64 *saddr,
+					const u64 *daddr, u16 sport, u16 dport, u32 netns,
+					u8 family, u32 seq, u32 ifindex, u64 now)
+{
+	__builtin_memcpy(s->key.src, saddr, 16);
+	__builtin_memcpy(s->key.dst, daddr, 16);
+	s->key.sport = sport;
+	s->key.dport = dport;
+	s->netns = netns;
+	s->syn_ns = now;
+	s->isn = seq;
+	s->in_ifindex = ifindex;
+	s->in_ifindex2 = 0;
+	s->family = family;
+	s->nat = 0;
+	s->syns = 1;
+	s->reported = 0;
 }
 
 /* An ingress SYN: record or refresh the flow; 1 when a SYN_RETX event was prepared in e. */
@@ -319,33 +296,17 @@ static __always_inline int npt_tc_syn(struct npt_event *e, struct __sk_buff *skb
 	u64 saddr[2] = {}, daddr[2] = {};
 	npt_tc_addrs(k->ip, end, k->family, (u8 *)saddr, (u8 *)daddr);
 
-	struct npt_tc_flow_key fk = {};
-	__builtin_memcpy(fk.client, saddr, 16);
-	fk.netns = netns;
-	fk.cport = sport;
-	fk.family = k->family;
-
 	u64 now = bpf_ktime_get_ns();
 	u32 ifindex = skb->ifindex;
-	struct npt_tc_flow nf = {};
-	nf.syn_ns = now;
-	__builtin_memcpy(nf.server, daddr, 16);
-	nf.isn = seq;
-	nf.in_ifindex = ifindex;
-	nf.sport = dport;
-	nf.syns = 1;
-
-	struct npt_tc_slot *victim;
-	struct npt_tc_slot *slot = npt_tc_find(&fk, &victim);
-	if (!slot) {           /* a new connection's SYN, the common case */
-		if (victim) {
-			victim->flow = nf;
-			victim->key = fk;
-		}
+	struct npt_conn_slot *victim;
+	struct npt_conn_slot *f = npt_tc_find((u8 *)saddr, sport, netns, k->family, &victim);
+	if (!f) {              /* a new connection's SYN, the common case */
+		if (victim)
+			npt_tc_take(victim, saddr, daddr, sport, dport, netns, k->family, seq,
+				    ifindex, now);
 		return 0;
 	}
-	struct npt_tc_flow *f = &slot->flow;
-	if (f->isn == seq && f->sport == dport && npt_addr_eq(f->server, (u8 *)daddr)) {
+	if (f->isn == seq && f->key.dport == dport && npt_addr_eq(f->key.dst, (u8 *)daddr)) {
 		if (now - f->syn_ns < NPT_SYN_SAME_NS) {
 			if (ifindex != f->in_ifindex)
 				f->in_ifindex2 = ifindex;
@@ -363,7 +324,7 @@ static __always_inline int npt_tc_syn(struct npt_event *e, struct __sk_buff *skb
 		return 1;
 	}
 	/* the client port now carries another connection */
-	slot->flow = nf;
+	npt_tc_take(f, saddr, daddr, sport, dport, netns, k->family, seq, ifindex, now);
 	return 0;
 }
 
@@ -375,30 +336,23 @@ static __always_inline int npt_tc_synack(struct npt_event *e, struct __sk_buff *
 	u64 saddr[2] = {}, daddr[2] = {};
 	npt_tc_addrs(k->ip, end, k->family, (u8 *)saddr, (u8 *)daddr);
 
-	struct npt_tc_flow_key fk = {};
-	__builtin_memcpy(fk.client, daddr, 16);
-	fk.netns = netns;
-	fk.cport = dport;
-	fk.family = k->family;
-
-	struct npt_tc_slot *victim;
-	struct npt_tc_slot *slot = npt_tc_find(&fk, &victim);
-	if (!slot)
+	struct npt_conn_slot *victim;
+	struct npt_conn_slot *f = npt_tc_find((u8 *)daddr, dport, netns, k->family, &victim);
+	if (!f)
 		return 0;
-	struct npt_tc_flow *f = &slot->flow;
 	u32 ifindex = skb->ifindex;
 
-	if (f->sport != sport || !npt_addr_eq(f->server, (u8 *)saddr)) {
+	if (f->key.dport != sport || !npt_addr_eq(f->key.dst, (u8 *)saddr)) {
 		if (f->reported & NPT_REPORTED_SRC)
 			return 0;
 		f->reported |= NPT_REPORTED_SRC;
 		npt_tc_event(e, NPT_T_ASYM_SRC, skb, k, end, 1, netns);
 		/* outer_* carry the expected source here, so the VXLAN outer header is dropped */
 		e->flags &= ~NPT_F_ENCAP;
-		__builtin_memcpy(e->outer_saddr, f->server, 16);
+		__builtin_memcpy(e->outer_saddr, f->key.dst, 16);
 		__builtin_memset(e->outer_daddr, 0, 16);
 		e->aux = f->in_ifindex;
-		e->aux2 = f->sport;
+		e->aux2 = f->key.dport;
 		return 1;
 	}
 	if (ifindex == f->in_ifindex || ifindex == f->in_ifindex2)

@@ -1,121 +1,157 @@
 """New connections per second through a NodePort, with and without nptrace.
 
-client (10.251.4.1) -- node (10.251.4.2 | 10.251.5.1) -- server (10.251.5.2:8080). The node
-forwards and DNATs 10.251.4.2:30080 to the server with iptables, as kube-proxy does. Two
-client processes keep 128 non-blocking connects each in flight; a connection counts when the
-server's FIN arrives (accept + close there), then the client closes: the client keeps no
-TIME_WAIT and its ports recycle. The node's conntrack TIME_WAIT timeout is 1 s (a per-netns
-sysctl) so the table holds seconds of connections, not two minutes of them.
-With nptrace: `--iface node/n0 --iface node/n1` (the node's two "NICs"), every tracepoint,
-and the netfilter-hook view it attaches in the node.
+Three identical paths k = 0, 1, 2: client (10.251.4k.1) -- node (10.251.4k.2 | 10.251.4k+1.1)
+-- server (10.251.4k+1.2:8080), e.g. 10.251.40.0/24 and 10.251.41.0/24 for path 0. Each node
+forwards and DNATs its 10.251.4k.2:30080 to its server with iptables, as kube-proxy does. Two
+client processes per path keep 128 non-blocking connects each in flight; a connection counts
+when the server's FIN arrives (accept + close there), then the client closes: the client keeps
+no TIME_WAIT and its ports recycle. The node's conntrack TIME_WAIT timeout is 1 s (a per-netns
+sysctl) so the table holds seconds of connections, not two minutes of them. The two clients
+are pinned one to each CPU and the server to the last one (taskset): left to the scheduler,
+the three sometimes shared a CPU for a run and its rate moved by a tenth.
 
-Rounds rotate three runs: without anything, with nptrace, and with the FLOOR: two empty
-programs (r0 = -1; exit) on each of n0 and n1, attached the way nptrace attaches its own (tcx
-links, or clsact filters without tcx). The floor is what any tc observer on those devices
-costs before doing anything (an info row); the with/without ratios are paired within a round.
+The three paths play three roles at once: TRACED (`nptrace run --iface node/n0 --iface
+node/n1`: its tc programs and the netfilter-hook view in that node, every tracepoint), FLOOR
+(two empty programs, r0 = -1; exit, on each of n0 and n1, attached the way nptrace attaches
+its own: tcx links, or clsact filters without tcx: what any tc observer there costs before it
+does anything) and PLAIN (nothing). A round runs the three loads one after another, `secs`
+each, in an order that rotates, and pairs traced/plain and floor/plain within the round: the
+runs of a pair are a second or two apart, so the VM's neighbour noise (which moves on the
+scale of seconds, and swung ratios of pairs that started nptrace in between from 75% to 119%)
+hits both alike. The roles move to the next path in each of three phases (nptrace restarted
+there), so a difference between the paths cancels. Verdict: the median of the per-round
+ratios; their interquartile range is printed beside it. Caveat: nptrace's tracepoints are
+global, so the plain and floor paths' connections run its kfree_skb program too (about 1.1
+runs and 0.1 us per connection: healthy connections free a few skbs with a drop reason), a
+bias of the ratio toward 1 of under 0.2%.
 
-After the pairs, one more run with nptrace holds BPF_ENABLE_STATS and divides each of its
-programs' run_time_ns by the connections made: where the kernel-side cost per connection
-goes (info rows). Stats are on only in that run, so the ratio runs are not charged for them.
-nptrace's own process competes for the same 2 CPUs: its CPU time during the "with" runs,
-per connection, is an info row too.
+After the rounds, one more run on the traced path holds BPF_ENABLE_STATS and divides each of
+nptrace's programs' run_time_ns by the connections made: where the kernel-side cost per
+connection goes (info rows). Stats are on only in that run, so the ratio runs are not charged
+for them. nptrace's own process competes for the same 2 CPUs: its CPU time during the rounds,
+per traced connection, is an info row too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 
 from nptrace.bench import bpfprog
 from nptrace.bench.context import Bench
-from nptrace.bench.report import Row, Section, si
-from nptrace.bench.throughput import ratio_row
+from nptrace.bench.report import Row, Section, si, spread
 from nptrace.bench.topology import Topology, in_ns, sh
 from nptrace.bench.workloads import ConnLoad
 
 TARGET = 0.97
 NODEPORT, TARGET_PORT = 30080, 8080
+PATHS = 3
+ROLES = ("traced", "floor", "plain")
 
 
-def setup(t: Topology) -> tuple[str, str, str]:
-    c, n, s = t.ns("c"), t.ns("n"), t.ns("s")
-    t.veth(c, "c0", "10.251.4.1/24", n, "n0", "10.251.4.2/24")
-    t.veth(n, "n1", "10.251.5.1/24", s, "s0", "10.251.5.2/24")
-    t.ip(c, "route", "add", "default", "via", "10.251.4.2")
-    t.ip(s, "route", "add", "default", "via", "10.251.5.1")
+def setup(t: Topology, k: int = 0) -> tuple[str, str, str, str]:
+    """Path k's namespaces (client, node, server) and the NodePort address."""
+    c, n, s = t.ns(f"c{k}"), t.ns(f"n{k}"), t.ns(f"s{k}")
+    a, b = f"10.251.{40 + 2 * k}", f"10.251.{41 + 2 * k}"
+    t.veth(c, "c0", f"{a}.1/24", n, "n0", f"{a}.2/24")
+    t.veth(n, "n1", f"{b}.1/24", s, "s0", f"{b}.2/24")
+    t.ip(c, "route", "add", "default", "via", f"{a}.2")
+    t.ip(s, "route", "add", "default", "via", f"{b}.1")
     t.sysctl(n, "net.ipv4.ip_forward", 1)
     t.sysctl(c, "net.ipv4.ip_local_port_range", "1024 65535")
-    t.run(n, ["iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-d", "10.251.4.2",
+    t.run(n, ["iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-d", f"{a}.2",
               "--dport", str(NODEPORT), "-j", "DNAT", "--to-destination",
-              f"10.251.5.2:{TARGET_PORT}"])
+              f"{b}.2:{TARGET_PORT}"])
     # conntrack exists in the node namespace once the nat rule does
     t.sysctl(n, "net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)
-    return c, n, s
+    return c, n, s, f"{a}.2"
+
+
+def _pins() -> tuple[list[int], int]:
+    """(CPU of each client, CPU of the server): the clients one per CPU, the server on the last."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[i % len(cpus)] for i in range(2)], cpus[-1]
+
+
+@contextlib.contextmanager
+def empty_programs(node: str, how: set):
+    """The floor: an empty program on each hook of n0 and n1 in `node` while inside."""
+    progs, links = [], []
+    try:
+        for dev in ("n0", "n1"):
+            for ingress in (True, False):
+                progs.append(bpfprog.load_empty_sched_cls("npt_bn_floor"))
+                kind, link = bpfprog.attach_empty(node, dev, progs[-1], ingress)
+                how.add(kind)
+                if link is not None:
+                    links.append(link)
+        yield
+    finally:
+        for fd in links + progs:
+            os.close(fd)
+        if "clsact" in how:
+            for dev in ("n0", "n1"):
+                sh(*in_ns(node, ["tc", "qdisc", "del", "dev", dev, "clsact"]), check=False)
 
 
 def run(b: Bench) -> Section:
     sec = Section("connrate")
-    # rounds rotate the three runs: a multiple of 3 puts each run in each position equally
-    pairs, secs = b.scale(9, 3), b.scale(2, 1)
+    # rounds per phase; three phases (each role on each path once). Rounds rotate the order
+    # of the three runs: a multiple of 3 puts each role in each position equally.
+    rounds, secs = b.scale(12, 3), b.scale(1.0, 0.5)
     failures, npt_cpu = [], []
+    res = {r: [] for r in ROLES}
+    floor_how: set[str] = set()
+    clients_cpu, server_cpu = _pins()
     with Topology("cr") as t:
-        c, n, s = setup(t)
-        load = ConnLoad(t, s, TARGET_PORT, c, "10.251.4.2", NODEPORT)
-        load.run(1)    # warm-up: ARP, conntrack, the server's accept queue
-
-        def measure(r):
-            failures.append(r["failed"])
-            return r["rate"]
-
-        def without(_i):
-            return measure(load.run(secs))
-
-        def with_nptrace(i):
-            npt = b.nptrace(t, "connrate", f"connrate{i}",
-                            ["--iface", f"{n}/n0", "--iface", f"{n}/n1"])
+        paths = []
+        for k in range(PATHS):
+            c, n, s, addr = setup(t, k)
+            load = ConnLoad(t, s, TARGET_PORT, c, addr, NODEPORT, cpus=clients_cpu,
+                            server_cpu=server_cpu)
+            load.run(1)    # warm-up: ARP, conntrack, the server's accept queue
+            paths.append((n, load))
+        for phase in range(PATHS):
+            role_path = {r: paths[(phase + i) % PATHS] for i, r in enumerate(ROLES)}
+            tn = role_path["traced"][0]
+            npt = b.nptrace(t, "connrate", f"connrate{phase}",
+                            ["--iface", f"{tn}/n0", "--iface", f"{tn}/n1"])
             try:
-                c0 = npt.cpu()
-                r = load.run(secs)
-                npt_cpu.append((npt.cpu() - c0, r["done"]))
-                return measure(r)
+                with empty_programs(role_path["floor"][0], floor_how):
+                    for _n, load in paths:   # settle: the first runs after a start swing
+                        load.run(secs)
+                    for i in range(rounds):
+                        for j in range(len(ROLES)):
+                            role = ROLES[(i + j) % len(ROLES)]
+                            c0 = npt.cpu_exact() if role == "traced" else 0
+                            r = role_path[role][1].run(secs)
+                            if role == "traced":
+                                npt_cpu.append((npt.cpu_exact() - c0, r["done"]))
+                            failures.append(r["failed"])
+                            res[role].append(r["rate"])
             finally:
                 npt.stop()
-
-        def with_floor(i):
-            progs, links = [], []
-            try:
-                for dev in ("n0", "n1"):
-                    for ingress in (True, False):
-                        progs.append(bpfprog.load_empty_sched_cls("npt_bn_floor"))
-                        how, link = bpfprog.attach_empty(n, dev, progs[-1], ingress)
-                        floor_how.add(how)
-                        if link is not None:
-                            links.append(link)
-                return measure(load.run(secs))
-            finally:
-                for fd in links + progs:
-                    os.close(fd)
-                if "clsact" in floor_how:
-                    for dev in ("n0", "n1"):
-                        sh(*in_ns(n, ["tc", "qdisc", "del", "dev", dev, "clsact"]), check=False)
-
-        floor_how: set[str] = set()
-        wo, w, fl = rotate(pairs, (without, with_nptrace, with_floor))
-        costs = per_connection_costs(b, t, n, load, secs)
-    row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({pairs} rounds x "
-                          f"{secs}s, median)", lambda x: si(x, "/s"), w, wo, TARGET)
+        n0, load0 = paths[0]
+        costs = per_connection_costs(b, t, n0, load0, max(secs, 1.0) * 2)
+    n_rounds = rounds * PATHS
+    row, data = ratio_row("connrate", f"NodePort (DNAT) new connections/s ({n_rounds} rounds "
+                          f"x {secs:g}s, 3 paths, median [IQR])", lambda x: si(x, "/s"),
+                          res["traced"], res["plain"], TARGET)
     sec.rows.append(row)
     frow, fdata = ratio_row("connrate", f"NodePort: floor, 4 empty programs on n0/n1 "
-                            f"({'/'.join(sorted(floor_how))}), same rounds", lambda x: si(x, "/s"),
-                            fl, wo, TARGET)
+                            f"({'/'.join(sorted(floor_how))}), same rounds",
+                            lambda x: si(x, "/s"), res["floor"], res["plain"], TARGET)
     sec.rows.append(dataclasses.replace(frow, ratio_target=frow.ratio_target.split(" / ")[0],
                                         met=None, target=""))
     data["floor"] = dict(fdata, how=sorted(floor_how))
     user_ns = 1e9 * sum(c for c, _ in npt_cpu) / max(1, sum(n for _, n in npt_cpu))
-    sec.data = dict(data, pairs=pairs, secs=secs, failed_connects=sum(failures),
-                    clients=load.clients, in_flight=load.conc * load.clients,
+    sec.data = dict(data, rounds=n_rounds, secs=secs, failed_connects=sum(failures),
+                    clients=load0.clients, in_flight=load0.conc * load0.clients,
+                    client_cpus=clients_cpu, server_cpu=server_cpu,
                     kernel_per_conn=costs, nptrace_cpu_ns_per_conn=user_ns)
     sec.rows.append(Row("connrate", f"NodePort: nptrace process CPU per connection (during the "
-                        f"{pairs} runs with it; clock ticks)", f"{user_ns:.0f} ns", "", "info",
+                        f"{n_rounds} runs with it; scheduler run time)", f"{user_ns:.0f} ns", "", "info",
                         None, user_ns))
     total = sum(c["ns_per_conn"] for c in costs["programs"].values())
     sec.rows.append(Row("connrate", f"NodePort: nptrace kernel ns per connection, all programs "
@@ -128,16 +164,34 @@ def run(b: Bench) -> Section:
     return sec
 
 
-def rotate(rounds: int, runs) -> list[list]:
-    """Round i runs `runs` (functions of the round number) starting at i % len(runs), so each
-    takes each position equally often and a drift of the VM hits all alike; one list of
-    results per function, by round."""
-    out: list[list] = [[None] * rounds for _ in runs]
-    for i in range(rounds):
-        for k in range(len(runs)):
-            j = (i + k) % len(runs)
-            out[j][i] = runs[j](i)
-    return out
+def ratio_row(section: str, metric: str, unit_fmt, w: list[float], wo: list[float],
+              target: float) -> tuple[Row, dict]:
+    """Like throughput.ratio_row, with the interquartile range of the paired ratios beside the
+    median (this section's spread is the figure to judge the gap by, min-max its outliers')."""
+    ratios = [a / b for a, b in zip(w, wo) if b]
+    sp, sw, swo = spread(ratios), spread(w), spread(wo)
+    med = sp.get("median")
+    lo, hi = median_ci(ratios)
+    row = Row(section, metric, unit_fmt(sw.get("median")), unit_fmt(swo.get("median")),
+              (f"{med:.1%} [IQR {sp['p25']:.1%}-{sp['p75']:.1%}; median {lo:.1%}-{hi:.1%}] / "
+               f">= {target:.0%}" if med is not None else "n/a"),
+              None if med is None else med >= target, sw.get("median"), swo.get("median"),
+              med, f">= {target:.0%} of without")
+    return row, {"with": w, "without": wo, "ratios": ratios, "ratio_spread": sp,
+                 "median_ci95": [lo, hi], "with_spread": sw, "without_spread": swo,
+                 "target": target}
+
+
+def median_ci(xs: list[float]) -> tuple[float | None, float | None]:
+    """About 95% confidence bounds of the median of xs, distribution-free: the order
+    statistics n/2 -+ 0.98 sqrt(n) (the binomial's normal approximation). How far the median
+    of this many rounds may be from the ratio the rounds' noise hides."""
+    xs = sorted(xs)
+    n = len(xs)
+    if not n:
+        return None, None
+    d = 0.98 * math.sqrt(n)
+    return xs[max(0, math.floor(n / 2 - d))], xs[min(n - 1, math.ceil(n / 2 + d) - 1)]
 
 
 def per_connection_costs(b: Bench, t: Topology, node: str, load: ConnLoad, secs: float) -> dict:

@@ -58,23 +58,30 @@ class Bulk:
         return float(_json_tail(out)["bps"])
 
 
+def _pinned(cpu: int | None, argv: list[str]) -> list[str]:
+    return argv if cpu is None else ["taskset", "-c", str(cpu), *argv]
+
+
 class ConnLoad:
-    """Connections/s from `clients` processes in client_ns to host:port (a NodePort)."""
+    """Connections/s from `clients` processes in client_ns to host:port (a NodePort); client
+    i runs on CPU cpus[i % len(cpus)] and the server on server_cpu when given (taskset)."""
 
     def __init__(self, topo: Topology, server_ns: str, server_port: int, client_ns: str,
-                 host: str, port: int, clients: int = 2, conc: int = 128):
+                 host: str, port: int, clients: int = 2, conc: int = 128,
+                 cpus: list[int] | None = None, server_cpu: int | None = None):
         self.topo, self.client_ns, self.host, self.port = topo, client_ns, host, port
-        self.clients, self.conc = clients, conc
-        self.server = topo.spawn(server_ns, TRAFFIC + ["accept", "--port", str(server_port)],
-                                 stdout=subprocess.PIPE)
+        self.clients, self.conc, self.cpus = clients, conc, cpus
+        self.server = topo.spawn(server_ns, _pinned(server_cpu, TRAFFIC + [
+            "accept", "--port", str(server_port)]), stdout=subprocess.PIPE)
         if "ready" not in self.server.stdout.readline():
             raise BenchError("accept server did not start")
 
     def run(self, secs: float) -> dict:
         argv = TRAFFIC + ["connect", "--host", self.host, "--port", str(self.port),
                           "--secs", f"{secs:g}", "--conc", str(self.conc)]
-        procs = [self.topo.spawn(self.client_ns, argv, stdout=subprocess.PIPE)
-                 for _ in range(self.clients)]
+        procs = [self.topo.spawn(self.client_ns, _pinned(
+                     self.cpus[i % len(self.cpus)] if self.cpus else None, argv),
+                     stdout=subprocess.PIPE) for i in range(self.clients)]
         done = failed = 0
         secs_max = 0.0
         for p in procs:

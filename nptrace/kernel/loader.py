@@ -215,7 +215,7 @@ class Probes:
         return ing.fd, egr.fd
 
     def nat_peer(self, saddr: str, sport: int, daddr: str, dport: int):
-        """The other side of a NATed connection (bpf/nf_hook.bpf.c `nat_peers`), as
+        """The other side of a NATed connection (bpf/nf_hook.bpf.c, `conn_slots`), as
         (src, sport, dst, dport) in that side's packet direction, or None."""
         nat = self._nat
         if nat is None:
@@ -226,23 +226,23 @@ class Probes:
         return natpeers.find(mem, size, saddr, sport, daddr, dport)
 
     def _map_nat_peers(self):
-        """(read-only mapping of nat_peers' slots, slot count, nat_used as u64s); no slots
+        """(read-only mapping of conn_slots' slots, slot count, nat_used as u64s); no slots
         and a zero flag without the maps (no netfilter-hook program). Both arrays are
         BPF_F_MMAPABLE: a lookup is a flag read and two slice compares, no syscall."""
         try:
-            m, u = self.bpf["nat_peers"], self.bpf["nat_used"]
+            m, u = self.bpf["conn_slots"], self.bpf["nat_used"]
         except KeyError:
             return (b"", 0, (0,))
         size = len(m)
-        if ct.sizeof(m.Leaf) != natpeers.NAT_SLOT:
-            raise LoadError(f"nat_peers slot is {ct.sizeof(m.Leaf)} bytes, loader expects "
-                            f"{natpeers.NAT_SLOT}")
-        length = -(-size * natpeers.NAT_SLOT // mmap.PAGESIZE) * mmap.PAGESIZE
+        if ct.sizeof(m.Leaf) != natpeers.CONN_SET:
+            raise LoadError(f"conn_slots set is {ct.sizeof(m.Leaf)} bytes, loader expects "
+                            f"{natpeers.CONN_SET}")
+        length = -(-size * natpeers.CONN_SET // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             mem = mmap.mmap(m.map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
             flag = mmap.mmap(u.map_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError as e:
-            raise LoadError(f"cannot map nat_peers: {e.strerror}") from None
+            raise LoadError(f"cannot map conn_slots: {e.strerror}") from None
         self._nat_mem = (mem, flag)
         return (memoryview(mem).toreadonly(), size, memoryview(flag).cast("Q"))
 

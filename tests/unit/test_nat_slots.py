@@ -16,23 +16,26 @@ def test_key_layout_is_the_c_struct():
 A = bytes([10, 0, 0, 1]) + bytes(12)
 
 
-def test_set_is_the_first_way_and_in_range():
+def test_set_in_range():
     for port in range(1000, 1200):
-        i = natpeers.nat_set(A, port, 131072)
-        assert i % 2 == 0 and 0 <= i < 131072
+        assert 0 <= natpeers.nat_set(A, port, 65536) < 65536
 
 
 def test_sets_spread():
-    sets = {natpeers.nat_set(A, p, 1024) for p in range(1024, 3072)}
+    sets = {natpeers.nat_set(A, p, 512) for p in range(1024, 3072)}
     assert len(sets) > 400      # 512 sets; a broken hash lands in a handful
 
 
-def _mem_with(size, orig, reply, ends):
-    """Slots as nf_hook.bpf.c writes them: the pair (orig, reply) in the set of each end."""
-    mem = bytearray(size * natpeers.NAT_SLOT)
+def _mem_with(size, orig, reply, ends, way=1):
+    """Sets as nf_hook.bpf.c writes them: the pair (orig, reply) in a way of the set of each
+    end (way[w].key = orig, way[w].nat = 1, nat[w].peer = reply)."""
+    mem = bytearray(size * natpeers.CONN_SET)
     for addr, port in ends:
-        o = natpeers.nat_set(socket.inet_pton(socket.AF_INET, addr) + bytes(12), port, size) * natpeers.NAT_SLOT
-        mem[o:o + 72] = natpeers.nat_key(*orig) + natpeers.nat_key(*reply)
+        o = natpeers.nat_set(socket.inet_pton(socket.AF_INET, addr) + bytes(12), port, size) * natpeers.CONN_SET
+        w = o + 64 * way
+        mem[w:w + 36] = natpeers.nat_key(*orig)
+        mem[w + 61] = 1                                 # nat: the pair is there
+        mem[o + 128 + 64 * way:o + 164 + 64 * way] = natpeers.nat_key(*reply)
     return bytes(mem)
 
 
@@ -52,3 +55,13 @@ def test_find_by_either_tuple_with_snat():
     assert natpeers.find(mem, 1024, *orig) == reply
     assert natpeers.find(mem, 1024, *reply) == orig
 
+
+
+def test_either_way_and_only_ways_with_nat():
+    orig = ("10.0.0.1", 40000, "10.0.0.2", 30080)
+    reply = ("10.1.0.5", 8080, "10.0.0.1", 40000)
+    mem = bytearray(_mem_with(1024, orig, reply, [("10.0.0.1", 40000)], way=0))
+    assert natpeers.find(mem, 1024, *reply) == orig
+    o = natpeers.nat_set(socket.inet_pton(socket.AF_INET, "10.0.0.1") + bytes(12), 40000, 1024)
+    mem[o * natpeers.CONN_SET + 61] = 0      # tc's slot of the SYN alone: no NAT pair
+    assert natpeers.find(bytes(mem), 1024, *orig) is None
