@@ -67,6 +67,17 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
     return s
 
 
+def runs(sc) -> list[tuple[str, str | None]]:
+    """(backend, variant) of every yardstick case of a scenario: each backend it has; each
+    variant on iptables; each dual-stack form also on a second rules family (nft, or
+    iptables-legacy where the scenario has no nft form)."""
+    out = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants]
+    second = next((b for b in ("nft", "iptables-legacy") if b in sc.backends), None)
+    if second:
+        out += [(second, v) for v in sc.variants if v == "ipv6" or v.endswith("+ipv6")]
+    return out
+
+
 def matrix_markdown(scores: list[Score]) -> str:
     causes = sorted({c for s in scores for c in s.labels} | {s.expected for s in scores} - {HEALTHY})
     head = "| scenario | expected | events | " + " | ".join(causes) + " | hit |"
@@ -94,9 +105,7 @@ def main(argv=None) -> int:
     for sc in lab.scenarios():
         if a.scenarios and sc.name not in a.scenarios:
             continue
-        runs = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants] + \
-            [("nft", "ipv6")] * ("ipv6" in sc.variants and "nft" in sc.backends)
-        for backend, variant in runs:
+        for backend, variant in runs(sc):
             s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
                       observe=sc.observe)
             scores.append(s)

@@ -1,7 +1,7 @@
 """Issue 5's yardstick: every lab scenario traced by the real `nptrace run --json --max-rate 0`
 (one process in the root namespace, tc on the lab nodes' interfaces, every record sent),
-100 connection attempts each (the dual-stack forms, variant ipv6, on iptables and nft: both
-rules families); and one burst under the default storm sampling. At least
+100 connection attempts each (each dual-stack form, variant ipv6 or NAME+ipv6, on iptables and
+on a second rules backend, nft or else iptables-legacy: scorecard.runs); and one burst under the default storm sampling. At least
 99% of the kernel events behind the scenario's own incidents carry the scenario's cause and
 Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
 printed (pytest -s, or the -rA summary) and kept in docs/confusion.md."""
@@ -12,14 +12,12 @@ import sys
 import pytest
 
 from nptrace import lab
-from nptrace.lab.scorecard import HEALTHY, FAULTLESS, matrix_markdown, score
+from nptrace.lab.scorecard import HEALTHY, FAULTLESS, matrix_markdown, runs, score
 
 pytestmark = pytest.mark.privileged
 COUNT = int(os.environ.get("NPT_ATTRIBUTION_COUNT", "100"))
 PREFIX = f"npt-at{os.getpid() % 10000}-"
-CASES = [(sc, b, None) for sc in lab.scenarios() for b in sc.backends] + \
-    [(sc, "iptables", v) for sc in lab.scenarios() for v in sc.variants] + \
-    [(sc, "nft", "ipv6") for sc in lab.scenarios() if "ipv6" in sc.variants and "nft" in sc.backends]
+CASES = [(sc, b, v) for sc in lab.scenarios() for b, v in runs(sc)]
 SCORES = []
 # Cases the lab reproduces and nptrace does not yet label right: strict, so a fix shows up as
 # a failure that asks for the entry to go.
