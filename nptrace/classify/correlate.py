@@ -277,7 +277,8 @@ class Classifier:
                         peer = _peer(got) if got else None
                     if peer:
                         keys = [k0, _key(*peer)]
-                        mapped = _mapping(s, peer)
+                        if known is None or known.nat is None:
+                            mapped = _mapping(s, peer)
                 # An entry without NAT names no other tuple: its own are the event's, or it is
                 # another connection's (a VXLAN packet's outer UDP entry, which every flow
                 # over that tunnel shares), whose tuples must not join flows.
