@@ -5,7 +5,8 @@
  * Hooks (stable tracepoints, one row each in nptrace/kernel/hooks.py; probed by
  * nptrace/kernel/features.py, chosen by nptrace/kernel/attach.py; gate -DNPT_TP_<NAME>):
  *   skb:kfree_skb            since 2.6.30, REQUIRED; reason field since Linux 5.17 (rx_sk since
- *                            6.12, unused)
+ *                            6.12, unused); IPv6's reasonless neighbour-failure frees named
+ *                            NEIGH_FAILED by call site (gate -DNPT_REASON_NEIGH_FAILED)
  *   tcp:tcp_send_reset       since 4.15; sk_rst_reason and skb-only resets since 6.10 (a
  *                            reset from a LISTEN socket takes its tuple from the packet)
  *   tcp:tcp_receive_reset    since 4.15
@@ -51,9 +52,28 @@ enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 #define NPT_TCP_LISTEN     10   /* include/net/tcp_states.h */
 
 #if NPT_TP_KFREE_SKB
+/* IPv6's failed neighbour: neigh_invalidate hands each queued packet to ndisc_error_report,
+ * which frees it with plain kfree_skb (NOT_SPECIFIED, a tail call: `location` is in
+ * neigh_invalidate), where IPv4's arp_error_report says NEIGH_FAILED. A NOT_SPECIFIED free
+ * at either site is named NEIGH_FAILED; the ranges come from kallsyms
+ * (nptrace/kernel/kallsyms.py), absent where it hides addresses. Two compares per drop. */
+#ifdef NPT_REASON_NEIGH_FAILED
+static __always_inline u32 npt_neigh_failed(u32 reason, u64 at)
+{
+	if (reason == NPT_REASON_NOT_SPECIFIED &&
+	    ((at >= NPT_NEIGH_FAIL_LO0 && at < NPT_NEIGH_FAIL_HI0) ||
+	     (at >= NPT_NEIGH_FAIL_LO1 && at < NPT_NEIGH_FAIL_HI1)))
+		return NPT_REASON_NEIGH_FAILED;
+	return reason;
+}
+#else
+#define npt_neigh_failed(reason, at) (reason)
+#endif
+
 TRACEPOINT_PROBE(skb, kfree_skb)
 {
-	u32 reason = (u32)args->reason;
+	u32 reason = npt_neigh_failed((u32)args->reason, (u64)args->location);
+	u32 kreason = reason;
 	u16 proto = args->protocol;   /* the tracepoint stores ntohs(skb->protocol) */
 	if (proto != NPT_ETH_P_IP && proto != NPT_ETH_P_IPV6)
 		return 0;
@@ -68,7 +88,7 @@ TRACEPOINT_PROBE(skb, kfree_skb)
 	int l4 = npt_read_skb(&e, args->skbaddr);
 	if (l4 != NPT_IPPROTO_TCP && !(e.flags & NPT_F_ICMP_QUOTE))
 		return 0;
-	e.reason = (u32)args->reason;  /* after npt_read_skb: an ICMP quote stores type/code */
+	e.reason = kreason;  /* after npt_read_skb: an ICMP quote stores type/code */
 	e.location = (u64)args->location;
 	e.dir = NPT_D_UNKNOWN;  /* freed on input, forward or output: the location tells */
 	npt_emit_skb_packet(&e, args->skbaddr);   /* npt_packet.h: + its bytes with --pcap */

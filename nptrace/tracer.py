@@ -216,7 +216,7 @@ class Tracer:
             raise LoadError(f"no kernel headers for bcc's compile: {hsrc.detail}")
         headers.select(hsrc)
         from nptrace import reasons
-        from nptrace.kernel import attach, btf, features, offsets
+        from nptrace.kernel import attach, btf, features, kallsyms, offsets
         from nptrace.node.netns import Names
         kbtf = btf.default()
         offset_flags = offsets.cflags(kbtf)
@@ -232,6 +232,11 @@ class Tracer:
         self.cfg = plan.cfg
         check("plan")
         kflags = offset_flags + attach.nf_cflags(plan, kbtf, log)
+        neigh = kallsyms.neigh_cflags(drops)
+        if not neigh:
+            log("IPv6 neighbour failures stay unnamed: /proc/kallsyms shows no addresses "
+                "(needs CAP_SYSLOG) or the kernel lacks NEIGH_FAILED")
+        kflags += neigh
         self.probes = attach.load(plan, kflags, drops)
         check("compile")
         if plan.tc:

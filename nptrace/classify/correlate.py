@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import Iterable, Iterator
 
 from nptrace import names
-from nptrace.events import Event
+from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
 
 from .labelmemo import LabelMemo, run_rules
 from .rules import rules_for
@@ -55,6 +55,26 @@ def flow_keys(ev: Event) -> list:
     return keys
 
 
+_NAT = IPS_DST_NAT | IPS_SRC_NAT
+
+
+def _mapping(s: tuple, a: tuple) -> CtTuples | None:
+    """A DNAT mapping (client -> frontend -> endpoint) from the two tuples of a NAT-map slot
+    (`s`, the one an event's tuple matched, and `a`, the other; each in its packet direction,
+    neither saying which is conntrack's original). The original is the tuple whose source
+    port is the reply's destination port (no SNAT, or a masquerade that kept the client's
+    port, as it does unless two clients collide) and whose destination DNAT changed; None when
+    not exactly one order fits (a masquerade that moved the port: the client is not known)."""
+    fits = [(o, r) for o, r in ((s, a), (a, s)) if o[1] == r[3] and (o[2], o[3]) != (r[0], r[1])]
+    if len(fits) == 2:   # ports alike both ways (port == targetPort): no SNAT decides it
+        fits = [(o, r) for o, r in fits if o[0] == r[2]]
+    if len(fits) != 1:
+        return None
+    o, r = fits[0]
+    return CtTuples(o[0], o[1], o[2], o[3], r[0], r[1], r[2], r[3],
+                    IPS_DST_NAT | (IPS_SRC_NAT if o[0] != r[2] else 0))
+
+
 def _peer(got) -> tuple | None:
     """A Context.nat_peer answer as (saddr, sport, daddr, dport), or None. Replayed sessions
     give back whatever the file holds: anything but two (str, int) pairs is no answer."""
@@ -72,7 +92,7 @@ _tuple_new = tuple.__new__
 class Flow:
     """One connection's correlation state. __slots__ and a key list, not a set: the classifier
     keeps up to max_flows of these (a set of one key alone is 216 bytes)."""
-    __slots__ = ("keys", "pending", "extra", "first_ns", "last_ns", "root", "strong")
+    __slots__ = ("keys", "pending", "extra", "first_ns", "last_ns", "root", "strong", "nat")
 
     def __init__(self):
         self.keys: list = []          # direction-free tuples naming this connection
@@ -82,6 +102,7 @@ class Flow:
         self.last_ns = 0
         self.root: Labeled | None = None   # the cause an earlier incident named
         self.strong = False           # the open incident has a non-weak label
+        self.nat: CtTuples | None = None   # the NAT mapping the kernel's NAT map gave (_mapping)
 
 
 # Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
@@ -163,6 +184,8 @@ class Classifier:
             del into.pending[MAX_KEPT:]
         into.last_ns = max(into.last_ns, other.last_ns)
         into.strong = into.strong or other.strong
+        if into.nat is None:
+            into.nat = other.nat
         if other.root is not None and (into.root is None or other.root.ev.ts_ns < into.root.ev.ts_ns):
             into.root = other.root
         for k in other.keys:
@@ -242,25 +265,36 @@ class Classifier:
                 saddr == daddr and sport <= dport) else (daddr, dport, saddr, sport)
             known = kmap.get(k0)
             c = ev[23]
-            keys = None
-            if c is None:
-                if (known is None or len(known.keys) < 2) and t not in EVIDENCE_ONLY:
-                    # No conntrack on this event (a pod's own stack, the client's): ask the
-                    # kernel's NAT map for the connection's other tuple, either direction.
+            keys = mapped = None
+            if c is None or not c.status & _NAT:
+                if (known is None or c is None and len(known.keys) < 2) and t not in EVIDENCE_ONLY:
+                    # No conntrack on this event (a pod's own stack, the client's), or, on a
+                    # new flow, one that did no NAT here (a pod's node, when another node
+                    # DNATed to it: one daemon traces both): ask the kernel's NAT map for the
+                    # connection's other tuple, either direction.
                     # (_peer only on an answer: a storm's records have none, two calls fewer)
+                    s = (saddr, sport, daddr, dport)
                     got = nat(saddr, sport, daddr, dport)
                     peer = _peer(got) if got else None
                     if peer is None:
+                        s = (daddr, dport, saddr, sport)
                         got = nat(daddr, dport, saddr, sport)
                         peer = _peer(got) if got else None
                     if peer:
                         keys = [k0, _key(*peer)]
+                        if known is None or known.nat is None:
+                            mapped = _mapping(s, peer)
+                # An entry without NAT names no other tuple: its own are the event's, or it is
+                # another connection's (a VXLAN packet's outer UDP entry, which every flow
+                # over that tunnel shares), whose tuples must not join flows.
             elif c.orig_dport:
                 keys = [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
                         _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
             if keys is not None:
                 flow, existed = self._flow_of(keys)
                 known = flow if existed else None
+                if mapped is not None and flow.nat is None:
+                    flow.nat = mapped
             elif known is None:                  # the storm's case: a new one-tuple flow
                 # Flow(), its __init__ inlined (first_ns, strong and extra are set below)
                 flow = _object_new(Flow)
@@ -268,6 +302,7 @@ class Classifier:
                 flow.pending = []
                 flow.last_ns = 0
                 flow.root = None
+                flow.nat = None
                 kmap[k0] = flow
                 flows[flow] = flow
             else:
@@ -385,7 +420,7 @@ class Classifier:
             if pending:
                 if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
                     if pending[0][2] is not None:
-                        out.append(_one(pending[0], 1 + flow.extra, ctx))
+                        out.append(_one(pending[0], 1 + flow.extra, ctx, flow.nat))
                 else:
                     v = self._report(flow, False)
                     if v is not None:
@@ -462,7 +497,7 @@ class Classifier:
             if flow.root is None:
                 if keep_root and primary.cause not in WEAK_CAUSES:
                     flow.root = _rootless(primary)
-                return _one(primary, 1 + extra, self.ctx)
+                return _one(primary, 1 + extra, self.ctx, flow.nat)
         else:
             # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
             # the first of equals), in one pass without a key call per event
@@ -528,9 +563,13 @@ class Classifier:
         if "{" in hint:
             hint = _fill_hint(hint, ev, iface, service)
         t = ev.type
-        return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
-                             primary.rname, cause, conf, hint, iface, service, ordered,
-                             len(pending) + extra, ctx, _pods(ev, ordered, ctx))
+        nat = flow.nat
+        v = _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
+                          primary.rname, cause, conf, hint, iface, service, ordered,
+                          len(pending) + extra, ctx, _pods(ev, ordered, ctx, nat))
+        if nat is not None:
+            v.__dict__["natmap"] = nat
+        return v
 
 
 def _rules_of(cache: dict, t: int, rname: str) -> list:
@@ -548,7 +587,7 @@ def _rootless(primary: Labeled) -> Labeled:
         _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
 
 
-def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
+def _one(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None) -> "Verdict":
     """Classifier._report of a one-record incident without an earlier root cause (most of a
     storm): the same Verdict and the same lookups in the same order, _service and _pods
     inlined where the event has no conntrack entry."""
@@ -569,14 +608,17 @@ def _one(primary: Labeled, events: int, ctx: Context) -> "Verdict":
         hint = _fill_hint(hint, ev, iface, service)
     t = ev[1]
     ordered = (primary,)
-    if ct is None:
+    if ct is None and nat is None:
         pod_of = ctx.pod_of
         pod = pod_of(ev[10]) or pod_of(ev[8]) or (ctx.pod_of_netns(ev[6]) if ev[6] else None)
         pods = {"pod": pod} if pod is not None else None
     else:
-        pods = _pods(ev, ordered, ctx)
-    return _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
-                         primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
+        pods = _pods(ev, ordered, ctx, nat)
+    v = _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
+                      primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
+    if nat is not None:
+        v.__dict__["natmap"] = nat
+    return v
 
 
 def _ts_key(l: Labeled) -> int:
@@ -593,10 +635,11 @@ _DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarde
 _object_new = object.__new__
 
 
-def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
+def _pods(ev: Event, labeled, ctx: Context, natmap: CtTuples | None = None) -> dict | None:
     """The incident's pods, asked once when it is made (the lookups a session records): the
     pod at either end of the packet, else the pod whose namespace the event is in; with a DNAT
-    mapping, the client's and the endpoint's."""
+    mapping (an event's, else the flow's from the NAT map: `natmap`), the client's and the
+    endpoint's."""
     pod_of = ctx.pod_of
     out = None
     pod = pod_of(ev.daddr) or pod_of(ev.saddr) or (ctx.pod_of_netns(ev.netns) if ev.netns else None)
@@ -612,6 +655,8 @@ def _pods(ev: Event, labeled, ctx: Context) -> dict | None:
                 break
             if snat is None and c is not None and c.snat:
                 snat = c
+        if nat is None and natmap is not None:
+            nat, snat = natmap, None
     if nat is None and snat is not None:   # masquerade only: the client's pod, no endpoint
         p = pod_of(snat.orig_src)
         if p is not None:

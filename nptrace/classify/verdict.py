@@ -94,11 +94,15 @@ class Verdict:
     # (correlate.py, through the Context's pod lookups, so a session records them whatever
     # the live output was), only the keys that named one; None when none did.
     pods: dict | None = field(default=None, compare=False)
+    # The connection's DNAT mapping from the kernel's NAT map (correlate._mapping), when an
+    # event on another node's side of the NAT joined the flow: what `nat` falls back to.
+    natmap: object = field(default=None, compare=False, repr=False)
 
     @property
     def nat(self):
         """The connection's NAT mapping, client -> NodePort/Service -> endpoint, from the first
-        event of the incident that carried a DNAT conntrack entry (None if none did)."""
+        event of the incident that carried a DNAT conntrack entry, else the flow's from the
+        kernel's NAT map (None if neither knows it)."""
         ct = getattr(self.event, "ct", None)
         if ct is not None and ct.dnat:
             return ct
@@ -106,7 +110,7 @@ class Verdict:
             ct = getattr(x.ev, "ct", None)
             if ct is not None and ct.dnat:
                 return ct
-        return None
+        return self.natmap
 
     @property
     def snat(self):

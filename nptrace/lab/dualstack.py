@@ -17,6 +17,11 @@ by token and loaded with ip6tables-restore too; ``nft`` text of an ``inet`` tabl
 families as it is. sysctls with an IPv6 counterpart (forwarding, the ICMP rate limit) get it.
 rp_filter has none: Linux implements reverse-path filtering for IPv6 only as a netfilter
 match (``ip6tables -m rpfilter`` / nft ``fib``), so that scenario has no IPv6 form.
+
+A ``run`` step (a command on a host while connections are held) naming an address with a twin
+is followed by its IPv6 copy (``ip neigh flush to 10.244.0.10`` then ``to fd00:244::a``); a
+``sysctl`` step's IPv4 keys with a counterpart (the neighbour table's ``net.ipv4.neigh.*``)
+get it in the same command.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ _V4 = re.compile(r"(?<![\w.:])(\d{1,3}(?:\.\d{1,3}){3})(/\d{1,2})?(?![\w.])")
 # IPv4 sysctl -> its IPv6 counterpart (same value)
 _SYSCTL6 = {"net.ipv4.ip_forward": "net.ipv6.conf.all.forwarding",
             "net.ipv4.icmp_ratelimit": "net.ipv6.icmp.ratelimit"}
+# IPv4 sysctl prefix -> its IPv6 counterpart (the neighbour tables: same knobs, per device)
+_SYSCTL6_PREFIX = {"net.ipv4.neigh.": "net.ipv6.neigh."}
 
 
 class Mapper:
@@ -111,3 +118,33 @@ def twin_service(m: Mapper, d: dict) -> dict:
     d = dict(d)
     d["cluster_ip"] = m.text(d["cluster_ip"], f"service {d.get('name')}")
     return d
+
+
+def _sysctl6(arg: str) -> str | None:
+    """A ``key=value`` sysctl argument's IPv6 counterpart, None when it has none."""
+    key, eq, value = arg.partition("=")
+    six = _SYSCTL6.get(key) or next((p6 + key[len(p4):] for p4, p6 in _SYSCTL6_PREFIX.items()
+                                     if key.startswith(p4)), None)
+    return f"{six}{eq}{value}" if six else None
+
+
+def twin_steps(m: Mapper, steps: list[dict]) -> list[dict]:
+    """A scenario's [[step]] list for its dual-stack form: a ``run`` step whose argv names
+    addresses with twins is followed by its IPv6 copy; a ``sysctl`` step gets the IPv6
+    counterparts of its keys. Other steps (rules, pods, waits) are family-free."""
+    out = []
+    for st in steps:
+        out.append(st)
+        if st.get("kind") != "run" or not st.get("argv"):
+            continue
+        argv = [str(a) for a in st["argv"]]
+        if argv[0] == "sysctl":
+            six = [a for a in (_sysctl6(a) for a in argv[1:] if "=" in a) if a]
+            if six:
+                out[-1] = {**st, "argv": [*argv, *six]}
+            continue
+        if any(_V4.fullmatch(a) for a in argv):
+            twinned = [m.line(a) if _V4.fullmatch(a) else a for a in argv]
+            if None not in twinned:
+                out.append({**st, "argv": twinned})
+    return out

@@ -192,7 +192,10 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         spec.ipv6, spec.services6 = True, _services6(m, services_raw, hosts)
         spec.cluster_cidr6 = m.text(topo["cluster_cidr"], "cluster_cidr")
         spec.service_cidr6 = m.text(topo["service_cidr"], "service_cidr")
-    for st in raw.get("step", []):
+    steps = raw.get("step", [])
+    if ipv6:
+        steps = dualstack.twin_steps(m, steps)
+    for st in steps:
         st = dict(st)
         if st.get("kind") == "rules":   # the Service tables after the change, compiled now
             after = deep_merge(services_raw, st.get("services", {}))

@@ -76,12 +76,20 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
     return s
 
 
+def runs(sc) -> list[tuple[str, str | None]]:
+    """(backend, variant) of every yardstick case of a scenario: each backend it has; each
+    variant on iptables; each dual-stack form also on a second rules family (nft, or
+    iptables-legacy where the scenario has no nft form)."""
+    out = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants]
+    second = next((b for b in ("nft", "iptables-legacy") if b in sc.backends), None)
+    if second:
+        out += [(second, v) for v in sc.variants if v == "ipv6" or v.endswith("+ipv6")]
+    return out
+
+
 def cases(scenarios) -> list[tuple]:
-    """(scenario, backend, variant) in the yardstick's order: each scenario on every backend,
-    then each variant on iptables, then the dual-stack forms on nft."""
-    return [(sc, b, None) for sc in scenarios for b in sc.backends] + \
-        [(sc, "iptables", v) for sc in scenarios for v in sc.variants] + \
-        [(sc, "nft", "ipv6") for sc in scenarios if "ipv6" in sc.variants and "nft" in sc.backends]
+    """(scenario, backend, variant) in the yardstick's order: each scenario's runs()."""
+    return [(sc, b, v) for sc in scenarios for b, v in runs(sc)]
 
 
 def row_name(name: str, backend: str, variant: str | None) -> str:

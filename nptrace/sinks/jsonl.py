@@ -140,7 +140,7 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
     # IPv6 through verdict_dict too: its evidence details write [addr]:port (one `in` here)
     if e.ct is not None or e.outer_saddr is not None or ":" in e.saddr \
             or type(v.confidence) is not float \
-            or type(repeat) is not int or type(events) is not int or v.pods:
+            or type(repeat) is not int or type(events) is not int or v.pods or v.natmap is not None:
         return _dict_line(v, epoch_offset_ns, repeat, since_ns, events, prefix)
     for l in labeled:
         if l.ev.ct is not None:

@@ -1,9 +1,9 @@
 """Issue 5's yardstick: every lab scenario traced by the real `nptrace run --json --max-rate 0`
 (one process in the root namespace, tc on the lab nodes' interfaces, every record sent),
-100 connection attempts each (the dual-stack forms, variant ipv6, on iptables and nft: both
-rules families); and one burst under the default storm sampling. At least
-99% of the kernel events behind the scenario's own incidents carry the scenario's cause and
-Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
+100 connection attempts each (each dual-stack form, variant ipv6 or NAME+ipv6, on iptables and
+on a second rules backend, nft or else iptables-legacy: scorecard.runs); and one burst under
+the default storm sampling. At least 99% of the kernel events behind the scenario's own
+incidents carry the scenario's cause and Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
 printed (pytest -s, or the -rA summary) and kept in docs/confusion.md. Where a scenario
 names ``hint`` words (the interface, device or numbers at fault), 99% of its incidents' hints
 must contain them. The cases run one after another in this one process: conntrack-table-full

@@ -16,7 +16,8 @@ from nptrace.services import merge, parse_iptables_restore, parse_iptables_save,
 FIX = Path(__file__).parent.parent / "fixtures" / "dualstack"
 MAP = dualstack.Mapper(model.load_topology()["ipv6"])
 DUAL = ("no-listener", "networkpolicy-drop", "etp-local-no-endpoint", "no-endpoints", "missing-snat",
-        "wrong-interface", "stale-endpoint", "app-reset", "healthy")
+        "wrong-interface", "stale-endpoint", "app-reset", "healthy", "conntrack-invalid",
+        "rollout-in-flight", "container-restart")
 
 
 def test_twin_keeps_the_offset_and_grows_the_prefix():
@@ -63,6 +64,23 @@ def test_dual_stack_spec(name):
     assert n1["sysctl"]["net.ipv6.conf.all.forwarding"] == 1
     v4 = model.compile_spec(name)
     assert [s.cluster_ip for s in v4.services] == [s.cluster_ip for s in sp.services]   # IPv4 kept
+
+
+def test_steps_get_their_ipv6_twins():
+    """A held-connection scenario's commands reach the IPv6 side too: the neighbour flush of
+    the dead address is followed by its twin's, a neighbour sysctl gets its IPv6 key."""
+    assert model.get("rollout-in-flight").variants == ("address-reused", "ipv6", "address-reused+ipv6")
+    runs = [st["argv"] for st in model.compile_spec("rollout-in-flight", "ipv6").steps if st["kind"] == "run"]
+    assert runs == [["sysctl", "-qw", "net.ipv4.neigh.cni0.retrans_time_ms=250",
+                     "net.ipv6.neigh.cni0.retrans_time_ms=250"],
+                    ["ip", "neigh", "flush", "to", "10.244.0.10", "dev", "cni0"],
+                    ["ip", "neigh", "flush", "to", "fd00:244::a", "dev", "cni0"]]
+    sp = model.compile_spec("rollout-in-flight", "address-reused+ipv6")
+    assert [st["kind"] for st in sp.steps] == ["rules", "wait", "delete_pod", "run", "run", "add_pod"]
+    assert "fd00:244::a/120" in sp.hosts["other-0"]["ifaces"]["eth0"]["addrs"]
+    assert [e.ip for e in sp.steps[0]["compiled6"][0].endpoints] == ["fd00:244::10a", "fd00:244::10b"]
+    kept = [{"kind": "run", "host": "node1", "argv": ["ip", "route", "add", "192.168.50.0/24", "dev", "ul0"]}]
+    assert dualstack.twin_steps(MAP, kept) == kept     # the underlay has no twin: no copy
 
 
 def test_networkpolicy_text_is_twinned_for_ip6tables():
