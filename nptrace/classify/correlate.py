@@ -25,8 +25,8 @@ from typing import Iterable, Iterator
 from nptrace import names
 from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
 
-from .labelmemo import LabelMemo, run_rules
-from .rules import rules_for
+from .labelmemo import LabelMemo
+from .rules import rules_for, run_rules
 from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
                       T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, Context, Labeled,
                       Verdict, reason_name)

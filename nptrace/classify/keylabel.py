@@ -1,7 +1,7 @@
 """Labels for the kernel's cause keys (nptrace/kernel/causekeys.py): every record the kernel
 sees is counted under a key, and each KEY is labeled here once, with the classifier's own rules
-(rules.RULES through rules_for, the same first-match and weak-drop fallback as correlate.py),
-on an event built from the key. So the per-cause counters are exact at any record rate and the
+(rules.RULES through rules_for and rules.run_rules: the first match and the weak-drop fallback
+correlate.py uses), on an event built from the key. So the per-cause counters are exact at any record rate and the
 classifier stays the one source of truth; the records sent to user space only add evidence.
 
 A key carries the flow's earlier causal record (prior_*, the kernel's flow_facts): the key's
@@ -21,9 +21,9 @@ from typing import NamedTuple
 from nptrace.events import CtTuples, Dir, EvType, Event, Hook, IPS_DST_NAT, IPS_SRC_NAT
 from nptrace.kernel.causekeys import CK_DNAT, CK_SNAT, CauseKey, encode_key, key_hash
 
-from .rules import rules_for
-from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_RST_RECV, T_RST_SENT,
-                      T_WIRE_RST, WEAK_CAUSES, WEAK_DROPS, Context, reason_name)
+from .rules import rules_for, run_rules
+from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_RST_RECV, T_RST_SENT, T_WIRE_RST,
+                      WEAK_CAUSES, Context, reason_name)
 
 DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _TYPES = {int(m): m for m in EvType}
@@ -77,13 +77,7 @@ def label_event(ev: Event, ctx: Context) -> tuple[str | None, str]:
     t = int(ev.type)
     if t in EVIDENCE_ONLY:
         return None, rname
-    for rule in rules_for(t, rname):
-        got = rule(ev, rname, [], ctx)
-        if got:
-            return got[0], rname
-    if t == T_DROP and rname in WEAK_DROPS:
-        return None, rname
-    return "unknown", rname
+    return run_rules(ev, rname, [], ctx, rules_for(t, rname), t)[0], rname
 
 
 def _service(ev: Event, ctx: Context) -> str | None:

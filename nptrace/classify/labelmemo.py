@@ -30,8 +30,7 @@ from operator import itemgetter
 
 from nptrace.events import Event
 
-from .rules import UNKNOWN_HINT
-from .verdict import T_DROP, WEAK_DROPS, Labeled
+from .rules import run_rules
 
 NO_MEMO = object()        # a value tuple whose rules asked the Context or the history
 MAX_ENTRIES = 4096        # value tuples kept, all keys together; then the memo starts anew
@@ -42,20 +41,6 @@ _FIELD = {name: i for i, name in enumerate(Event._fields)}
 _PROPS = frozenset(n for n, a in vars(Event).items() if isinstance(a, property))
 _get = tuple.__getattribute__
 _new = tuple.__new__
-
-
-def run_rules(ev: Event, rname: str, pending, ctx, rules, t: int) -> tuple:
-    """(cause, confidence, hint) of the first rule that matches, else the fallback: evidence
-    only for a weak drop, "unknown" otherwise (what Classifier.feed_many labels an event)."""
-    for rule in rules:
-        got = rule(ev, rname, pending, ctx)
-        if got:
-            if type(got) is tuple and len(got) == 3:
-                return got
-            return tuple(Labeled(ev, rname, *got)[2:])
-    if t == T_DROP and rname in WEAK_DROPS:
-        return (None, 0.0, "")
-    return ("unknown", 0.0, UNKNOWN_HINT)
 
 
 class _Traced(Event):

@@ -14,7 +14,8 @@ from nptrace.events import Event, F_ENCAP, F_HAS_SOCK, TCP_ACK, TCP_SYN
 from nptrace.text import hostport
 
 from .verdict import (APP_RESETS, D_INGRESS, T_ASYM_IFACE, T_ASYM_SRC, T_DROP, T_ICMP,
-                      T_RST_RECV, T_RST_SENT, T_WIRE_ICMP, T_WIRE_RST, Context)
+                      T_RST_RECV, T_RST_SENT, T_WIRE_ICMP, T_WIRE_RST, WEAK_DROPS, Context,
+                      Labeled)
 
 Rule = Callable[[Event, str, list, Context], "tuple[str, float, str] | None"]
 UNKNOWN_HINT = "no rule explains this event; the evidence lists what the kernel showed"
@@ -45,6 +46,20 @@ def rules_for(t: int, rname: str | None = None) -> list:
     RULES order."""
     return [r for r in RULES if t in getattr(r, "event_types", (t,))
             and (rname is None or rname in getattr(r, "reasons", {}).get(t, (rname,)))]
+
+
+def run_rules(ev: Event, rname: str, pending, ctx, rules, t: int) -> tuple:
+    """(cause, confidence, hint) of the first rule that matches, else the fallback: evidence
+    only for a weak drop, "unknown" otherwise (what Classifier.feed_many labels an event)."""
+    for rule in rules:
+        got = rule(ev, rname, pending, ctx)
+        if got:
+            if type(got) is tuple and len(got) == 3:
+                return got
+            return tuple(Labeled(ev, rname, *got)[2:])
+    if t == T_DROP and rname in WEAK_DROPS:
+        return (None, 0.0, "")
+    return ("unknown", 0.0, UNKNOWN_HINT)
 
 
 SYNACK = TCP_SYN | TCP_ACK

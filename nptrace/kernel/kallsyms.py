@@ -5,10 +5,10 @@ IPv6 neighbour failure: when neighbour discovery for a next hop fails, neigh_inv
 IPv4's arp_error_report frees it with SKB_DROP_REASON_NEIGH_FAILED ("net: neigh: use
 kfree_skb_reason() in arp_error_report()", Linux 5.18); IPv6's ndisc_error_report still calls
 plain kfree_skb(): reason NOT_SPECIFIED, which nptrace does not send (every healthy close
-frees a few). Its kfree_skb is a tail call,
-so the tracepoint's `location` is the return address in neigh_invalidate (measured on 6.18:
-`location=neigh_invalidate+0x7e reason: NOT_SPECIFIED` for a SYN to an address nobody
-answers neighbour solicitations for), or in ndisc_error_report where it is not a tail call.
+frees a few). Its kfree_skb is a tail call, so the tracepoint's `location` is the return
+address in neigh_invalidate (measured on 6.18: `location=neigh_invalidate+0x7e reason:
+NOT_SPECIFIED` for a SYN to an address nobody answers neighbour solicitations for), or in
+ndisc_error_report where it is not a tail call.
 The neigh tracepoints do not help: trace_neigh_timer_handler fires after neigh_invalidate has
 freed the queue, and neigh_update's "failed" state carries no packet. So the kfree_skb program
 names a NOT_SPECIFIED drop freed in either function NEIGH_FAILED, as IPv4's (bpf/tracepoints.bpf.c
@@ -25,6 +25,8 @@ __all__ = ["NEIGH_FAIL_SITES", "neigh_cflags", "text_ranges"]
 
 # Functions whose NOT_SPECIFIED frees are a failed neighbour's queued packets.
 NEIGH_FAIL_SITES = ("neigh_invalidate", "ndisc_error_report")
+
+
 def text_ranges(text: bytes, names) -> dict[str, tuple[int, int]]:
     """[start, end) of each named text symbol of vmlinux: its address to the next line's
     (kallsyms lists vmlinux in address order). Names not found, or at address 0 (hidden), are

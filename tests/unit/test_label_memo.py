@@ -13,7 +13,7 @@ import pytest
 
 from nptrace import events as ev
 from nptrace.bench import pipeline as bench
-from nptrace.classify import Classifier, Context
+from nptrace.classify import UNKNOWN_HINT, Classifier, Context
 from nptrace.classify import labelmemo as lm
 from nptrace.sessions import replay as replay_mod
 from nptrace.sinks.jsonl import JsonLines, _encode, verdict_dict
@@ -127,7 +127,7 @@ def test_a_label_is_kept_by_exactly_the_fields_its_rules_read():
     assert _memo_label(memo, [by_client], _rst(dport=2, ts_ns=5)) == ("a", 0.5, "to 10.1.0.1")
     assert calls == [1, 2]                      # the time is not read: kept
     c = _rst(sport=80, dport=2)                 # another branch: sport differs
-    assert _memo_label(memo, [by_client], c) == ("unknown", 0.0, lm.UNKNOWN_HINT)
+    assert _memo_label(memo, [by_client], c) == ("unknown", 0.0, UNKNOWN_HINT)
     assert memo.misses == 3
 
 
