@@ -1,0 +1,173 @@
+"""The compiled helpers of the hot path (nptrace/events_fast.c, nptrace/sinks/jsonl_fast.c;
+issue #16 item 3) give exactly what the pure-Python paths give, which stay the reference:
+the same Events (values and types) and bad count for good, rare, damaged and hostile records;
+the same JSON lines, and the same Context lookups in the same order, for seeded streams that
+reach every branch of verdict_line. `make setup` builds them; NPTRACE_PURE=1 turns them off."""
+import io
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from nptrace import events as ev
+from nptrace.bench import pipeline as bench
+from nptrace.classify import Classifier
+from nptrace.sinks import jsonl
+from tests.unit.test_pipeline_batch import _ctx, _records
+
+PURE = os.environ.get("NPTRACE_PURE") == "1"
+needs_native = pytest.mark.skipif(PURE, reason="NPTRACE_PURE=1: the compiled helpers are off")
+
+
+@needs_native
+def test_the_helpers_are_built():
+    # make setup builds them (setup.py; gcc and python3-dev from scripts/setup.sh). Without
+    # them nptrace still runs, on the pure paths; here that means the setup is broken.
+    assert ev.NATIVE == "compiled", "nptrace/events_fast not built: run `make setup`"
+    assert jsonl.NATIVE == "compiled", "nptrace/sinks/jsonl_fast not built: run `make setup`"
+
+
+def _same_events(a, b):
+    assert a[1] == b[1]
+    assert len(a[0]) == len(b[0])
+    for x, y in zip(a[0], b[0]):
+        assert x == y
+        assert type(x) is type(y)
+        assert [type(f) for f in x] == [type(f) for f in y], x
+
+
+def _damaged(rnd: random.Random, recs: list[bytes], n: int) -> list:
+    out = []
+    for _ in range(n):
+        r = bytearray(rnd.choice(recs))
+        for _ in range(rnd.randint(0, 8)):
+            r[rnd.randrange(len(r))] = rnd.randrange(256)
+        k = rnd.random()
+        if k < .05:
+            r = r[:rnd.randrange(len(r))]
+        elif k < .1:
+            r += b"xyz"
+        x = bytes(r)
+        k = rnd.random()
+        if k < .05:
+            x = bytearray(x)
+        elif k < .08:
+            x = memoryview(x)
+        elif k < .09:
+            x = rnd.choice([None, 5, "text", [1, 2], b""])
+        out.append(x)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_many_compiled_equals_python(seed):
+    rnd = random.Random(seed)
+    recs = _records(rnd, 500) + bench.records(200, True)
+    _same_events(ev.decode_many(recs), ev.decode_many_py(recs))
+    bad = _damaged(rnd, recs, 3000)
+    _same_events(ev.decode_many(bad), ev.decode_many_py(bad))
+
+
+@needs_native
+def test_decode_many_address_cache_stays_bounded_and_right():
+    # more distinct addresses than the cache holds (it is emptied when full, as the dicts are)
+    tpl = bench.records(1, False)[0]
+    off = ev.RawEvent.daddr.offset
+    recs = []
+    for i in range(20_000):
+        b = bytearray(tpl)
+        b[off:off + 4] = (0x0A000000 + i).to_bytes(4, "big")
+        recs.append(bytes(b))
+    _same_events(ev.decode_many(recs), ev.decode_many_py(recs))
+    assert ev.decode_many(recs)[0][12_345].daddr == "10.0.48.57"
+
+
+def _counting(ctx):
+    """ctx with every lookup logged, in order (a session records what the sinks ask)."""
+    log = []
+    for name in ("iface_name", "service_of", "endpoint_of", "pod_of", "pod_of_netns"):
+        fn = getattr(ctx, name)
+        setattr(ctx, name, lambda *a, _f=fn, _n=name: (log.append((_n, a)), _f(*a))[1])
+    return ctx, log
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(20))
+def test_lines_compiled_equal_python_with_the_same_lookups(seed):
+    rnd = random.Random(seed)
+    recs = _records(rnd, 800)
+    c = Classifier(_ctx(random.Random(seed)))
+    verdicts = []
+    for i in range(0, len(recs), 64):
+        events, _ = ev.decode_many(recs[i:i + 64])
+        verdicts += c.feed_many(events)
+    verdicts += c.flush()
+    assert verdicts
+    offset = rnd.choice([0, 123_456_789, 1_700_000_000 * 10**9])
+    prefix = rnd.choice(["{", '{"node":"n\\u00e9",'])
+    ctx, log = _counting(c.ctx)
+    py = [jsonl.verdict_line(v, offset, 1, None, None, prefix) for v in verdicts]
+    py_log = list(log)
+    log.clear()
+    jsonl._LINES.clear()
+    assert jsonl._FAST.lines(verdicts, offset, prefix) == py
+    assert log == py_log
+    fast = sum(jsonl._FAST.one_line(v, offset, prefix) is not None for v in verdicts)
+    assert 0 < fast < len(verdicts)      # both paths were taken
+
+
+@needs_native
+def test_one_line_declines_before_any_lookup():
+    rnd = random.Random(7)
+    c = Classifier(_ctx(rnd))
+    verdicts = []
+    for i in range(0, 3000, 100):
+        events, _ = ev.decode_many(_records(rnd, 100))
+        verdicts += c.feed_many(events)
+    verdicts += c.flush()
+    ctx, log = _counting(c.ctx)
+    declined = 0
+    for v in verdicts:
+        log.clear()
+        if jsonl._FAST.one_line(v, 0, "{") is None:
+            declined += 1
+            assert log == [], v
+    assert declined
+
+
+@needs_native
+def test_write_many_output_is_the_python_text():
+    recs = bench.records(5000, False)
+    ctx = bench_ctx()
+    texts = []
+    for fast in (True, False):
+        c, buf = Classifier(ctx), io.StringIO()
+        sink = jsonl.JsonLines(42, buf, node="node-a")
+        saved = jsonl._fast_lines
+        jsonl._fast_lines = saved if fast else None
+        try:
+            for i in range(0, len(recs), 256):
+                events, _ = ev.decode_many(recs[i:i + 256])
+                sink.write_many(c.feed_many(events))
+            sink.write_many(c.flush())
+        finally:
+            jsonl._fast_lines = saved
+        texts.append(buf.getvalue())
+    assert texts[0] == texts[1] and texts[0].count("\n") == 5000
+
+
+def bench_ctx():
+    from nptrace.classify import Context
+    return Context(drop_name=lambda v: "NO_SOCKET" if v == bench.NO_SOCKET else f"REASON_{v}",
+                   rst_name=lambda v: "NO_SOCKET" if v == 1 else f"REASON_{v}")
+
+
+def test_nptrace_pure_turns_them_off():
+    code = "from nptrace import events; from nptrace.sinks import jsonl; " \
+           "print(events.NATIVE, jsonl.NATIVE)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "NPTRACE_PURE": "1"}, check=True).stdout
+    assert out.split() == ["python", "python"]
