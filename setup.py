@@ -10,6 +10,9 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("nptrace.events_fast", ["nptrace/events_fast.c"], optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
+    Extension("nptrace.classify.correlate_fast", ["nptrace/classify/correlate_fast.c"],
+              optional=True,
+              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
     Extension("nptrace.sinks.jsonl_fast", ["nptrace/sinks/jsonl_fast.c"], optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
 ])

@@ -155,7 +155,7 @@ def bench_decoder(data_size: int = 64 << 20, rounds: int = 3) -> dict:
 
 
 def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
-                 collapse: bool = False) -> dict:
+                 collapse: bool = False, clock=time.perf_counter) -> dict:
     """Feed records through decode -> classify -> JSON (to /dev/null) for at most budget_s.
     With collapse, the JSON sink collapses storms (sinks/collapse.py): every reset is still
     labeled and counted (the sum of `repeat` over the lines), fewer lines are written."""
@@ -174,7 +174,7 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
     gc.collect()
     gc.freeze()           # as Tracer.run does
     gc.set_threshold(10_000, 10, 10)
-    t0 = time.perf_counter()
+    t0 = clock()
     deadline = t0 + budget_s
     complete = True
     # the batch APIs the live loop drains a ring batch with (decode_many, feed_many,
@@ -188,13 +188,13 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
         sink.tick(events[-1].ts_ns)
         verdicts += len(vs)
         fed += len(chunk)
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             complete = fed >= len(recs)
             break
     vs = clf.flush()
     sink.write_many(vs)
     verdicts += len(vs)
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     gc.unfreeze()
     sink.close()
     devnull.close()
@@ -203,6 +203,43 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
             "secs": dt, "resets_per_s": resets / dt, "records_per_s": fed / dt,
             "complete": complete, "budget_s": budget_s, "collapse": collapse,
             "lines": sink.collapse.lines if collapse else verdicts}
+
+
+def native_vs_pure(n_resets: int, mix: bool, budget_s: float, rounds: int = 3) -> dict:
+    """The compiled helpers (events_fast.c, correlate_fast.c, jsonl_fast.c) against the pure
+    Python paths, side by side: `rounds` alternating pairs of children, one with NPTRACE_PURE=1,
+    each timing its loop in CPU time (process_time: the VM's neighbours move wall time by a
+    third from one minute to the next, and the other helpers' benches share its two CPUs).
+    The ratio is the median of the pairs' ratios."""
+    import json
+    import statistics
+    import subprocess
+    rates: dict[str, list[float]] = {"compiled": [], "python": []}
+    argv = [sys.executable, "-m", "nptrace.bench.pipeline", "--resets", str(n_resets),
+            "--budget", str(budget_s), "--cpu", "--json"] + (["--mix"] if mix else [])
+    paths = {}
+    for _ in range(rounds):
+        for mode in ("compiled", "python"):
+            env = {**os.environ, "NPTRACE_PURE": "1" if mode == "python" else "0"}
+            out = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                 timeout=budget_s + 120)
+            if out.returncode != 0:
+                return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
+            r = json.loads(out.stdout)
+            rates[mode].append(r["records_per_s"])
+            paths[mode] = r["paths"]
+    ratios = [a / b for a, b in zip(rates["compiled"], rates["python"])]
+    return {"rates": rates, "paths": paths, "ratios": ratios,
+            "ratio": statistics.median(ratios),
+            "compiled": statistics.median(rates["compiled"]),
+            "python": statistics.median(rates["python"])}
+
+
+def paths_in_use() -> dict:
+    """Which of the hot path's functions run compiled ("compiled") or as Python ("python")."""
+    from nptrace.classify import correlate
+    from nptrace.sinks import jsonl
+    return {"decode": ev.NATIVE, "one-record verdict": correlate.NATIVE, "line": jsonl.NATIVE}
 
 
 def profile_pipeline(n_resets: int, budget_s: float, top: int = 15) -> list[dict]:
@@ -281,14 +318,19 @@ def run(b) -> Section:
     dec = bench_decoder(b.scale(64 << 20, 16 << 20))
     n = b.scale(300_000, 60_000)
     budget = b.scale(10, 2)
-    single = run_pipeline(n, False, budget)
-    mix = run_pipeline(n // 4 if b.quick else n // 2, True, budget)
+    # CPU time: the loop is one thread, and the VM's neighbours move wall time (see above)
+    single = run_pipeline(n, False, budget, clock=time.process_time)
+    mix = run_pipeline(n // 4 if b.quick else n // 2, True, budget, clock=time.process_time)
     hot = profile_pipeline(b.scale(30_000, 10_000), b.scale(5, 1.5))
     # a higher rate in quick mode: its loop lasts well under a second
     spy = pyspy_pipeline(n, b.scale(8, 2), b.logdir / "pipeline.pyspy.txt",
                          rate=b.scale(250, 500))
     keys = bench_keys(b.scale(10_000, 2_000))
+    side = {m: native_vs_pure(b.scale(200_000, 40_000) // (4 if m else 1), m, budget,
+                              rounds=b.scale(3, 1)) for m in (False, True)}
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
+                "paths": paths_in_use(),
+                "native_vs_pure": {"single": side[False], "mix": side[True]},
                 "pyspy": spy, "keys": keys,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
                 "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET,
@@ -304,6 +346,9 @@ def run(b) -> Section:
             si(dec["raw_decode_eps"], "/s"), "", "info", None, dec["raw_decode_eps"]),
         _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled records/s", single),
         _pipe_row("pipeline: storm mix, 4 records/reset, labeled records/s", mix),
+        *(_side_row(f"pipeline: compiled helpers vs pure Python, {name}, records/s (CPU time, "
+                    "median of pairs)", side[m]) for m, name in ((False, "1 record/reset"),
+                                                                 (True, "storm mix"))),
         _pyspy_row(spy),
         Row("pipeline", f"exact counts by cause key ({keys['keys']} keys): us per new key "
             "(labeled once), per active key and second", f"{keys['first_us_per_key']:.1f} us; "
@@ -312,6 +357,13 @@ def run(b) -> Section:
             keys["records_per_s"]),
     ]
     return sec
+
+
+def _side_row(metric: str, r: dict) -> Row:
+    if "error" in r:
+        return Row("pipeline", metric, f"not run: {r['error']}", "", "info", None)
+    return Row("pipeline", metric, si(r["compiled"], "/s"), f"{si(r['python'], '/s')} python",
+               f"{r['ratio']:.2f}x", None, r["compiled"], r["python"], r["ratio"])
 
 
 def _pipe_row(metric: str, r: dict) -> Row:
@@ -333,9 +385,17 @@ def main(argv=None) -> int:
     p.add_argument("--mix", action="store_true", help="4 records per reset (the storm's mix)")
     p.add_argument("--budget", type=float, default=30.0, help="seconds at most")
     p.add_argument("--collapse", action="store_true", help="JSON sink collapses storms")
+    p.add_argument("--cpu", action="store_true",
+                   help="time the loop in this process's CPU time, not wall time")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
-    r = run_pipeline(a.resets, a.mix, a.budget, collapse=a.collapse)
-    print(r)
+    r = run_pipeline(a.resets, a.mix, a.budget, collapse=a.collapse,
+                     clock=time.process_time if a.cpu else time.perf_counter)
+    if a.json:
+        import json
+        print(json.dumps({**r, "paths": paths_in_use()}))
+    else:
+        print(r)
     return 0
 
 

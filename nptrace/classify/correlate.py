@@ -19,6 +19,7 @@ that cannot report anything (see Classifier).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
@@ -587,10 +588,11 @@ def _rootless(primary: Labeled) -> Labeled:
         _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
 
 
-def _one(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None) -> "Verdict":
+def _one_py(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None) -> "Verdict":
     """Classifier._report of a one-record incident without an earlier root cause (most of a
     storm): the same Verdict and the same lookups in the same order, _service and _pods
-    inlined where the event has no conntrack entry."""
+    inlined where the event has no conntrack entry. `_one` is this, or the same function
+    compiled (correlate_fast.c) where it is built."""
     ev = primary[0]
     iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
     ct = ev[23]
@@ -699,6 +701,21 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
                    "hint", "iface", "service", "labeled", "events", "ctx", "pods")
 
 
+def _native():
+    """_one compiled (classify/correlate_fast.c, issue #16 item 3): None where the optional
+    extension was not built (setup.py), or NPTRACE_PURE=1."""
+    if os.environ.get("NPTRACE_PURE") == "1":
+        return None
+    try:
+        from nptrace.classify import correlate_fast as fast
+    except ImportError:
+        return None
+    fast.configure(Verdict, KIND, _DIRECTIONS, HOOKS, _service, _pods, _VERDICT_FIELDS,
+                   _HINT_USES, _FILLED, _FILLED_MAX, _uses, _fill_text)
+    return fast
+
+
+
 # Which event values a hint's placeholders read (by hint text), and filled hints by those
 # values: a storm's incidents fill one hint with one Service name over and over. Bounded.
 _HINT_USES: dict[str, tuple] = {}
@@ -803,3 +820,8 @@ def _service(ev: Event, ctx: Context) -> str | None:
     return so(ev.saddr, ev.sport) or None
 
 
+# after _service, _fill_hint and _pods, which the compiled _one falls back on
+_FAST = _native()
+# which _one makes a storm's Verdicts: "compiled" (correlate_fast.c) or "python"
+NATIVE = "compiled" if _FAST is not None else "python"
+_one = _FAST.one if _FAST is not None else _one_py

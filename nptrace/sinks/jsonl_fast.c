@@ -89,7 +89,7 @@ struct piece {
 	PyObject *obj;          /* the str it is, borrowed; NULL for C text */
 };
 
-#define MAXP 32
+#define MAXP 40
 
 struct line {
 	struct piece p[MAXP];
@@ -153,6 +153,46 @@ static int put_esc(struct line *l, PyObject *s, char *quote)
 	if (keep(l, e))
 		return -1;
 	return put_s(l, e);
+}
+
+static void put_p(struct line *l, const struct piece *p)
+{
+	put(l, p->text, p->len);
+	l->p[l->n - 1].obj = p->obj;
+}
+
+/* An exact int as str(int) writes it: into buf when it fits 64 bits, else through str(). */
+static int decimal(PyObject *x, char *buf, struct piece *out, struct line *l)
+{
+	int overflow;
+	long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+	if (v == -1 && PyErr_Occurred())
+		return -1;
+	out->obj = NULL;
+	if (overflow) {
+		PyObject *s = PyObject_Str(x);
+		if (keep(l, s))
+			return -1;
+		out->text = (const char *)PyUnicode_1BYTE_DATA(s);   /* digits: ASCII */
+		out->len = PyUnicode_GET_LENGTH(s);
+		out->obj = s;
+		return 0;
+	}
+	char tmp[24];
+	int n = 0;
+	unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+	do {
+		tmp[n++] = (char)('0' + u % 10);
+		u /= 10;
+	} while (u);
+	int k = 0;
+	if (v < 0)
+		buf[k++] = '-';
+	while (n)
+		buf[k++] = tmp[--n];
+	out->text = buf;
+	out->len = k;
+	return 0;
 }
 
 static PyObject *finish(struct line *l)
@@ -332,14 +372,10 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	struct line ln = {.n = 0, .len = 0, .ascii = 1, .nown = 0};
 	/* f'{head}{ts}{fields}{_esc(sa)},"sport":{sp},"daddr":{_esc(da)},"dport":{dp}'
 	 * f'{mid}{e.ts_ns},"ts":{ts}{pre}{_esc(f"{sa}:{sp} > {da}:{dp}")}{post}' */
-	PyObject *sps = PyObject_Str(sp), *dps = sps ? PyObject_Str(dp) : NULL;
-	if (keep(&ln, sps) || keep(&ln, dps))
-		goto line_fail;
-	PyObject *tss = PyObject_Str(ts_ns);
-	if (keep(&ln, tss))
-		goto line_fail;
-	PyObject *flow = PyUnicode_FromFormat("%U:%U > %U:%U", sa, sps, da, dps);
-	if (keep(&ln, flow))
+	char spb[24], dpb[24], tsb[24];
+	struct piece sps, dps, tss;
+	if (decimal(sp, spb, &sps, &ln) || decimal(dp, dpb, &dps, &ln)
+	    || decimal(ts_ns, tsb, &tss, &ln))
 		goto line_fail;
 	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 0)))
 		goto line_fail;
@@ -347,19 +383,36 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 1)) || put_esc(&ln, sa, quote))
 		goto line_fail;
 	put_c(&ln, ",\"sport\":");
-	put_s(&ln, sps);
+	put_p(&ln, &sps);
 	put_c(&ln, ",\"daddr\":");
 	if (put_esc(&ln, da, quote))
 		goto line_fail;
 	put_c(&ln, ",\"dport\":");
-	put_s(&ln, dps);
+	put_p(&ln, &dps);
 	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 2)))
 		goto line_fail;
-	put_s(&ln, tss);
+	put_p(&ln, &tss);
 	put_c(&ln, ",\"ts\":");
 	put_c(&ln, ts);
-	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 3)) || put_esc(&ln, flow, quote)
-	    || put_s(&ln, PyTuple_GET_ITEM(tpl, 4)))
+	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 3)))
+		goto line_fail;
+	if (plain_ascii(sa) && plain_ascii(da)) {
+		/* "sa:sp > da:dp" needs no escape: its pieces, quoted */
+		put(&ln, quote, 1);
+		put(&ln, (const char *)PyUnicode_1BYTE_DATA(sa), PyUnicode_GET_LENGTH(sa));
+		put_c(&ln, ":");
+		put_p(&ln, &sps);
+		put_c(&ln, " > ");
+		put(&ln, (const char *)PyUnicode_1BYTE_DATA(da), PyUnicode_GET_LENGTH(da));
+		put_c(&ln, ":");
+		put_p(&ln, &dps);
+		put(&ln, quote, 1);
+	} else {
+		PyObject *flow = PyUnicode_FromFormat("%U:%S > %U:%S", sa, sp, da, dp);
+		if (keep(&ln, flow) || put_esc(&ln, flow, quote))
+			goto line_fail;
+	}
+	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 4)))
 		goto line_fail;
 	res = finish(&ln);
 	goto out;

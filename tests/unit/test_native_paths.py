@@ -171,3 +171,31 @@ def test_nptrace_pure_turns_them_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "NPTRACE_PURE": "1"}, check=True).stdout
     assert out.split() == ["python", "python"]
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(20))
+def test_one_compiled_equals_python_with_the_same_lookups(seed):
+    from nptrace.classify import correlate
+    assert correlate.NATIVE == "compiled"
+    rnd = random.Random(seed)
+    ctx, log = _counting(_ctx(random.Random(seed)))
+    pod_of = {"10.0.0.1": "ns/a", "10.0.0.2": "", "fd00::1": "ns/b"}
+    ctx.pod_of = lambda a: (log.append(("pod_of", (a,))), pod_of.get(a))[1]
+    ctx.pod_of_netns = lambda n: (log.append(("pod_of_netns", (n,))), "ns/n" if n == 2 else "")[1]
+    from nptrace.classify.verdict import Labeled
+    events, _ = ev.decode_many(_records(rnd, 400))
+    hints = ["plain", "to {service} port {port}", "{saddr}:{sport} via {iface}", ""]
+    for e in events:
+        lab = Labeled(e, rnd.choice(["NO_SOCKET", "X"]), rnd.choice(["no_listener", None]),
+                      rnd.choice([0.5, 0.9]), rnd.choice(hints))
+        nat = rnd.choice([None, None, e.ct])
+        n = rnd.randint(1, 3)
+        log.clear()
+        want = correlate._one_py(lab, n, ctx, nat)
+        want_log = list(log)
+        log.clear()
+        got = correlate._one(lab, n, ctx, nat)
+        assert log == want_log
+        assert vars(got) == vars(want) and list(vars(got)) == list(vars(want))
+        assert got == want and type(got) is type(want)

@@ -1,0 +1,344 @@
+/* nptrace.classify.correlate_fast: correlate._one compiled (issue #16 item 3).
+ *
+ * _one makes the Verdict of a one-record incident without an earlier root cause: a storm's
+ * every incident. This is the same function: the same Context lookups in the same order
+ * (iface_name; service_of, then endpoint_of or service_of; pod_of of the destination, of the
+ * source, pod_of_netns), the same Verdict, built as correlate._make_verdict builds it (its
+ * fields stored in its own __dict__, no dataclass __init__). What is rare goes back to Python:
+ * an event with a conntrack entry (_service, _pods), a flow with a NAT mapping (_pods), a hint
+ * not filled before (_fill_text; _fill_hint's cache is the one correlate.py keeps). correlate.py keeps _one as the reference and the fallback
+ * where this module is not built; tests/unit/test_native_paths.py compares the two.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* events.Event and verdict.Labeled by position */
+enum { E_TYPE = 1, E_HOOK = 2, E_IFINDEX = 5, E_NETNS = 6, E_SADDR = 8, E_SPORT = 9,
+       E_DADDR = 10, E_DPORT = 11, E_CT = 23, E_NFIELDS = 28 };
+enum { L_EV, L_RNAME, L_CAUSE, L_CONF, L_HINT, L_NFIELDS };
+
+static struct {
+	PyObject *verdict;              /* verdict.Verdict */
+	PyObject *kind, *directions, *hooks;   /* verdict.KIND, correlate._DIRECTIONS, HOOKS */
+	PyObject *service, *pods;       /* correlate._service, _pods */
+	PyObject *s_drop, *s_brace, *s_pod, *s_natmap;
+	PyObject *s_iface_name, *s_service_of, *s_endpoint_of, *s_pod_of, *s_pod_of_netns;
+	PyObject *fields[14];           /* correlate._VERDICT_FIELDS */
+	PyObject *hint_uses, *filled, *uses, *fill_text;   /* _fill_hint's caches and helpers */
+	Py_ssize_t filled_max;
+	int ready;
+} S;
+
+static int intern(PyObject **slot, const char *s)
+{
+	if (*slot == NULL)
+		*slot = PyUnicode_InternFromString(s);
+	return *slot ? 0 : -1;
+}
+
+#define SET(slot, v) do { Py_INCREF(v); Py_XSETREF(S.slot, v); } while (0)
+
+/* configure(Verdict, KIND, DIRECTIONS, HOOKS, _service, _pods, VERDICT_FIELDS, _HINT_USES,
+ *           _FILLED, _FILLED_MAX, _uses, _fill_text) */
+static PyObject *configure(PyObject *self, PyObject *args)
+{
+	PyObject *verdict, *kind, *dirs, *hooks, *service, *pods, *fields, *hint_uses, *filled,
+		 *uses, *fill_text;
+	Py_ssize_t filled_max;
+	if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!O!nOO", &PyType_Type, &verdict, &PyDict_Type,
+			      &kind, &PyDict_Type, &dirs, &PyDict_Type, &hooks, &service, &pods,
+			      &PyTuple_Type, &fields, &PyDict_Type, &hint_uses, &PyDict_Type,
+			      &filled, &filled_max, &uses, &fill_text))
+		return NULL;
+	SET(hint_uses, hint_uses);
+	SET(filled, filled);
+	SET(uses, uses);
+	SET(fill_text, fill_text);
+	S.filled_max = filled_max;
+	if (PyTuple_GET_SIZE(fields) != 14) {
+		PyErr_SetString(PyExc_ValueError, "the Verdict has 14 fields here");
+		return NULL;
+	}
+	for (int i = 0; i < 14; i++) {
+		PyObject *f = PyTuple_GET_ITEM(fields, i);
+		if (!PyUnicode_Check(f)) {
+			PyErr_SetString(PyExc_TypeError, "a field name is not a str");
+			return NULL;
+		}
+		SET(fields[i], f);
+	}
+	SET(verdict, verdict);
+	SET(kind, kind);
+	SET(directions, dirs);
+	SET(hooks, hooks);
+	SET(service, service);
+	SET(pods, pods);
+	if (intern(&S.s_drop, "drop") || intern(&S.s_brace, "{") || intern(&S.s_pod, "pod")
+	    || intern(&S.s_natmap, "natmap") || intern(&S.s_iface_name, "iface_name")
+	    || intern(&S.s_service_of, "service_of") || intern(&S.s_endpoint_of, "endpoint_of")
+	    || intern(&S.s_pod_of, "pod_of") || intern(&S.s_pod_of_netns, "pod_of_netns"))
+		return NULL;
+	S.ready = 1;
+	Py_RETURN_NONE;
+}
+
+/* ctx.<name>(a, b) or ctx.<name>(a): a new reference, or NULL with an exception */
+static PyObject *ask(PyObject *ctx, PyObject *name, PyObject *a, PyObject *b)
+{
+	PyObject *fn = PyObject_GetAttr(ctx, name);
+	if (fn == NULL)
+		return NULL;
+	PyObject *r = b ? PyObject_CallFunctionObjArgs(fn, a, b, NULL)
+			: PyObject_CallOneArg(fn, a);
+	Py_DECREF(fn);
+	return r;
+}
+
+/* For `x or <the next lookup>`: 1 keeps x (true), 0 drops it (false: ask the next), -1 error. */
+static int keep_if_true(PyObject **x)
+{
+	int t = PyObject_IsTrue(*x);
+	if (t == 0)
+		Py_CLEAR(*x);
+	return t;
+}
+
+/* correlate._fill_hint: _fill_text remembered in _FILLED by the values the hint reads
+ * (_HINT_USES, made by _uses); a key that is not hashable is filled every time. */
+static PyObject *fill_hint(PyObject *hint, PyObject *ev, PyObject *iface, PyObject *service)
+{
+	PyObject *uses = PyDict_GetItemWithError(S.hint_uses, hint), *key = NULL, *got = NULL;
+	if (uses != NULL) {
+		Py_INCREF(uses);
+	} else {
+		if (PyErr_Occurred())
+			return NULL;
+		uses = PyObject_CallOneArg(S.uses, hint);
+		if (uses == NULL)
+			return NULL;
+	}
+	if (!PyTuple_Check(uses)) {
+		PyErr_SetString(PyExc_TypeError, "_uses gave no tuple");
+		goto out;
+	}
+	Py_ssize_t n = PyTuple_GET_SIZE(uses);
+	key = PyTuple_New(3 + n);
+	if (key == NULL)
+		goto out;
+	PyTuple_SET_ITEM(key, 0, Py_NewRef(hint));
+	PyTuple_SET_ITEM(key, 1, Py_NewRef(iface));
+	PyTuple_SET_ITEM(key, 2, Py_NewRef(service));
+	for (Py_ssize_t i = 0; i < n; i++) {
+		Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(uses, i));
+		if (at == -1 && PyErr_Occurred())
+			goto out;
+		if (at < 0 || at >= PyTuple_GET_SIZE(ev)) {
+			PyErr_SetString(PyExc_IndexError, "a hint reads past the Event");
+			goto out;
+		}
+		PyTuple_SET_ITEM(key, 3 + i, Py_NewRef(PyTuple_GET_ITEM(ev, at)));
+	}
+	got = PyDict_GetItemWithError(S.filled, key);
+	if (got != NULL) {
+		Py_INCREF(got);
+		goto out;
+	}
+	if (PyErr_Occurred()) {
+		if (!PyErr_ExceptionMatches(PyExc_TypeError))
+			goto out;
+		PyErr_Clear();               /* a replayed lookup's answer that is not hashable */
+		got = PyObject_CallFunctionObjArgs(S.fill_text, hint, ev, iface, service, NULL);
+		goto out;
+	}
+	if (PyDict_GET_SIZE(S.filled) >= S.filled_max)
+		PyDict_Clear(S.filled);
+	got = PyObject_CallFunctionObjArgs(S.fill_text, hint, ev, iface, service, NULL);
+	if (got != NULL && PyDict_SetItem(S.filled, key, got) < 0)
+		Py_CLEAR(got);
+out:
+	Py_XDECREF(key);
+	Py_DECREF(uses);
+	return got;
+}
+
+/* one(primary, events, ctx, nat) -> Verdict: correlate._one */
+static PyObject *one(PyObject *self, PyObject *args)
+{
+	PyObject *primary, *events, *ctx, *nat;
+	if (!PyArg_ParseTuple(args, "O!OOO", &PyTuple_Type, &primary, &events, &ctx, &nat))
+		return NULL;
+	if (!S.ready) {
+		PyErr_SetString(PyExc_RuntimeError, "configure() first");
+		return NULL;
+	}
+	if (PyTuple_GET_SIZE(primary) != L_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+		return NULL;
+	}
+	PyObject *ev = PyTuple_GET_ITEM(primary, L_EV);
+	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary.ev is not an Event");
+		return NULL;
+	}
+	PyObject *iface = NULL, *service = NULL, *hint = NULL, *ordered = NULL, *pods = NULL,
+		 *v = NULL, *res = NULL, *hook = NULL;
+	PyObject *ct = PyTuple_GET_ITEM(ev, E_CT);
+	int t = PyObject_IsTrue(PyTuple_GET_ITEM(ev, E_IFINDEX));
+	if (t < 0)
+		goto out;
+	iface = t ? ask(ctx, S.s_iface_name, PyTuple_GET_ITEM(ev, E_NETNS),
+			PyTuple_GET_ITEM(ev, E_IFINDEX)) : Py_NewRef(Py_None);
+	if (iface == NULL)
+		goto out;
+	if (ct == Py_None) {
+		/* service = so(daddr, dport); endpoint_of(saddr, sport) or it; else so(saddr, sport)
+		 * or None */
+		service = ask(ctx, S.s_service_of, PyTuple_GET_ITEM(ev, E_DADDR),
+			      PyTuple_GET_ITEM(ev, E_DPORT));
+		if (service == NULL)
+			goto out;
+		t = PyObject_IsTrue(service);
+		if (t < 0)
+			goto out;
+		if (t) {
+			PyObject *ep = ask(ctx, S.s_endpoint_of, PyTuple_GET_ITEM(ev, E_SADDR),
+					   PyTuple_GET_ITEM(ev, E_SPORT));
+			if (ep == NULL)
+				goto out;
+			t = PyObject_IsTrue(ep);
+			if (t < 0) {
+				Py_DECREF(ep);
+				goto out;
+			}
+			if (t)
+				Py_SETREF(service, ep);
+			else
+				Py_DECREF(ep);
+		} else {
+			Py_SETREF(service, ask(ctx, S.s_service_of, PyTuple_GET_ITEM(ev, E_SADDR),
+					       PyTuple_GET_ITEM(ev, E_SPORT)));
+			if (service == NULL)
+				goto out;
+			t = PyObject_IsTrue(service);
+			if (t < 0)
+				goto out;
+			if (!t)
+				Py_SETREF(service, Py_NewRef(Py_None));
+		}
+	} else {
+		service = PyObject_CallFunctionObjArgs(S.service, ev, ctx, NULL);
+		if (service == NULL)
+			goto out;
+	}
+	hint = Py_NewRef(PyTuple_GET_ITEM(primary, L_HINT));
+	t = PySequence_Contains(hint, S.s_brace);
+	if (t < 0)
+		goto out;
+	if (t) {
+		Py_SETREF(hint, fill_hint(hint, ev, iface, service));
+		if (hint == NULL)
+			goto out;
+	}
+	ordered = PyTuple_Pack(1, primary);
+	if (ordered == NULL)
+		goto out;
+	if (ct == Py_None && nat == Py_None) {
+		/* pod = pod_of(daddr) or pod_of(saddr) or (pod_of_netns(netns) if netns else None) */
+		PyObject *pod = ask(ctx, S.s_pod_of, PyTuple_GET_ITEM(ev, E_DADDR), NULL);
+		if (pod == NULL || (t = keep_if_true(&pod)) < 0)
+			goto pod_fail;
+		if (!t) {
+			pod = ask(ctx, S.s_pod_of, PyTuple_GET_ITEM(ev, E_SADDR), NULL);
+			if (pod == NULL || (t = keep_if_true(&pod)) < 0)
+				goto pod_fail;
+		}
+		if (!t) {
+			PyObject *netns = PyTuple_GET_ITEM(ev, E_NETNS);
+			int n = PyObject_IsTrue(netns);
+			if (n < 0)
+				goto out;
+			pod = n ? ask(ctx, S.s_pod_of_netns, netns, NULL) : Py_NewRef(Py_None);
+			if (pod == NULL)
+				goto out;
+		}
+		if (pod != Py_None) {
+			pods = PyDict_New();
+			if (pods == NULL || PyDict_SetItem(pods, S.s_pod, pod) < 0) {
+				Py_DECREF(pod);
+				goto out;
+			}
+		} else {
+			pods = Py_NewRef(Py_None);
+		}
+		Py_DECREF(pod);
+		goto pods_done;
+pod_fail:
+		Py_XDECREF(pod);
+		goto out;
+	} else {
+		pods = PyObject_CallFunctionObjArgs(S.pods, ev, ordered, ctx, nat, NULL);
+		if (pods == NULL)
+			goto out;
+	}
+pods_done:;
+	PyObject *typ = PyTuple_GET_ITEM(ev, E_TYPE);
+	PyObject *kind = PyDict_GetItemWithError(S.kind, typ);
+	if (kind == NULL) {
+		if (PyErr_Occurred())
+			goto out;
+		kind = S.s_drop;
+	}
+	PyObject *dir = PyDict_GetItemWithError(S.directions, typ);
+	if (dir == NULL) {
+		if (PyErr_Occurred())
+			goto out;
+		dir = Py_None;
+	}
+	hook = PyObject_GetItem(S.hooks, PyTuple_GET_ITEM(ev, E_HOOK));
+	if (hook == NULL)
+		goto out;
+	/* _make_verdict: object.__new__(Verdict), then its fields one by one, as
+	 * object.__setattr__ stores them (the frozen dataclass's own __setattr__ refuses; its
+	 * __init__ is not run): the same instance attributes, in the same order, kept in the
+	 * instance's inline values without a dict made for them */
+	PyTypeObject *vt = (PyTypeObject *)S.verdict;
+	v = vt->tp_alloc(vt, 0);
+	if (v == NULL)
+		goto out;
+	PyObject *values[14] = {
+		ev, kind, dir, hook, PyTuple_GET_ITEM(primary, L_RNAME),
+		PyTuple_GET_ITEM(primary, L_CAUSE), PyTuple_GET_ITEM(primary, L_CONF), hint, iface,
+		service, ordered, events, ctx, pods,
+	};
+	for (int i = 0; i < 14; i++)
+		if (PyObject_GenericSetAttr(v, S.fields[i], values[i]) < 0)
+			goto out;
+	if (nat != Py_None && PyObject_GenericSetAttr(v, S.s_natmap, nat) < 0)
+		goto out;
+	res = Py_NewRef(v);
+out:
+	Py_XDECREF(v);
+	Py_XDECREF(hook);
+	Py_XDECREF(pods);
+	Py_XDECREF(ordered);
+	Py_XDECREF(hint);
+	Py_XDECREF(service);
+	Py_XDECREF(iface);
+	return res;
+}
+
+static PyMethodDef methods[] = {
+	{"configure", configure, METH_VARARGS, "Take correlate's tables and fallbacks."},
+	{"one", one, METH_VARARGS, "correlate._one(primary, events, ctx, nat)."},
+	{NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+	PyModuleDef_HEAD_INIT, "nptrace.classify.correlate_fast",
+	"correlate._one compiled (nptrace/classify/correlate_fast.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit_correlate_fast(void)
+{
+	return PyModule_Create(&module);
+}
