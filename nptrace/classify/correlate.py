@@ -707,7 +707,7 @@ def _native():
     if os.environ.get("NPTRACE_PURE") == "1":
         return None
     try:
-        from nptrace.classify import correlate_fast as fast
+        import nptrace.classify.correlate_fast as fast
     except ImportError:
         return None
     fast.configure(Verdict, KIND, _DIRECTIONS, HOOKS, _service, _pods, _VERDICT_FIELDS,
