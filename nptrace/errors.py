@@ -4,6 +4,9 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from typing import NoReturn
+
+from nptrace.text import printable
 
 
 class NptraceError(Exception):
@@ -61,6 +64,27 @@ EXIT_FAILURE = 1     # an operation that failed (the lab's), not bad input
 EXIT_USAGE = 2       # bad input or an environment nptrace cannot work in: one line, exit 2
 
 
+def error_line(message: str) -> str:
+    """The one line every command prints for an expected failure (cli.main, exit_now)."""
+    return f"nptrace: error: {printable(message)}"
+
+
+def exit_now(e: NptraceError) -> NoReturn:
+    """The mapper's line for `e` and exit 2, now, without unwinding: for a failure inside C
+    code that is ending the process (LLVM inside a bcc compile, kernel/loader.py). Python's
+    stdout and stderr buffers are flushed first, so what was printed before is not lost; the
+    interpreter's shutdown does not run (it cannot, from inside the C call)."""
+    try:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        os.write(2, (error_line(" ".join(str(e).split())) + "\n").encode(errors="replace"))
+    finally:
+        os._exit(EXIT_USAGE)
+
+
 def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
     """Every command's error-to-exit mapper (cli.py, sessions/commands.py, doctor.py, lab/cli.py):
     an NptraceError is one line on stderr and exit 2 (a compile's log tail first), an exception
@@ -69,8 +93,6 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
     import functools
 
     import click
-
-    from nptrace.text import printable
 
     class Fail(click.ClickException):
         exit_code = EXIT_USAGE
