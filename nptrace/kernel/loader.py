@@ -123,7 +123,7 @@ def _tail(text: str, lines: int = 12) -> str:
 # print the one line and exit 2 (errors.exit_now). After the compile the exit handler is taken
 # off with __cxa_finalize(handle), which runs it once, disarmed, while the interpreter is
 # alive: a ctypes exit handler left registered is called after the interpreter's shutdown at
-# a normal exit, and segfaults there. Cost: about 0.1 ms a compile (bench: startup). A
+# a normal exit, and segfaults there. Cost: about 40 us a compile (start-up unchanged). A
 # compile in a thread other than the main one gets the fatal-error handler only (the main
 # thread could shut the interpreter down under it); a crash inside LLVM (SIGSEGV) is not
 # caught.
