@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from contextlib import contextmanager
 from typing import NoReturn
 
 from nptrace.text import printable
@@ -69,12 +70,33 @@ def error_line(message: str) -> str:
     return f"nptrace: error: {printable(message)}"
 
 
+_SKIPPED_FINALLY: list = []     # exit_now's stand-ins for the finally blocks it skips
+
+
+@contextmanager
+def on_exit_now(cleanup):
+    """Within the block, exit_now calls `cleanup()` first: the finally it does not reach
+    (tracer.py Tracer.start: its stop, so outputs end with their stop records and the lock is
+    released, as after any start-up error)."""
+    _SKIPPED_FINALLY.append(cleanup)
+    try:
+        yield
+    finally:
+        _SKIPPED_FINALLY.remove(cleanup)
+
+
 def exit_now(e: NptraceError) -> NoReturn:
     """The mapper's line for `e` and exit 2, now, without unwinding: for a failure inside C
-    code that is ending the process (LLVM inside a bcc compile, kernel/loader.py). Python's
-    stdout and stderr buffers are flushed first, so what was printed before is not lost; the
-    interpreter's shutdown does not run (it cannot, from inside the C call)."""
+    code that is ending the process (LLVM inside a bcc compile, kernel/loader.py). The
+    on_exit_now cleanups run first, and Python's stdout and stderr buffers are flushed, so
+    nothing printed or written before is lost; the interpreter's shutdown does not run (it
+    cannot, from inside the C call)."""
     try:
+        while _SKIPPED_FINALLY:
+            try:
+                _SKIPPED_FINALLY.pop()()
+            except BaseException:
+                pass
         for f in (sys.stdout, sys.stderr):
             try:
                 f.flush()

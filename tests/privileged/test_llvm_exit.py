@@ -2,8 +2,8 @@
 stderr naming the failure and LLVM's message, exit 2, no traceback, no core, and stdout
 printed before the compile kept. Both of LLVM's ways out are provoked with real BPF C:
 - a 1024-byte stack array: the BPF backend's "BPF stack limit of 512 bytes is exceeded", an
-  error diagnostic LLVM answers with exit(1); through `nptrace run` itself, the program added
-  to a copy of bpf/tracepoints.bpf.c (NPTRACE_BPF_DIR);
+  error diagnostic LLVM answers with exit(1); through `nptrace run --record` itself, the
+  program added to a copy of bpf/tracepoints.bpf.c (NPTRACE_BPF_DIR);
 - a variable-length array: report_fatal_error("Unsupported dynamic stack allocation"), which
   would abort() (status 134, a core), through loader.compile_families.
 Each compile runs in a child process: it is meant to end it.
@@ -80,8 +80,9 @@ def test_run_with_a_stack_overflow_says_so_and_exits_2(tmp_path):
     tp = (ROOT / "bpf" / "tracepoints.bpf.c").read_text() + STACK_HOG
     env = dict(os.environ, NPTRACE_BPF_DIR=str(_bpf_dir(tmp_path, **{"tracepoints.bpf.c": tp})),
                NPTRACE_LOCK_FILE=str(tmp_path / "lock"))
-    ready = tmp_path / "ready"
-    r = subprocess.run([sys.executable, "-m", "nptrace.cli", "run", "--ready-file", str(ready)],
+    ready, rec = tmp_path / "ready", tmp_path / "rec"
+    r = subprocess.run([sys.executable, "-m", "nptrace.cli", "run", "--ready-file", str(ready),
+                        "--record", str(rec)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     line = _one_error_line(r.stderr)
@@ -92,6 +93,11 @@ def test_run_with_a_stack_overflow_says_so_and_exits_2(tmp_path):
     # the rest of stderr is start-up's own log lines, none of the compiler's noise
     assert all(ln.startswith("nptrace: ") for ln in r.stderr.splitlines()), r.stderr
     assert not ready.exists() and r.stdout == ""
+    # the session opened before the compile was closed as after any start-up error: it ends
+    # with its stop record (errors.on_exit_now ran the tracer's stop)
+    rep = subprocess.run([sys.executable, "-m", "nptrace.cli", "report", str(rec)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert rep.returncode == 0 and "no stop record" not in rep.stderr, rep.stderr
 
 
 @pytest.mark.usefixtures("root_and_bcc")

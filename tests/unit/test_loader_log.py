@@ -86,6 +86,23 @@ def test_an_exit_inside_the_compile_is_one_line_and_status_2():
         loader_hint() + ")"], r.stderr
 
 
+def test_the_cleanup_a_skipped_finally_would_run_comes_first():
+    """errors.on_exit_now: Tracer.start has its stop run there (outputs closed with
+    their stop records, the lock released); it runs before the line, and only inside."""
+    body = ("from nptrace.errors import on_exit_now\n"
+            "    with on_exit_now(lambda: sys.stderr.write('cleaned up\\n')):\n"
+            "        with on_exit_now(lambda: print(' [file closed]', end='')):\n"
+            "            " + C_EXIT)
+    r = _child(body)
+    assert r.returncode == 2, r
+    assert r.stdout == "printed before [file closed]"
+    assert r.stderr.splitlines()[0] == "cleaned up" and len(r.stderr.splitlines()) == 2, r
+    assert r.stderr.splitlines()[1].startswith("nptrace: error: BPF compile failed: LLVM ")
+    r = _child("from nptrace.errors import on_exit_now\n"
+               "    with on_exit_now(lambda: print('never')):\n        pass\n    " + C_EXIT)
+    assert r.returncode == 2 and r.stdout == "printed before", r
+
+
 def loader_hint():
     from nptrace.kernel.loader import HOW_TO_REPORT
     return HOW_TO_REPORT
