@@ -9,7 +9,7 @@ import click
 
 from nptrace import __version__
 from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
-from nptrace.errors import EXIT_USAGE, one_line_errors
+from nptrace.errors import EXIT_USAGE, error_line, one_line_errors
 from nptrace.sessions.filteropts import FilteredSink, StopAfter, filter_options, live_filter
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
@@ -287,7 +287,7 @@ def main(argv=None):
         msg = e.format_message()
         if isinstance(e, click.UsageError) and e.ctx is not None:
             msg += f" (see: {e.ctx.command_path} --help)"
-        click.echo(f"nptrace: error: {msg}", err=True)
+        click.echo(error_line(msg), err=True)
         sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)

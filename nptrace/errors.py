@@ -4,6 +4,10 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from contextlib import contextmanager
+from typing import NoReturn
+
+from nptrace.text import printable
 
 
 class NptraceError(Exception):
@@ -61,6 +65,48 @@ EXIT_FAILURE = 1     # an operation that failed (the lab's), not bad input
 EXIT_USAGE = 2       # bad input or an environment nptrace cannot work in: one line, exit 2
 
 
+def error_line(message: str) -> str:
+    """The one line every command prints for an expected failure (cli.main, exit_now)."""
+    return f"nptrace: error: {printable(message)}"
+
+
+_SKIPPED_FINALLY: list = []     # exit_now's stand-ins for the finally blocks it skips
+
+
+@contextmanager
+def on_exit_now(cleanup):
+    """Within the block, exit_now calls `cleanup()` first: the finally it does not reach
+    (tracer.py Tracer.start: its stop, so outputs end with their stop records and the lock is
+    released, as after any start-up error)."""
+    _SKIPPED_FINALLY.append(cleanup)
+    try:
+        yield
+    finally:
+        _SKIPPED_FINALLY.remove(cleanup)
+
+
+def exit_now(e: NptraceError) -> NoReturn:
+    """The mapper's line for `e` and exit 2, now, without unwinding: for a failure inside C
+    code that is ending the process (LLVM inside a bcc compile, kernel/loader.py). The
+    on_exit_now cleanups run first, and Python's stdout and stderr buffers are flushed, so
+    nothing printed or written before is lost; the interpreter's shutdown does not run (it
+    cannot, from inside the C call)."""
+    try:
+        while _SKIPPED_FINALLY:
+            try:
+                _SKIPPED_FINALLY.pop()()
+            except BaseException:
+                pass
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        os.write(2, (error_line(" ".join(str(e).split())) + "\n").encode(errors="replace"))
+    finally:
+        os._exit(EXIT_USAGE)
+
+
 def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
     """Every command's error-to-exit mapper (cli.py, sessions/commands.py, doctor.py, lab/cli.py):
     an NptraceError is one line on stderr and exit 2 (a compile's log tail first), an exception
@@ -69,8 +115,6 @@ def one_line_errors(fn=None, *, usage: tuple = (), failures: tuple = ()):
     import functools
 
     import click
-
-    from nptrace.text import printable
 
     class Fail(click.ClickException):
         exit_code = EXIT_USAGE

@@ -20,7 +20,7 @@ from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.config import Config
 from nptrace.errors import (OUTPUT_ERRNOS, InterfaceError, LoadError, LockError, OutputError,
-                            PrivilegeError, output_error, quiet_stdout)
+                            PrivilegeError, on_exit_now, output_error, quiet_stdout)
 from nptrace.lifecycle import Interrupted, Signals, run_steps
 from nptrace.losses import MESSAGES as LOSS_MESSAGES, RECORD_STAGES, Ledger
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
@@ -192,10 +192,13 @@ class Tracer:
     # -- start ---------------------------------------------------------------------------
     def start(self) -> float:
         """Check, compile, attach. A SIGINT/SIGTERM from here on is seen at the next step
-        boundary: start-up stops there and stop() detaches what was attached (lifecycle.py)."""
+        boundary: start-up stops there and stop() detaches what was attached (lifecycle.py).
+        Where LLVM ends the process inside the compile, stop() runs before its line
+        (errors.on_exit_now): the caller's finally is never reached then."""
         self.signals.install()
         try:
-            return self._start()
+            with on_exit_now(self.stop):
+                return self._start()
         except Interrupted as e:
             self.interrupted = True
             log(f"stopping: {e}; removing what was attached so far")
