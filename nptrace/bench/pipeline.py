@@ -11,20 +11,30 @@ pipeline  what `nptrace run --json` does per record after the ring walk (the dec
           storm). A second run feeds the storm's real mix (4 records per reset: kfree_skb of
           the SYN, tcp_send_reset, the RST on tc egress, kfree_skb of the RST at the client).
           Both report labeled records/s against the target, >= 200,000/s (issue #16), and
-          resets/s beside it. Both run the live loop's code: the label memo
-          (classify/labelmemo.py: a record's own label kept by the values its rules read) and
-          the one-event line template (sinks/jsonl.py) are on, as in `nptrace run`.
-          Measured on the 2-core lab VM, CPython 3.11, 2026-12-01, in CPU time of 3 runs
-          alternating with main's tree (wall time moved 50k-160k/s with the VM's load that
-          hour): single 90k/s before, 108k/s after; mix 142k/s before, 161k/s after. A stripped
-          loop that keeps only what correlation needs per reset (one Flow in the key map and
-          the two time queues, eviction past 16384 flows with the incident's lookups, a line
-          from a template; no rules, no Event, Labeled or Verdict objects, no queue-head
-          bookkeeping) runs at ~207k/s, 4.8 us a record: the floor of this design in CPython.
-          What is left above it (py-spy, single): the JSON line 24% (a third of it the float
-          repr of the two times), the record loop of feed_many 22% (its dict inserts over
-          16384 live flows), eviction and queue heads 18%, decode 10%, the incident's lookups
-          and Verdict 15%.
+          resets/s beside it, in CPU time (process_time: the loop is one thread, and the VM's
+          neighbours move wall time by a third from one minute to the next). Both run the live
+          loop's code: the label memo (classify/labelmemo.py: a record's own label kept by the
+          values its rules read), the one-event line template (sinks/jsonl.py), and where
+          setup.py built them the compiled helpers: decode_many's common record
+          (events_fast.c), _one, the Verdict of a one-record incident (classify/
+          correlate_fast.c), and the one-event line (sinks/jsonl_fast.c). Each is exact (the
+          pure-Python path is the reference: tests/unit/test_native_paths.py) and the section
+          says which ran ("paths").
+native    the same loops in child processes, alternating with NPTRACE_PURE=1 (the pure paths),
+          CPU time: the compiled helpers' gain as a ratio of pairs, beside the pure rate.
+          Session 9, 2026-12-01, callgrind (instructions a record, deterministic, the loop's
+          marginal cost between 10k and 50k resets): single 94.5k (session 8's tree) ->
+          67.3k, mix 70.6k -> 62.1k. What is left is the correlation loop itself
+          (Classifier.feed_many, _evict, _horizon: ~17k instructions a record in the
+          interpreter's own frame loop, the rest the dict, queue and allocation calls it
+          makes) and the Context's Python lookups (8 calls a one-record incident). 200k/s
+          needs ~50k instructions a record: feed_many's storm path compiled too.
+          Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
+          108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
+          stripped loop that keeps only what correlation needs per reset (one Flow in the key
+          map and the two time queues, eviction past 16384 flows with the incident's lookups,
+          a line from a template; no rules, no Event, Labeled or Verdict objects) ran at
+          ~207k/s in CPython.
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
 reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
 (sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:
