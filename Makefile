@@ -42,4 +42,5 @@ lab-clean:
 	-.venv/bin/nptrace lab down --all
 
 clean: lab-clean
-	rm -rf .venv *.egg-info .pytest_cache results
+	rm -rf .venv *.egg-info .pytest_cache results build
+	find nptrace -name '*.so' -delete
