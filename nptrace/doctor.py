@@ -6,11 +6,16 @@ see because of it. The hook rows (tracepoints, kprobes, tc, netfilter bpf: the h
 nptrace/kernel/hooks.py) carry what `nptrace run` does about them, from the same plan run
 uses (nptrace/kernel/attach.py), so doctor and run cannot disagree. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
 with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.kernel.loader and bcc,
-imported only inside the command and only on the real root.
+imported only inside the command and only on the real root. The `hot path` row says whether
+this install runs the compiled helpers (setup.py) or the pure-Python paths, and why;
+`nptrace run` says the same once at start when it runs the pure ones.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,8 @@ from nptrace.kernel import attach
 from nptrace.kernel import features as feat
 from nptrace.node import checks as nodemod
 
-__all__ = ["Report", "Row", "build_report", "doctor_command", "exit_code", "render"]
+__all__ = ["Report", "Row", "build_report", "doctor_command", "exit_code", "hot_path",
+           "hot_path_line", "render"]
 
 STATUSES = ("ok", "warn", "missing", "fail", "unknown")
 _COLORS = {"ok": {"fg": "green"}, "warn": {"fg": "yellow", "bold": True},
@@ -58,10 +64,59 @@ class Report:
                 "kernel": self.kernel, "rows": [r.to_dict() for r in self.rows]}
 
 
+# The hot path's compiled helpers (setup.py, issue #16 item 3): the module, and what runs in
+# pure Python without it (the speed-ups are those events.py and sinks/jsonl.py measured).
+HELPERS = (("nptrace.events_fast", "decode_many"), ("nptrace.sinks.jsonl_fast", "--json lines"))
+HOT_PATH_COST = "decode ~4x and --json lines ~3x slower: a storm fills the ring sooner"
+HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, then "
+                   "pip install -e . again in nptrace's venv")
+
+
+def _why_not(module: str) -> str:
+    """Why a helper's module is not in use: not built, or built but not importable."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} not built"
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"{module} does not import ({e})"
+    return f"{module} not in use"
+
+
+def hot_path(native: dict[str, str] | None = None, env=None) -> str:
+    """"compiled" when decode and the JSON lines run the compiled helpers, else "python: <why>"
+    (NPTRACE_PURE=1, or which module was not built or does not import). `native`: module ->
+    its path's NATIVE ("compiled" / "python"), default events.NATIVE and jsonl.NATIVE."""
+    if native is None:
+        from nptrace import events
+        from nptrace.sinks import jsonl
+        native = {"nptrace.events_fast": events.NATIVE, "nptrace.sinks.jsonl_fast": jsonl.NATIVE}
+    slow = [m for m, _ in HELPERS if native.get(m) != "compiled"]
+    if not slow:
+        return "compiled"
+    if (os.environ if env is None else env).get("NPTRACE_PURE") == "1":
+        return "python: NPTRACE_PURE=1"
+    return "python: " + "; ".join(_why_not(m) for m in slow)
+
+
+def _hot_path_remedy(state: str) -> str:
+    return "unset NPTRACE_PURE" if state.endswith("NPTRACE_PURE=1") else HOT_PATH_REMEDY
+
+
+def hot_path_line(state: str) -> str | None:
+    """`nptrace run`'s one start-up line when it runs the pure paths (None when compiled), so
+    a node that keeps up less is explainable from its log."""
+    if state == "compiled":
+        return None
+    return f"hot path: {state}; {HOT_PATH_COST} (remedy: {_hot_path_remedy(state)})"
+
+
 def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None,
-                 cfg: Config | None = None, header_source=None) -> Report:
+                 cfg: Config | None = None, header_source=None,
+                 hot_path: str | None = None) -> Report:
     """`cfg`: the run configuration the hook rows are planned for (default: `nptrace run`'s).
-    `header_source`: kernel/headers.py find()'s answer, a row of its own (fail when none)."""
+    `header_source`: kernel/headers.py find()'s answer, a row of its own (fail when none).
+    `hot_path`: hot_path()'s answer, a row of its own (warn when "python: ...")."""
     plan = attach.plan(features, cfg or Config())
     hook_rows = set(feat.HOOK_ROWS)
     rows = [Row(r.area, r.name, r.status, plan.detail(r) if r.name in hook_rows else r.detail,
@@ -72,6 +127,12 @@ def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None
         rows.append(Row("kernel", "headers", "fail" if hs.kind == "none" else "ok",
                         f"{hs.kind}: {hs.detail}", "bcc cannot compile the probes" if
                         hs.kind == "none" else ""))
+    if hot_path is not None:
+        pure = hot_path != "compiled"
+        detail = hot_path if pure else "compiled (" + ", ".join(m.rsplit(".", 1)[1] + ".c"
+                                                               for m, _ in HELPERS) + ")"
+        rows.append(Row("nptrace", "hot path", "warn" if pure else "ok", detail,
+                        HOT_PATH_COST if pure else "", _hot_path_remedy(hot_path) if pure else ""))
     if node_checks is not None:
         area = f"node ({node_checks.netns})" if node_checks.netns else "node"
         rows += [Row(area, f.check, f.status, f.detail, "" if f.status == "ok" else f.cost,
@@ -167,7 +228,7 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
     node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
     from nptrace.kernel import headers    # fixture trees (--root) carry no headers: real root only
     hs = headers.find(features.kernel or None) if real else None
-    report = build_report(features, node_checks, header_source=hs)
+    report = build_report(features, node_checks, header_source=hs, hot_path=hot_path())
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

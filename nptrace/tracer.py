@@ -230,6 +230,10 @@ class Tracer:
         self._open_outputs(drops, rsts)   # before the slow compile: bad paths fail fast
         plan.require()
         log(hsrc.line())     # with the plan: start-up errors before here stay one line
+        from nptrace.doctor import hot_path, hot_path_line
+        slow = hot_path_line(hot_path())    # the pure-Python decode/JSON paths, said once
+        if slow:
+            log(slow)
         for line in plan.lines():
             log(f"plan: {line}")
         self.cfg = plan.cfg

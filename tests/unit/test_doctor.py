@@ -291,3 +291,64 @@ def test_headers_row_fails_the_report_when_there_are_none(tmp_path):
     rep = doctor.build_report(fx, header_source=shipped)
     assert [r.status for r in rep.rows if r.check == "headers"] == ["ok"]
     assert rep.ok == doctor.build_report(fx).ok
+
+
+# --- the hot path's compiled helpers (setup.py) --------------------------------------------
+
+BOTH = {"nptrace.events_fast": "compiled", "nptrace.sinks.jsonl_fast": "compiled"}
+
+
+def hot_row(state):
+    rep = doctor.build_report(features.probe(FIXTURES / "linux-6.18"), hot_path=state)
+    return rep, [r for r in rep.rows if r.check == "hot path"]
+
+
+def test_hot_path_compiled_is_one_ok_row():
+    assert doctor.hot_path(BOTH, env={}) == "compiled"
+    rep, rows = hot_row("compiled")
+    assert [(r.area, r.status, r.detail, r.cost, r.remedy) for r in rows] == [
+        ("nptrace", "ok", "compiled (events_fast.c, jsonl_fast.c)", "", "")]
+    assert doctor.hot_path_line("compiled") is None      # run says nothing
+
+
+def test_hot_path_forced_pure_warns_and_does_not_fail():
+    state = doctor.hot_path({**BOTH, "nptrace.events_fast": "python"}, env={"NPTRACE_PURE": "1"})
+    assert state == "python: NPTRACE_PURE=1"
+    rep, [row] = hot_row(state)
+    assert row.status == "warn" and row.detail == state and "slower" in row.cost
+    assert row.remedy == "unset NPTRACE_PURE"
+    assert rep.ok == doctor.build_report(features.probe(FIXTURES / "linux-6.18")).ok
+    assert "hot path: unset NPTRACE_PURE" in doctor.render(rep)
+    line = doctor.hot_path_line(state)
+    assert line.startswith("hot path: python: NPTRACE_PURE=1; ") and "unset NPTRACE_PURE" in line
+
+
+def test_hot_path_not_built_names_the_module_and_the_remedy(monkeypatch):
+    monkeypatch.setattr(doctor, "HELPERS", doctor.HELPERS + (("nptrace.no_such_helper", "x"),))
+    state = doctor.hot_path({**BOTH, "nptrace.no_such_helper": "python"}, env={})
+    assert state == "python: nptrace.no_such_helper not built"
+    rep, [row] = hot_row(state)
+    assert row.status == "warn" and "make setup" in row.remedy and "python3-dev" in row.remedy
+    assert "make setup" in doctor.hot_path_line(state)
+
+
+def test_hot_path_built_but_not_importable(monkeypatch):
+    def broken(name):
+        raise ImportError("undefined symbol: PyFoo")
+    monkeypatch.setattr(doctor.importlib, "import_module", broken)
+    state = doctor.hot_path({**BOTH, "nptrace.sinks.jsonl_fast": "python"}, env={})
+    assert state == "python: nptrace.sinks.jsonl_fast does not import (undefined symbol: PyFoo)"
+
+
+def test_hot_path_defaults_to_this_process():
+    from nptrace import events
+    from nptrace.sinks import jsonl
+    state = doctor.hot_path()
+    assert (state == "compiled") == (events.NATIVE == jsonl.NATIVE == "compiled")
+
+
+def test_cli_has_the_hot_path_row(no_trials):
+    r = invoke("--root", str(FIXTURES / "linux-6.18"), "--json")
+    rows = [x for x in json.loads(r.stdout)["rows"] if x["check"] == "hot path"]
+    assert len(rows) == 1 and rows[0]["status"] in ("ok", "warn")
+    assert (rows[0]["status"] == "ok") == (doctor.hot_path() == "compiled")
