@@ -66,8 +66,10 @@ class Report:
 
 # The hot path's compiled helpers (setup.py, issue #16 item 3): the module, and what runs in
 # pure Python without it (the speed-ups are those events.py and sinks/jsonl.py measured).
-HELPERS = (("nptrace.events_fast", "decode_many"), ("nptrace.sinks.jsonl_fast", "--json lines"))
-HOT_PATH_COST = "decode ~4x and --json lines ~3x slower: a storm fills the ring sooner"
+HELPERS = (("nptrace.events_fast", "decode_many"),
+           ("nptrace.classify.correlate_fast", "one-record incidents"),
+           ("nptrace.sinks.jsonl_fast", "--json lines"))
+HOT_PATH_COST = "a storm's records are labeled 1.2-1.45x slower: the ring fills sooner"
 HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, then "
                    "pip install -e . again in nptrace's venv")
 
@@ -84,13 +86,17 @@ def _why_not(module: str) -> str:
 
 
 def hot_path(native: dict[str, str] | None = None, env=None) -> str:
-    """"compiled" when decode and the JSON lines run the compiled helpers, else "python: <why>"
-    (NPTRACE_PURE=1, or which module was not built or does not import). `native`: module ->
-    its path's NATIVE ("compiled" / "python"), default events.NATIVE and jsonl.NATIVE."""
+    """"compiled" when decode, one-record incidents and the JSON lines run the compiled
+    helpers, else "python: <why>" (NPTRACE_PURE=1, or which module was not built or does not
+    import). `native`: module -> its path's NATIVE ("compiled" / "python"), default
+    events.NATIVE, correlate.NATIVE and jsonl.NATIVE."""
     if native is None:
         from nptrace import events
+        from nptrace.classify import correlate
         from nptrace.sinks import jsonl
-        native = {"nptrace.events_fast": events.NATIVE, "nptrace.sinks.jsonl_fast": jsonl.NATIVE}
+        native = {"nptrace.events_fast": events.NATIVE,
+                  "nptrace.classify.correlate_fast": correlate.NATIVE,
+                  "nptrace.sinks.jsonl_fast": jsonl.NATIVE}
     slow = [m for m, _ in HELPERS if native.get(m) != "compiled"]
     if not slow:
         return "compiled"

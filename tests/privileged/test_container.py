@@ -172,7 +172,7 @@ def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
              check=False)
     rows = [x for x in json.loads(r.stdout)["rows"] if x["check"] == "hot path"]
     assert [(x["status"], x["detail"]) for x in rows] == [
-        ("ok", "compiled (events_fast.c, jsonl_fast.c)")], r.stdout[-2000:]
+        ("ok", "compiled (events_fast.c, correlate_fast.c, jsonl_fast.c)")], r.stdout[-2000:]
     # the kubelet's TERM: probes detached, session closed, exit 0 within the grace period
     grace = spec_grace = 30
     _run(["podman", "stop", "-t", str(grace), c.name], timeout=grace + 30)

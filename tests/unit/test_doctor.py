@@ -295,7 +295,8 @@ def test_headers_row_fails_the_report_when_there_are_none(tmp_path):
 
 # --- the hot path's compiled helpers (setup.py) --------------------------------------------
 
-BOTH = {"nptrace.events_fast": "compiled", "nptrace.sinks.jsonl_fast": "compiled"}
+BOTH = {"nptrace.events_fast": "compiled", "nptrace.classify.correlate_fast": "compiled",
+        "nptrace.sinks.jsonl_fast": "compiled"}
 
 
 def hot_row(state):
@@ -307,7 +308,7 @@ def test_hot_path_compiled_is_one_ok_row():
     assert doctor.hot_path(BOTH, env={}) == "compiled"
     rep, rows = hot_row("compiled")
     assert [(r.area, r.status, r.detail, r.cost, r.remedy) for r in rows] == [
-        ("nptrace", "ok", "compiled (events_fast.c, jsonl_fast.c)", "", "")]
+        ("nptrace", "ok", "compiled (events_fast.c, correlate_fast.c, jsonl_fast.c)", "", "")]
     assert doctor.hot_path_line("compiled") is None      # run says nothing
 
 
