@@ -20,8 +20,11 @@ has `quickack 1`. Why, measured on one path without nptrace (nstat in its three 
   at the client) and reset 0.0001-0.04 of its connections, more the longer it ran: once the
   client's 64k ports wrapped, SYNs met the server's minute-long TIME_WAITs with an older
   timestamp (TcpExtPAWSTimewait), answered with an ACK that the client reset. In a bench run
-  that was 0.03-0.1 resets per connection, and nptrace's process spent 2.5-5 us per
-  connection labeling them: resets of the load generator, charged to the traced path's ratio.
+  that was 0.03-0.1 resets per connection, and nptrace's process spent 2.5-8 us per
+  connection labeling them: resets of the load generator. Its tracepoints are global, so it
+  labeled the plain and floor paths' resets too, and that CPU slowed all three paths alike:
+  those ratios leaned toward 1 (the same hour: 96.6-101.4% with the floor at 102.7-103.8%,
+  above plain; this workload 94.4-94.8%, floor 96-97%).
 - With the client closing first, 0.1-0.9% still reset: the server's delayed ACK of the
   client's FIN, sent by the delayed-ACK timer on the CPU that took that FIN, and the server's
   FIN, sent from its process's CPU, cross the node through two CPUs' backlogs and sometimes
@@ -32,7 +35,7 @@ has `quickack 1`. Why, measured on one path without nptrace (nstat in its three 
   made no drops at all but ran 11% slower (median of 30 alternated 1-s pairs on two paths).
   TCP_DEFER_ACCEPT drops each handshake's bare ACK (TcpExtTCPDeferAcceptDrop: one kfree_skb
   per connection, as many as the earlier workload freed).
-- All of it: 0 resets in 3 million connections of a bench run. Untraced rate beside the
+- All of it: 0 resets in each bench run (1.5-2.9 million connections). Untraced rate beside the
   earlier workload, alternated on two paths, 30-40 rounds of 1 s: 94-105% of it while the VM
   ran slow (15k/s), 84% while it ran fast (27k/s): the client's shutdown() and its extra
   epoll events weigh more when the kernel's share shrinks. The rounds count TcpOutRsts in every
@@ -51,10 +54,10 @@ there), so a difference between the paths cancels. Verdict: the median of the pe
 ratios, with its distribution-free 95% interval (median_ci) and whether that interval's lower
 bound clears 97% (only then is the target met beyond the noise), and the ratios'
 interquartile range. Runs are 0.5 s: 36 rounds a phase (108 in all) fit the section in about
-4 minutes; 36 one-second rounds gave intervals 7 points wide, 108 half-second ones 4-5. Caveat: nptrace's tracepoints are
-global, so the plain and floor paths' connections run its kfree_skb program too (1.0 run and
-0.1 us per connection: the bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward 1 of
-under 0.2%.
+4 minutes; 36 one-second rounds gave intervals 7-9 points wide, 108 half-second ones 4 (10
+while other jobs shared the VM). Caveat: nptrace's tracepoints are global, so the plain and
+floor paths' connections run its kfree_skb program too (1.0 run and 0.1 us per connection: the
+bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward 1 of under 0.2%.
 
 After the rounds, one more run on the traced path holds BPF_ENABLE_STATS and divides each of
 nptrace's programs' run_time_ns by the connections made: where the kernel-side cost per
