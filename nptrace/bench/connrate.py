@@ -37,9 +37,10 @@ has `quickack 1`. Why, measured on one path without nptrace (nstat in its three 
   per connection, as many as the earlier workload freed).
 - All of it: 0 resets in each bench run (1.5-2.9 million connections). Untraced rate beside the
   earlier workload, alternated on two paths, 30-40 rounds of 1 s: 94-105% of it while the VM
-  ran slow (15k/s), 84% while it ran fast (27k/s): the client's shutdown() and its extra
-  epoll events weigh more when the kernel's share shrinks. The rounds count TcpOutRsts in every
-  namespace of the paths: the resets-per-connection info row shows a workload that resets.
+  ran slow (15k/s), 84% while it ran fast (27k/s) (probably the client's shutdown() and its
+  extra epoll events, which weigh more when the kernel's share shrinks). The rounds count
+  TcpOutRsts in every namespace of the paths: the resets-per-connection info row shows a
+  workload that resets.
 
 The three paths play three roles at once: TRACED (`nptrace run --iface node/n0 --iface
 node/n1`: its tc programs and the netfilter-hook view in that node, every tracepoint), FLOOR
