@@ -23,8 +23,8 @@ has `quickack 1`. Why, measured on one path without nptrace (nstat in its three 
   that was 0.03-0.1 resets per connection, and nptrace's process spent 2.5-8 us per
   connection labeling them: resets of the load generator. Its tracepoints are global, so it
   labeled the plain and floor paths' resets too, and that CPU slowed all three paths alike:
-  those ratios leaned toward 1 (the same hour: 96.6-101.4% with the floor at 102.7-103.8%,
-  above plain; this workload 94.4-94.8%, floor 96-97%).
+  those ratios leaned toward 1 (three runs of each the same hour, alternated: 96.6-101.4%
+  with the floor at 100.8-103.8%, above plain; this workload 94.4-96.9%, floor 96.1-97.6%).
 - With the client closing first, 0.1-0.9% still reset: the server's delayed ACK of the
   client's FIN, sent by the delayed-ACK timer on the CPU that took that FIN, and the server's
   FIN, sent from its process's CPU, cross the node through two CPUs' backlogs and sometimes
@@ -55,8 +55,8 @@ there), so a difference between the paths cancels. Verdict: the median of the pe
 ratios, with its distribution-free 95% interval (median_ci) and whether that interval's lower
 bound clears 97% (only then is the target met beyond the noise), and the ratios'
 interquartile range. Runs are 0.5 s: 36 rounds a phase (108 in all) fit the section in about
-4 minutes; 36 one-second rounds gave intervals 7-9 points wide, 108 half-second ones 4 (10
-while other jobs shared the VM). Caveat: nptrace's tracepoints are global, so the plain and
+4 minutes; 36 one-second rounds gave intervals 7-9 points wide, 108 half-second ones 3.4-4.3
+(10 while other jobs shared the VM). Caveat: nptrace's tracepoints are global, so the plain and
 floor paths' connections run its kfree_skb program too (1.0 run and 0.1 us per connection: the
 bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward 1 of under 0.2%.
 
