@@ -5,9 +5,11 @@ Each prints one JSON line with what it did, and stops by itself (bounded by coun
   syn      SYNs to one address:port from distinct (source address, port) pairs, written as
            whole Ethernet frames to an AF_PACKET socket (one send per frame, no socket per
            flow): the fastest reset source Python has; --rate limits it (flow churn)
-  accept   accept() and close() forever (the server end of a connection-rate run)
-  connect  non-blocking connects kept --conc in flight for --secs; a connection counts once
-           the server's FIN arrives (the client closes second, so it keeps no TIME_WAIT)
+  accept   accept() and close() forever, each connection once the client's FIN is in (the
+           server end of a connection-rate run: it closes second and keeps no TIME_WAIT)
+  connect  non-blocking connects kept --conc in flight for --secs; each sends its FIN at the
+           handshake's end (the client closes first and keeps the TIME_WAIT) and counts once
+           the server's FIN arrives (bench/connrate.py says why this order)
   sink / source   bulk TCP without iperf3 (fallback)
 """
 from __future__ import annotations
@@ -96,6 +98,10 @@ def cmd_syn(a) -> dict:
 def cmd_accept(a) -> dict:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accept() returns a connection once a segment after the handshake is in: here the
+    # client's FIN, so the close() is always second. The handshake's bare ACK is dropped
+    # (TcpExtTCPDeferAcceptDrop, one kfree_skb) and the FIN completes the handshake.
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 5)
     s.bind(("0.0.0.0", a.port))
     s.listen(4096)
     print(json.dumps({"ready": True}), flush=True)
@@ -108,9 +114,13 @@ def cmd_accept(a) -> dict:
 def cmd_connect(a) -> dict:
     ep = select.epoll()
     socks: dict[int, socket.socket] = {}
+    shut: set[int] = set()     # connected, our FIN sent: waiting for the server's
     done = failed = 0
     addr = (a.host, a.port)
-    flags = select.EPOLLIN | select.EPOLLRDHUP
+    # edge-triggered, one registration: EPOLLOUT once the handshake is done, EPOLLRDHUP once
+    # the server's FIN is in (an epoll_ctl per connection less than re-arming in between)
+    flags = select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
+    fin, err = select.EPOLLRDHUP, select.EPOLLERR
 
     def start() -> None:
         nonlocal failed
@@ -129,12 +139,21 @@ def cmd_connect(a) -> dict:
         start()
     while time.monotonic() < end:
         for fd, ev in ep.poll(0.05):
-            s = socks.pop(fd)
-            if ev & select.EPOLLERR:
+            if ev & err:
                 failed += 1
-            else:
+            elif fd not in shut:
+                # not before the handshake's end: shutdown() in SYN_SENT closes without a FIN
+                socks[fd].shutdown(socket.SHUT_WR)
+                shut.add(fd)
+                if not ev & fin:
+                    continue
                 done += 1
-            s.close()
+            elif ev & fin:
+                done += 1
+            else:
+                continue       # another edge (our FIN's ACK): the server's FIN is still due
+            shut.discard(fd)
+            socks.pop(fd).close()
             start()
     secs = time.monotonic() - t0
     return {"done": done, "failed": failed, "secs": secs}

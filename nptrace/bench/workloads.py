@@ -64,7 +64,8 @@ def _pinned(cpu: int | None, argv: list[str]) -> list[str]:
 
 class ConnLoad:
     """Connections/s from `clients` processes in client_ns to host:port (a NodePort); client
-    i runs on CPU cpus[i % len(cpus)] and the server on server_cpu when given (taskset)."""
+    i runs on CPU cpus[i % len(cpus)] and the server on server_cpu when given (taskset).
+    The client closes first (traffic.py): reset-free with the sysctls connrate.setup sets."""
 
     def __init__(self, topo: Topology, server_ns: str, server_port: int, client_ns: str,
                  host: str, port: int, clients: int = 2, conc: int = 128,

@@ -1,0 +1,50 @@
+"""connrate's verdict (the median's interval against the target) and its workload's close
+order, on loopback: no root, no namespaces."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+from nptrace.bench import connrate
+
+TRAFFIC = [sys.executable, "-m", "nptrace.bench.traffic"]
+
+
+def test_median_interval_holds_the_middle_order_statistics():
+    lo, hi = connrate.median_ci([i / 100 for i in range(100)])
+    assert (lo, hi) == (0.4, 0.59)      # ranks 50 -+ 9.8
+    assert connrate.median_ci([]) == (None, None)
+    assert connrate.median_ci([1.0]) == (1.0, 1.0)
+
+
+def test_ratio_row_says_whether_the_lower_bound_clears_the_target():
+    plain = [100.0] * 30
+    row, data = connrate.ratio_row("connrate", "m", str, [99.0] * 30, plain, 0.97)
+    assert row.met and data["ci_clears_target"]
+    assert "lower bound clears 97%" in row.ratio_target
+    # median above the target, its interval not: met by the median, not beyond the noise
+    noisy = [90.0, 104.0] * 15
+    noisy[0] = 98.0
+    row, data = connrate.ratio_row("connrate", "m", str, noisy, plain, 0.97)
+    assert data["median_ci95"][0] < 0.97
+    assert data["ci_clears_target"] is False and "lower bound below 97%" in row.ratio_target
+
+
+def test_client_closes_first_and_every_connection_completes():
+    with socket.socket() as probe:     # a free port for the server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(TRAFFIC + ["accept", "--port", str(port)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert "ready" in server.stdout.readline()
+        out = subprocess.run(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port", str(port),
+                                        "--secs", "0.3", "--conc", "8"],
+                             capture_output=True, text=True, timeout=30)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["done"] > 0 and r["failed"] == 0
+    finally:
+        server.kill()
+        server.wait()
