@@ -19,11 +19,10 @@ that cannot report anything (see Classifier).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
-from nptrace import names
+from nptrace import names, native
 from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
 
 from .labelmemo import LabelMemo
@@ -702,18 +701,14 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
 
 
 def _native():
-    """_one compiled (classify/correlate_fast.c, issue #16 item 3): None where the optional
-    extension was not built (setup.py), or NPTRACE_PURE=1."""
-    if os.environ.get("NPTRACE_PURE") == "1":
-        return None
-    try:
-        import nptrace.classify.correlate_fast as fast
-    except ImportError:
+    """_one compiled (classify/correlate_fast.c); None where it is not in use
+    (nptrace/native.py)."""
+    fast = native.load("nptrace.classify.correlate_fast")
+    if fast is None:
         return None
     fast.configure(Verdict, KIND, _DIRECTIONS, HOOKS, _service, _pods, _VERDICT_FIELDS,
                    _HINT_USES, _FILLED, _FILLED_MAX, _uses, _fill_text)
     return fast
-
 
 
 # Which event values a hint's placeholders read (by hint text), and filled hints by those

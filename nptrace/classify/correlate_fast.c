@@ -3,11 +3,12 @@
  * _one makes the Verdict of a one-record incident without an earlier root cause: a storm's
  * every incident. This is the same function: the same Context lookups in the same order
  * (iface_name; service_of, then endpoint_of or service_of; pod_of of the destination, of the
- * source, pod_of_netns), the same Verdict, built as correlate._make_verdict builds it (its
- * fields stored in its own __dict__, no dataclass __init__). What is rare goes back to Python:
+ * source, pod_of_netns), the same Verdict as correlate._make_verdict builds (its fields set one
+ * by one as object.__setattr__ sets them, no dataclass __init__). What is rare goes back to Python:
  * an event with a conntrack entry (_service, _pods), a flow with a NAT mapping (_pods), a hint
- * not filled before (_fill_text; _fill_hint's cache is the one correlate.py keeps). correlate.py keeps _one as the reference and the fallback
- * where this module is not built; tests/unit/test_native_paths.py compares the two.
+ * not filled before (_fill_text; the cache of filled hints is correlate.py's own). correlate.py
+ * keeps _one as the reference and the fallback where this module is not built;
+ * tests/unit/test_native_paths.py compares the two.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import json.encoder
-import os
 import sys
 from typing import TextIO
 
+from nptrace import native
 from nptrace.classify import HOOKS, MAX_EVIDENCE, Context, Verdict, evidence_dicts
 from nptrace.sinks.collapse import StormCollapse
 from nptrace.text import hostport
@@ -213,14 +213,10 @@ def _one_template(v: Verdict, e, l, xiface, events: int, prefix: str) -> tuple:
 
 
 def _native():
-    """verdict_line's one-event line compiled (sinks/jsonl_fast.c, issue #16 item 3): the same
-    text and the same lookup, ~3x cheaper. None where the optional extension was not built
-    (setup.py), or NPTRACE_PURE=1."""
-    if os.environ.get("NPTRACE_PURE") == "1":
-        return None
-    try:
-        from nptrace.sinks import jsonl_fast as fast
-    except ImportError:
+    """verdict_line's one-event line compiled (sinks/jsonl_fast.c): the same text and the same
+    lookup; None where it is not in use (nptrace/native.py)."""
+    fast = native.load("nptrace.sinks.jsonl_fast")
+    if fast is None:
         return None
     fast.configure(_LINES, _one_template, _remember, _esc, _NO_CTX, verdict_line)
     return fast

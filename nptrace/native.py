@@ -1,0 +1,21 @@
+"""The hot path's compiled helpers (issue #16 item 3): optional C extensions that setup.py
+builds beside the modules they speed up (events_fast.c, classify/correlate_fast.c,
+sinks/jsonl_fast.c). Each module keeps its pure-Python path as the reference and as the
+fallback where the helper was not built; doctor's `hot path` row says which runs."""
+from __future__ import annotations
+
+import importlib
+import os
+
+PURE_ENV = "NPTRACE_PURE"     # =1: the pure paths (tests compare the two; an SRE can rule a helper out)
+
+
+def load(module: str):
+    """The helper module, or None when it is not built or PURE_ENV=1 (ImportError of a helper
+    that is built but does not load is None too: doctor says why)."""
+    if os.environ.get(PURE_ENV) == "1":
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
