@@ -229,11 +229,6 @@ static PyObject *finish(struct line *l)
 	return out;
 }
 
-static PyObject *attr(PyObject *o, PyObject *name)
-{
-	return PyObject_GetAttr(o, name);
-}
-
 /* The one-event line of verdict v, or None (nothing looked up) when the template path does
  * not apply, or NULL with an exception. */
 static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
@@ -242,12 +237,12 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		 *pods = NULL, *natmap = NULL, *ctx = NULL, *xiface = NULL, *key = NULL,
 		 *tpl = NULL, *tsum = NULL, *ts_ns;
 	char *ts = NULL;
-	e = attr(v, S.s_event);
-	labeled = e ? attr(v, S.s_labeled) : NULL;
-	events = labeled ? attr(v, S.s_events) : NULL;
-	conf = events ? attr(v, S.s_confidence) : NULL;
-	pods = conf ? attr(v, S.s_pods) : NULL;
-	natmap = pods ? attr(v, S.s_natmap) : NULL;
+	e = PyObject_GetAttr(v, S.s_event);
+	labeled = e ? PyObject_GetAttr(v, S.s_labeled) : NULL;
+	events = labeled ? PyObject_GetAttr(v, S.s_events) : NULL;
+	conf = events ? PyObject_GetAttr(v, S.s_confidence) : NULL;
+	pods = conf ? PyObject_GetAttr(v, S.s_pods) : NULL;
+	natmap = pods ? PyObject_GetAttr(v, S.s_natmap) : NULL;
 	if (natmap == NULL)
 		goto out;
 	/* verdict_line's conditions for its template path, in its order */
@@ -277,7 +272,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		goto other;
 
 	/* the template path: from here on it writes the line */
-	ctx = attr(v, S.s_ctx);
+	ctx = PyObject_GetAttr(v, S.s_ctx);
 	if (ctx == NULL)
 		goto out;
 	t = PyObject_IsTrue(ctx);
@@ -291,7 +286,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	if (t < 0)
 		goto out;
 	if (t) {
-		PyObject *fn = attr(ctx, S.s_iface_name);
+		PyObject *fn = PyObject_GetAttr(ctx, S.s_iface_name);
 		if (fn == NULL)
 			goto out;
 		xiface = PyObject_CallFunctionObjArgs(fn, netns, ifindex, NULL);
@@ -310,22 +305,22 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		goto out;
 	PyTuple_SET_ITEM(key, 0, Py_NewRef(prefix));
 	for (int i = 0; i < 5; i++) {
-		PyObject *x = attr(v, names[i]);
+		PyObject *x = PyObject_GetAttr(v, names[i]);
 		if (x == NULL)
 			goto out;
 		PyTuple_SET_ITEM(key, 1 + i, x);
 	}
 	PyTuple_SET_ITEM(key, 6, Py_NewRef(conf));
 	PyObject *x;
-	if ((x = attr(v, S.s_service)) == NULL)
+	if ((x = PyObject_GetAttr(v, S.s_service)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 7, x);
 	PyTuple_SET_ITEM(key, 8, Py_NewRef(netns));
-	if ((x = attr(v, S.s_iface)) == NULL)
+	if ((x = PyObject_GetAttr(v, S.s_iface)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 9, x);
 	PyTuple_SET_ITEM(key, 10, Py_NewRef(ifindex));
-	if ((x = attr(v, S.s_hint)) == NULL)
+	if ((x = PyObject_GetAttr(v, S.s_hint)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 11, x);
 	PyTuple_SET_ITEM(key, 12, Py_NewRef(events));
@@ -439,16 +434,25 @@ out:
 	return res;
 }
 
+/* The (verdict or verdicts, offset, prefix) both entry points take; -1 with an exception
+ * for bad arguments or before configure(). */
+static int entry_args(PyObject *args, PyObject **first, PyObject **offset, PyObject **prefix)
+{
+	if (!PyArg_ParseTuple(args, "OOU", first, offset, prefix))
+		return -1;
+	if (!S.ready) {
+		PyErr_SetString(PyExc_RuntimeError, "configure() first");
+		return -1;
+	}
+	return 0;
+}
+
 /* one_line(v, offset, prefix) -> str or None */
 static PyObject *one_line(PyObject *self, PyObject *args)
 {
 	PyObject *v, *offset, *prefix;
-	if (!PyArg_ParseTuple(args, "OOU", &v, &offset, &prefix))
+	if (entry_args(args, &v, &offset, &prefix))
 		return NULL;
-	if (!S.ready) {
-		PyErr_SetString(PyExc_RuntimeError, "configure() first");
-		return NULL;
-	}
 	return one(v, offset, prefix);
 }
 
@@ -457,12 +461,8 @@ static PyObject *one_line(PyObject *self, PyObject *args)
 static PyObject *lines(PyObject *self, PyObject *args)
 {
 	PyObject *vs, *offset, *prefix;
-	if (!PyArg_ParseTuple(args, "OOU", &vs, &offset, &prefix))
+	if (entry_args(args, &vs, &offset, &prefix))
 		return NULL;
-	if (!S.ready) {
-		PyErr_SetString(PyExc_RuntimeError, "configure() first");
-		return NULL;
-	}
 	PyObject *seq = PySequence_Fast(vs, "lines: a sequence of verdicts");
 	if (seq == NULL)
 		return NULL;
