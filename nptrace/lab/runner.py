@@ -144,10 +144,11 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
         netns.wait_ready(procs)
         # last: the lab's own tables are filled, and nothing of it is left half made
         netns.set_host_wide(wide, state, set(live.values()))
-        gone = [ns[h] for h, d in spec.hosts.items() if d.get("gone")]
-        if gone:  # the pod was deleted after kube-proxy last synced: its namespace goes away
-            netns.delete_namespaces(gone)
-            state["namespaces"] = [n for n in state["namespaces"] if n not in gone]
+        for pod in [h for h, d in spec.hosts.items() if d.get("gone")]:
+            # deleted after kube-proxy last synced. Its veth goes first: a deleted namespace is
+            # torn down later by the kernel's cleanup work, and until then it still answers on
+            # its address (RST from a dead listener: refused, not the timeout of a gone pod)
+            _delete_pod(spec, pod, ns, state)
         netns.save_state(prefix, state)
     except BaseException:
         _teardown(prefix, state)

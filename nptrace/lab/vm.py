@@ -405,7 +405,7 @@ def drive(spec: Spec, role: str, backend: str, nics: dict[str, str], emit: Calla
         ns = f"{prefix}{pod}"
         is_gone = bool(spec.hosts[pod].get("gone"))
         if is_gone:
-            gone.append(ns)
+            gone.append((pod, ns))
 
         def pod_run(argv, input=None, pod=pod, ns=ns):
             emit(Cmd(pod, tuple(in_netns(ns, argv)), input))
@@ -416,7 +416,8 @@ def drive(spec: Spec, role: str, backend: str, nics: dict[str, str], emit: Calla
                 emit(Cmd(pod, tuple(argv), daemon=f"{UNIT_PREFIX}{pod}", netns=ns))
 
         hostplan.apply_role(spec, pod, run=pod_run, spawn=pod_spawn, backend=backend)
-    for ns in gone:
+    for pod, ns in gone:   # the veth first: the kernel tears a deleted namespace down later
+        emit(Cmd("finish", ("ip", "link", "del", hostplan.pod_veth(pod))))
         emit(Cmd("finish", ("ip", "netns", "del", ns)))
 
 

@@ -166,3 +166,26 @@ def test_host_wide_limit_is_held_while_up_and_always_put_back(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         lab.up("conntrack-table-full", prefix=PREFIX)
     assert CTMAX.read_text() == saved and _ours() == [] and netns.load_state(PREFIX) is None
+
+
+def test_gone_pod_stays_gone_while_the_kernel_still_holds_its_namespace(monkeypatch):
+    """A deleted namespace lives on until the kernel's cleanup work runs (seconds, when earlier
+    labs' namespaces queue before it), still answering on its address: a SYN to the gone pod
+    got a RST (refused) instead of the timeout. Holding the namespace open stands in for that
+    delay; the pod's veth is deleted first, so nothing answers."""
+    held = []
+    real = netns.delete_namespaces
+
+    def delayed(names, pids=()):
+        held.extend(os.open(f"/run/netns/{n}", os.O_RDONLY) for n in names
+                    if Path(f"/run/netns/{n}").exists())
+        real(names, pids)
+    monkeypatch.setattr(netns, "delete_namespaces", delayed)
+    lab.up("stale-endpoint", backend="nft", prefix=PREFIX)
+    try:
+        attempts = lab.trigger("stale-endpoint", count=5, prefix=PREFIX)
+    finally:
+        lab.down("stale-endpoint", prefix=PREFIX)
+        for fd in held:
+            os.close(fd)
+    assert held and collections.Counter(a.outcome for a in attempts) == {"timeout": 5}
