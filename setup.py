@@ -10,9 +10,13 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("nptrace.events_fast", ["nptrace/events_fast.c"], optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
-    Extension("nptrace.classify.correlate_fast", ["nptrace/classify/correlate_fast.c"],
+    Extension("nptrace.classify.correlate_fast",
+              ["nptrace/classify/correlate_fast.c", "nptrace/classify/feed_fast.c"],
+              depends=["nptrace/classify/correlate_fast.h"],
               optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
-    Extension("nptrace.sinks.jsonl_fast", ["nptrace/sinks/jsonl_fast.c"], optional=True,
+    Extension("nptrace.sinks.jsonl_fast",
+              ["nptrace/sinks/jsonl_fast.c", "nptrace/sinks/jsonl_multi.c"],
+              depends=["nptrace/sinks/jsonl_fast.h"], optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
 ])

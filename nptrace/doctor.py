@@ -67,9 +67,9 @@ class Report:
 # The hot path's compiled helpers (setup.py, issue #16 item 3): the module, and what runs in
 # pure Python without it (the speed-ups are those events.py and sinks/jsonl.py measured).
 HELPERS = (("nptrace.events_fast", "decode_many"),
-           ("nptrace.classify.correlate_fast", "one-record incidents"),
+           ("nptrace.classify.correlate_fast", "the correlation loop"),
            ("nptrace.sinks.jsonl_fast", "--json lines"))
-HOT_PATH_COST = "a storm's records are labeled 1.2-1.45x slower: the ring fills sooner"
+HOT_PATH_COST = "a storm's records are labeled 1.5-1.6x slower: the ring fills sooner"
 HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, then "
                    "pip install -e . again in nptrace's venv")
 
@@ -86,7 +86,7 @@ def _why_not(module: str) -> str:
 
 
 def hot_path(native: dict[str, str] | None = None, env=None) -> str:
-    """"compiled" when decode, one-record incidents and the JSON lines run the compiled
+    """"compiled" when decode, the correlation loop and the JSON lines run the compiled
     helpers, else "python: <why>" (NPTRACE_PURE=1, or which module was not built or does not
     import). `native`: module -> its path's NATIVE ("compiled" / "python"), default
     events.NATIVE, correlate.NATIVE and jsonl.NATIVE."""

@@ -58,8 +58,8 @@ fi
 # py-spy is a binary, not a module: checked by its path, so an older venv picks it up
 if ! .venv/bin/python -c 'import nptrace, pytest, pyroute2, msgpack, click, prometheus_client' 2>/dev/null \
    || [ ! -x .venv/bin/py-spy ] || [ pyproject.toml -nt .venv/.installed ] \
-   || [ -n "$(find setup.py nptrace -name '*.c' -newer .venv/.installed 2>/dev/null | head -n1)" ] \
-   || ! .venv/bin/python -c 'import nptrace.events_fast, nptrace.sinks.jsonl_fast' 2>/dev/null; then
+   || [ -n "$(find setup.py nptrace \( -name '*.[ch]' -o -name setup.py \) -newer .venv/.installed 2>/dev/null | head -n1)" ] \
+   || ! .venv/bin/python -c 'import nptrace.events_fast, nptrace.classify.correlate_fast, nptrace.sinks.jsonl_fast' 2>/dev/null; then
     log "installing nptrace into .venv"
     .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch .venv/.installed

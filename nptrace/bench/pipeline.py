@@ -16,10 +16,11 @@ pipeline  what `nptrace run --json` does per record after the ring walk (the dec
           loop's code: the label memo (classify/labelmemo.py: a record's own label kept by the
           values its rules read), the one-event line template (sinks/jsonl.py), and where
           setup.py built them the compiled helpers: decode_many's common record
-          (events_fast.c), _one, the Verdict of a one-record incident (classify/
-          correlate_fast.c), and the one-event line (sinks/jsonl_fast.c). Each is exact (the
-          pure-Python path is the reference: tests/unit/test_native_paths.py) and the section
-          says which ran ("paths").
+          (events_fast.c), Classifier.feed_many's loop (classify/feed_fast.c) and _one, the
+          Verdict of a one-record incident (classify/correlate_fast.c), the one-event line
+          (sinks/jsonl_fast.c) and the line of several events (sinks/jsonl_multi.c). Each is
+          exact (the pure-Python path is the reference: tests/unit/test_native_paths.py,
+          test_native_feed.py) and the section says which ran ("paths").
 native    the same loops in child processes, alternating with NPTRACE_PURE=1 (the pure paths),
           CPU time: the compiled helpers' gain as a ratio of pairs, beside the pure rate.
           Session 9, 2026-12-01, callgrind (instructions a record, deterministic, the loop's
@@ -29,6 +30,13 @@ native    the same loops in child processes, alternating with NPTRACE_PURE=1 (th
           interpreter's own frame loop, the rest the dict, queue and allocation calls it
           makes) and the Context's Python lookups (8 calls a one-record incident). 200k/s
           needs ~50k instructions a record: feed_many's storm path compiled too.
+          Session 10, 2026-12-01: feed_many's loop (feed_fast.c) and the line of several
+          events (jsonl_multi.c) compiled. Callgrind, marginal: single 64.4k -> 47.9k
+          instructions a record (30k to 60k resets), mix 61.6k -> 41.7k (20k to 40k). CPU
+          time, 3 runs alternating with session 9's tree: single 137-153k -> 148-196k/s, mix
+          125-158k -> 201-234k/s. Left a record: ~9 Python Context calls (~14k instructions
+          of interpreter), dict and attribute look-ups (~11k), the time's float repr (~5k),
+          the collector (~2-5k).
           Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
           108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
           stripped loop that keeps only what correlation needs per reset (one Flow in the key

@@ -15,7 +15,8 @@ event is evidence. Add a cause by adding a rule function to RULES and its name t
 
 `feed_many(events)` is the live loop's batch entry (the same verdicts as `feed` on each event,
 concatenated): a reset storm is ~all new one-record flows, and per event it skips the `tick`
-that cannot report anything (see Classifier).
+that cannot report anything (see Classifier). Its loop is compiled where setup.py built
+correlate_fast (feed_fast.c); `_feed_many_py` is the reference it is tested against.
 """
 from __future__ import annotations
 
@@ -236,7 +237,13 @@ class Classifier:
 
     def feed_many(self, events: Iterable[Event]) -> list[Verdict]:
         """Take events in order; return the incidents due along the way, exactly what
-        `feed` on each of them would return, concatenated."""
+        `feed` on each of them would return, concatenated. The loop is compiled where
+        correlate_fast is built (feed_fast.c); _feed_many_py is the reference."""
+        if _FAST is not None:
+            return _FAST.feed_many(self, events)
+        return self._feed_many_py(events)
+
+    def _feed_many_py(self, events: Iterable[Event]) -> list[Verdict]:
         out: list[Verdict] = []
         ctx = self.ctx
         kmap, flows, strong, weak = self.keys, self.flows, self.strong, self.weak
@@ -701,13 +708,16 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
 
 
 def _native():
-    """_one compiled (classify/correlate_fast.c); None where it is not in use
-    (nptrace/native.py)."""
+    """_one (classify/correlate_fast.c) and Classifier.feed_many's loop (feed_fast.c)
+    compiled; None where they are not in use (nptrace/native.py)."""
     fast = native.load("nptrace.classify.correlate_fast")
     if fast is None:
         return None
     fast.configure(Verdict, KIND, _DIRECTIONS, HOOKS, _service, _pods, _VERDICT_FIELDS,
                    _HINT_USES, _FILLED, _FILLED_MAX, _uses, _fill_text)
+    fast.configure_feed(Flow, Labeled, T_DROP, T_RST_SENT, MAX_KEPT, EVIDENCE_ONLY,
+                        _TYPE_RNAMES, reason_name, _NAT, WEAK_CAUSES, RANK, _rules_of, run_rules,
+                        _peer, _key, _mapping, _NEVER, _NEVER_VALID)
     return fast
 
 
@@ -817,6 +827,7 @@ def _service(ev: Event, ctx: Context) -> str | None:
 
 # after _service, _fill_hint and _pods, which the compiled _one falls back on
 _FAST = _native()
-# which _one makes a storm's Verdicts: "compiled" (correlate_fast.c) or "python"
+# which loop and _one make a storm's Verdicts: "compiled" (correlate_fast.c, feed_fast.c) or
+# "python"
 NATIVE = "compiled" if _FAST is not None else "python"
 _one = _FAST.one if _FAST is not None else _one_py

@@ -10,8 +10,7 @@
  * keeps _one as the reference and the fallback where this module is not built;
  * tests/unit/test_native_paths.py compares the two.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "correlate_fast.h"
 
 /* events.Event and verdict.Labeled by position */
 enum { E_TYPE = 1, E_HOOK = 2, E_IFINDEX = 5, E_NETNS = 6, E_SADDR = 8, E_SPORT = 9,
@@ -168,6 +167,15 @@ static PyObject *one(PyObject *self, PyObject *args)
 	PyObject *primary, *events, *ctx, *nat;
 	if (!PyArg_ParseTuple(args, "O!OOO", &PyTuple_Type, &primary, &events, &ctx, &nat))
 		return NULL;
+	return correlate_one(primary, events, ctx, nat);
+}
+
+PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyObject *nat)
+{
+	if (!PyTuple_Check(primary)) {
+		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+		return NULL;
+	}
 	if (!S.ready) {
 		PyErr_SetString(PyExc_RuntimeError, "configure() first");
 		return NULL;
@@ -331,12 +339,14 @@ out:
 static PyMethodDef methods[] = {
 	{"configure", configure, METH_VARARGS, "Take correlate's tables and fallbacks."},
 	{"one", one, METH_VARARGS, "correlate._one(primary, events, ctx, nat)."},
+	{"configure_feed", feed_configure, METH_VARARGS, "Take feed_many's tables and fallbacks."},
+	{"feed_many", feed_many, METH_VARARGS, "Classifier.feed_many(clf, events)."},
 	{NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
 	PyModuleDef_HEAD_INIT, "nptrace.classify.correlate_fast",
-	"correlate._one compiled (nptrace/classify/correlate_fast.c).", -1, methods,
+	"correlate._one and Classifier.feed_many compiled (nptrace/classify/correlate_fast.c, feed_fast.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit_correlate_fast(void)

@@ -213,12 +213,15 @@ def _one_template(v: Verdict, e, l, xiface, events: int, prefix: str) -> tuple:
 
 
 def _native():
-    """verdict_line's one-event line compiled (sinks/jsonl_fast.c): the same text and the same
-    lookup; None where it is not in use (nptrace/native.py)."""
+    """verdict_line compiled (sinks/jsonl_fast.c: the one-event line; jsonl_multi.c: the
+    general path's line of several events): the same text and the same lookups; None where
+    it is not in use (nptrace/native.py)."""
     fast = native.load("nptrace.sinks.jsonl_fast")
     if fast is None:
         return None
     fast.configure(_LINES, _one_template, _remember, _esc, _NO_CTX, verdict_line)
+    fast.configure_multi(_HEADS, _head, _VALS, _val, _EVID, _evid, _HINTS, _remember, _esc,
+                         _NO_CTX, MAX_EVIDENCE)
     return fast
 
 

@@ -15,8 +15,7 @@
  * (PyLong_AsDouble, as int / float does), divided, written by PyOS_double_to_string(.., 'r')
  * with Py_DTSF_ADD_DOT_0, which is float.__repr__.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "jsonl_fast.h"
 #include <string.h>
 
 static struct {
@@ -70,7 +69,7 @@ static PyObject *configure(PyObject *self, PyObject *args)
 }
 
 /* An ASCII str that json writes as itself between quotes. */
-static int plain_ascii(PyObject *s)
+int plain_ascii(PyObject *s)
 {
 	if (!PyUnicode_IS_ASCII(s))
 		return 0;
@@ -82,26 +81,12 @@ static int plain_ascii(PyObject *s)
 	return 1;
 }
 
-/* The pieces of a line, joined at the end: borrowed str objects or C text. */
-struct piece {
-	const char *text;
-	Py_ssize_t len;
-	PyObject *obj;          /* the str it is, borrowed; NULL for C text */
-};
-
-#define MAXP 40
-
-struct line {
-	struct piece p[MAXP];
-	int n;
-	Py_ssize_t len;
-	int ascii;
-	PyObject *own[8];       /* references the pieces point into */
-	int nown;
-};
-
-static void put(struct line *l, const char *text, Py_ssize_t len)
+void put(struct line *l, const char *text, Py_ssize_t len)
 {
+	if (l->n == l->cap) {           /* finish() raises: more pieces than the caller planned */
+		l->full = 1;
+		return;
+	}
 	l->p[l->n].text = text;
 	l->p[l->n].len = len;
 	l->p[l->n].obj = NULL;
@@ -109,14 +94,14 @@ static void put(struct line *l, const char *text, Py_ssize_t len)
 	l->len += len;
 }
 
-static void put_c(struct line *l, const char *text)
+void put_c(struct line *l, const char *text)
 {
 	put(l, text, (Py_ssize_t)strlen(text));
 }
 
 /* A str piece. Every fragment jsonl builds is ASCII (its encoder escapes to ASCII); any other
  * str makes finish() join the pieces as str objects instead of copying bytes. */
-static int put_s(struct line *l, PyObject *s)
+int put_s(struct line *l, PyObject *s)
 {
 	if (!PyUnicode_Check(s)) {
 		PyErr_SetString(PyExc_TypeError, "a line fragment is not a str");
@@ -128,20 +113,26 @@ static int put_s(struct line *l, PyObject *s)
 		put(l, NULL, 0);
 		l->ascii = 0;
 	}
-	l->p[l->n - 1].obj = s;
+	if (!l->full)
+		l->p[l->n - 1].obj = s;
 	return 0;
 }
 
-static int keep(struct line *l, PyObject *o)
+int keep(struct line *l, PyObject *o)
 {
 	if (o == NULL)
 		return -1;
+	if (l->nown == LINE_OWN) {
+		Py_DECREF(o);
+		PyErr_SetString(PyExc_OverflowError, "a line keeps more strings than it can");
+		return -1;
+	}
 	l->own[l->nown++] = o;
 	return 0;
 }
 
 /* A str as json writes it: '"' s '"' for a plain one, else through the escaper. */
-static int put_esc(struct line *l, PyObject *s, char *quote)
+int put_esc(struct line *l, PyObject *s, char *quote)
 {
 	if (plain_ascii(s)) {
 		put(l, quote, 1);
@@ -155,14 +146,15 @@ static int put_esc(struct line *l, PyObject *s, char *quote)
 	return put_s(l, e);
 }
 
-static void put_p(struct line *l, const struct piece *p)
+void put_p(struct line *l, const struct piece *p)
 {
 	put(l, p->text, p->len);
-	l->p[l->n - 1].obj = p->obj;
+	if (!l->full)
+		l->p[l->n - 1].obj = p->obj;
 }
 
 /* An exact int as str(int) writes it: into buf when it fits 64 bits, else through str(). */
-static int decimal(PyObject *x, char *buf, struct piece *out, struct line *l)
+int decimal(PyObject *x, char *buf, struct piece *out, struct line *l)
 {
 	int overflow;
 	long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
@@ -195,10 +187,12 @@ static int decimal(PyObject *x, char *buf, struct piece *out, struct line *l)
 	return 0;
 }
 
-static PyObject *finish(struct line *l)
+PyObject *finish(struct line *l)
 {
 	PyObject *out = NULL;
-	if (l->ascii) {
+	if (l->full) {
+		PyErr_SetString(PyExc_OverflowError, "a line of more pieces than planned");
+	} else if (l->ascii) {
 		out = PyUnicode_New(l->len, 127);
 		if (out != NULL) {
 			char *d = (char *)PyUnicode_1BYTE_DATA(out);
@@ -364,7 +358,8 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	if (ts == NULL)
 		goto out;
 	char quote[] = "\"";
-	struct line ln = {.n = 0, .len = 0, .ascii = 1, .nown = 0};
+	struct piece pieces[40];
+	struct line ln = {.p = pieces, .cap = 40, .n = 0, .len = 0, .ascii = 1, .nown = 0};
 	/* f'{head}{ts}{fields}{_esc(sa)},"sport":{sp},"daddr":{_esc(da)},"dport":{dp}'
 	 * f'{mid}{e.ts_ns},"ts":{ts}{pre}{_esc(f"{sa}:{sp} > {da}:{dp}")}{post}' */
 	char spb[24], dpb[24], tsb[24];
@@ -456,6 +451,15 @@ static PyObject *one_line(PyObject *self, PyObject *args)
 	return one(v, offset, prefix);
 }
 
+/* multi_line(v, offset, prefix) -> str or None: the line of several events (jsonl_multi.c) */
+static PyObject *multi_line(PyObject *self, PyObject *args)
+{
+	PyObject *v, *offset, *prefix;
+	if (entry_args(args, &v, &offset, &prefix))
+		return NULL;
+	return multi(v, offset, prefix);
+}
+
 /* lines(verdicts, offset, prefix) -> [str]: verdict_line(v, offset, 1, None, None, prefix) of
  * each (JsonLines.write_many without a collapse). */
 static PyObject *lines(PyObject *self, PyObject *args)
@@ -473,6 +477,10 @@ static PyObject *lines(PyObject *self, PyObject *args)
 	for (Py_ssize_t i = 0; i < n; i++) {
 		PyObject *v = PySequence_Fast_GET_ITEM(seq, i);
 		PyObject *s = one(v, offset, prefix);
+		if (s == Py_None) {
+			Py_DECREF(s);
+			s = multi(v, offset, prefix);
+		}
 		if (s == Py_None) {
 			Py_DECREF(s);
 			s = PyObject_CallFunction(S.verdict_line, "OOiOOO", v, offset, 1, Py_None,
@@ -494,12 +502,15 @@ static PyMethodDef methods[] = {
 	{"configure", configure, METH_VARARGS, "Take jsonl's caches and fallbacks."},
 	{"one_line", one_line, METH_VARARGS, "The one-event line of a verdict, or None."},
 	{"lines", lines, METH_VARARGS, "verdict_line of each verdict."},
+	{"configure_multi", multi_configure, METH_VARARGS, "Take the general path's caches."},
+	{"multi_line", multi_line, METH_VARARGS, "The line of several events, or None."},
 	{NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
 	PyModuleDef_HEAD_INIT, "nptrace.sinks.jsonl_fast",
-	"jsonl.verdict_line's one-event line, compiled (nptrace/sinks/jsonl_fast.c).", -1, methods,
+	"jsonl.verdict_line compiled: the one-event line, the line of several events "
+	"(nptrace/sinks/jsonl_fast.c, jsonl_multi.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit_jsonl_fast(void)

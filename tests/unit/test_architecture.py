@@ -36,10 +36,12 @@ BCC_IMPORTER, PYROUTE2_IMPORTER = "nptrace.kernel.loader", "nptrace.kernel.netli
 
 
 def _modules() -> dict[str, Path]:
-    """Every module by name: the .py files, and the compiled helpers by their C source
-    (setup.py builds nptrace/x/y.c as nptrace.x.y; they import nothing of nptrace)."""
+    """Every module by name: the .py files, and the compiled helpers by the C source that
+    defines the module (setup.py builds nptrace/x/y.c, with the other sources of its
+    Extension, as nptrace.x.y; they import nothing of nptrace)."""
     out = {}
-    for p in [*PKG.rglob("*.py"), *PKG.rglob("*.c")]:
+    sources = [p for p in PKG.rglob("*.c") if "PyMODINIT_FUNC" in p.read_text()]
+    for p in [*PKG.rglob("*.py"), *sources]:
         parts = p.relative_to(PKG.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = p

@@ -115,8 +115,46 @@ def test_lines_compiled_equal_python_with_the_same_lookups(seed):
     jsonl._LINES.clear()
     assert jsonl._FAST.lines(verdicts, offset, prefix) == py
     assert log == py_log
-    fast = sum(jsonl._FAST.one_line(v, offset, prefix) is not None for v in verdicts)
-    assert 0 < fast < len(verdicts)      # both paths were taken
+    one = sum(jsonl._FAST.one_line(v, offset, prefix) is not None for v in verdicts)
+    multi = sum(jsonl._FAST.multi_line(v, offset, prefix) is not None for v in verdicts)
+    assert one and multi and one + multi < len(verdicts)     # all three paths were taken
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+def test_lines_of_many_events_with_hostile_values(seed):
+    """The line of several events (jsonl_multi.c) over values that make either path decline
+    or escape: non-ASCII and quoted interface names and hints, unhashable lookup answers,
+    many evidence events, big ints."""
+    rnd = random.Random(seed)
+    c = Classifier(_ctx(random.Random(seed)))
+    verdicts = []
+    for i in range(0, 1600, 64):
+        events, _ = ev.decode_many(_records(rnd, 64))
+        verdicts += c.feed_many(events)
+    verdicts += c.flush()
+    names = ["eth0", 'q"\u00fc', "\u2603\n", ["unhashable"], None]
+    c.ctx.iface_name = lambda ns, i: names[(ns + i) % len(names)]
+    for v in verdicts:
+        if rnd.random() < .2:
+            object.__setattr__(v, "hint", rnd.choice(['say "{port}"', "\u00e9t\u00e9", "x" * 300]))
+        if rnd.random() < .05:
+            object.__setattr__(v, "events", 1 << 70)
+    want, got = [], []
+    for v in verdicts:
+        try:
+            want.append(jsonl.verdict_line(v, 5, 1, None, None, "{"))
+        except TypeError as e:
+            want.append(("raises", str(e)))
+        try:
+            got.append(jsonl._FAST.lines([v], 5, "{")[0])
+        except TypeError as e:
+            got.append(("raises", str(e)))
+    assert got == want
+    wrote = [v for v, w in zip(verdicts, want)
+             if isinstance(w, str) and jsonl._FAST.multi_line(v, 5, "{") is not None]
+    raised = [w for w in want if not isinstance(w, str)]
+    assert wrote and raised
 
 
 @needs_native
@@ -129,13 +167,17 @@ def test_one_line_declines_before_any_lookup():
         verdicts += c.feed_many(events)
     verdicts += c.flush()
     ctx, log = _counting(c.ctx)
-    declined = 0
+    declined = multi_declined = 0
     for v in verdicts:
         log.clear()
         if jsonl._FAST.one_line(v, 0, "{") is None:
             declined += 1
             assert log == [], v
-    assert declined
+        log.clear()
+        if jsonl._FAST.multi_line(v, 0, "{") is None:
+            multi_declined += 1
+            assert log == [], v
+    assert declined and multi_declined
 
 
 @needs_native
