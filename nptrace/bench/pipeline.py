@@ -31,11 +31,11 @@ native    the same loops in child processes, alternating with NPTRACE_PURE=1 (th
           makes) and the Context's Python lookups (8 calls a one-record incident). 200k/s
           needs ~50k instructions a record: feed_many's storm path compiled too.
           Session 10, 2026-12-01: feed_many's loop (feed_fast.c) and the line of several
-          events (jsonl_multi.c) compiled. Callgrind, marginal: single 64.4k -> 47.9k
+          events (jsonl_multi.c) compiled. Callgrind, marginal: single 64.4k -> 45.8k
           instructions a record (30k to 60k resets), mix 61.6k -> 41.7k (20k to 40k). CPU
-          time, 3 runs alternating with session 9's tree: single 137-153k -> 148-196k/s, mix
-          125-158k -> 201-234k/s. Left a record: ~9 Python Context calls (~14k instructions
-          of interpreter), dict and attribute look-ups (~11k), the time's float repr (~5k),
+          time, 6 runs alternating with session 9's tree: single 101-153k -> 142-200k/s, mix
+          119-158k -> 174-234k/s. Left a record: 10 Python Context calls (~14k instructions
+          of interpreter), dict and attribute look-ups (~11k), the time's float repr (~6k),
           the collector (~2-5k).
           Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
           108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
