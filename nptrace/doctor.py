@@ -76,12 +76,15 @@ HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, th
 
 def _why_not(module: str) -> str:
     """Why a helper's module is not in use: not built, or built but not importable."""
+    from nptrace import native
     try:
         if importlib.util.find_spec(module) is None:
             return f"{module} not built"
-        importlib.import_module(module)
+        lacks = native.missing(importlib.import_module(module))
     except ImportError as e:
         return f"{module} does not import ({e})"
+    if lacks:
+        return f"{module} built from older sources (no {', '.join(lacks)})"
     return f"{module} not in use"
 
 

@@ -10,12 +10,29 @@ import os
 PURE_ENV = "NPTRACE_PURE"     # =1: the pure paths (tests compare the two; an SRE can rule a helper out)
 
 
+# What each helper must define: a module built from older sources (a `git pull` without
+# `make setup`) lacks the newer ones, and is then not used rather than failing the import.
+ENTRY_POINTS = {
+    "nptrace.events_fast": ("configure", "decode_many"),
+    "nptrace.classify.correlate_fast": ("configure", "one", "configure_feed", "feed_many"),
+    "nptrace.sinks.jsonl_fast": ("configure", "one_line", "lines", "configure_multi",
+                                 "multi_line"),
+}
+
+
+def missing(mod) -> list[str]:
+    """The entry points the imported helper lacks (ENTRY_POINTS)."""
+    return [n for n in ENTRY_POINTS.get(mod.__name__, ()) if not hasattr(mod, n)]
+
+
 def load(module: str):
-    """The helper module, or None when it is not built or PURE_ENV=1 (ImportError of a helper
-    that is built but does not load is None too: doctor says why)."""
+    """The helper module, or None when it is not built, built from older sources, or
+    PURE_ENV=1 (ImportError of a helper that is built but does not load is None too: doctor
+    says why)."""
     if os.environ.get(PURE_ENV) == "1":
         return None
     try:
-        return importlib.import_module(module)
+        mod = importlib.import_module(module)
     except ImportError:
         return None
+    return None if missing(mod) else mod

@@ -341,6 +341,20 @@ def test_hot_path_built_but_not_importable(monkeypatch):
     assert state == "python: nptrace.sinks.jsonl_fast does not import (undefined symbol: PyFoo)"
 
 
+def test_hot_path_built_from_older_sources(monkeypatch):
+    """A `git pull` without `make setup`: the old module imports but lacks the newer entry
+    points. It is not used (the pure path runs, no import fails) and doctor says why."""
+    import types
+    from nptrace import native
+    old = types.ModuleType("nptrace.classify.correlate_fast")
+    old.configure = old.one = lambda *a: None
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: old)
+    assert native.load("nptrace.classify.correlate_fast") is None
+    state = doctor.hot_path({**BOTH, "nptrace.classify.correlate_fast": "python"}, env={})
+    assert state == ("python: nptrace.classify.correlate_fast built from older sources "
+                     "(no configure_feed, feed_many)")
+
+
 def test_hot_path_defaults_to_this_process():
     from nptrace import events
     from nptrace.sinks import jsonl
