@@ -187,6 +187,28 @@ int decimal(PyObject *x, char *buf, struct piece *out, struct line *l)
 	return 0;
 }
 
+/* _esc(f"{sa}:{sp} > {da}:{dp}"), its pieces in the line: sp and dp already decimal */
+int put_detail(struct line *ln, PyObject *sa, const struct piece *sp, PyObject *da,
+	       const struct piece *dp, PyObject *spo, PyObject *dpo, char *quote)
+{
+	if (plain_ascii(sa) && plain_ascii(da)) {
+		put(ln, quote, 1);
+		put(ln, (const char *)PyUnicode_1BYTE_DATA(sa), PyUnicode_GET_LENGTH(sa));
+		put_c(ln, ":");
+		put_p(ln, sp);
+		put_c(ln, " > ");
+		put(ln, (const char *)PyUnicode_1BYTE_DATA(da), PyUnicode_GET_LENGTH(da));
+		put_c(ln, ":");
+		put_p(ln, dp);
+		put(ln, quote, 1);
+		return 0;
+	}
+	PyObject *flow = PyUnicode_FromFormat("%U:%S > %U:%S", sa, spo, da, dpo);
+	if (keep(ln, flow))
+		return -1;
+	return put_esc(ln, flow, quote);
+}
+
 PyObject *finish(struct line *l)
 {
 	PyObject *out = NULL;
@@ -386,23 +408,8 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	put_c(&ln, ts);
 	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 3)))
 		goto line_fail;
-	if (plain_ascii(sa) && plain_ascii(da)) {
-		/* "sa:sp > da:dp" needs no escape: its pieces, quoted */
-		put(&ln, quote, 1);
-		put(&ln, (const char *)PyUnicode_1BYTE_DATA(sa), PyUnicode_GET_LENGTH(sa));
-		put_c(&ln, ":");
-		put_p(&ln, &sps);
-		put_c(&ln, " > ");
-		put(&ln, (const char *)PyUnicode_1BYTE_DATA(da), PyUnicode_GET_LENGTH(da));
-		put_c(&ln, ":");
-		put_p(&ln, &dps);
-		put(&ln, quote, 1);
-	} else {
-		PyObject *flow = PyUnicode_FromFormat("%U:%S > %U:%S", sa, sp, da, dp);
-		if (keep(&ln, flow) || put_esc(&ln, flow, quote))
-			goto line_fail;
-	}
-	if (put_s(&ln, PyTuple_GET_ITEM(tpl, 4)))
+	if (put_detail(&ln, sa, &sps, da, &dps, sp, dp, quote)
+	    || put_s(&ln, PyTuple_GET_ITEM(tpl, 4)))
 		goto line_fail;
 	res = finish(&ln);
 	goto out;

@@ -33,6 +33,8 @@ int keep(struct line *l, PyObject *o);
 int put_esc(struct line *l, PyObject *s, char *quote);
 void put_p(struct line *l, const struct piece *p);
 int decimal(PyObject *x, char *buf, struct piece *out, struct line *l);
+int put_detail(struct line *ln, PyObject *sa, const struct piece *sp, PyObject *da,
+	       const struct piece *dp, PyObject *spo, PyObject *dpo, char *quote);
 PyObject *finish(struct line *l);
 
 /* jsonl_multi.c */

@@ -96,28 +96,6 @@ static char *seconds(PyObject *ts_ns, PyObject *offset)
 	return PyOS_double_to_string(secs / 1e9, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
 }
 
-/* _esc(f"{sa}:{sp} > {da}:{dp}"), its pieces in the line: sp and dp already decimal */
-static int put_detail(struct line *ln, PyObject *sa, const struct piece *sp, PyObject *da,
-		      const struct piece *dp, PyObject *spo, PyObject *dpo, char *quote)
-{
-	if (plain_ascii(sa) && plain_ascii(da)) {
-		put(ln, quote, 1);
-		put(ln, (const char *)PyUnicode_1BYTE_DATA(sa), PyUnicode_GET_LENGTH(sa));
-		put_c(ln, ":");
-		put_p(ln, sp);
-		put_c(ln, " > ");
-		put(ln, (const char *)PyUnicode_1BYTE_DATA(da), PyUnicode_GET_LENGTH(da));
-		put_c(ln, ":");
-		put_p(ln, dp);
-		put(ln, quote, 1);
-		return 0;
-	}
-	PyObject *flow = PyUnicode_FromFormat("%U:%S > %U:%S", sa, spo, da, dpo);
-	if (keep(ln, flow))
-		return -1;
-	return put_esc(ln, flow, quote);
-}
-
 static int exact_ints(PyObject *e, const int *idx, int n)
 {
 	for (int i = 0; i < n; i++)
