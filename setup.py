@@ -16,7 +16,8 @@ setup(ext_modules=[
               optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
     Extension("nptrace.sinks.jsonl_fast",
-              ["nptrace/sinks/jsonl_fast.c", "nptrace/sinks/jsonl_multi.c"],
+              ["nptrace/sinks/jsonl_fast.c", "nptrace/sinks/jsonl_multi.c",
+               "nptrace/sinks/jsonl_seconds.c"],
               depends=["nptrace/sinks/jsonl_fast.h"], optional=True,
               extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
 ])

@@ -1,7 +1,8 @@
 """The hot path's compiled helpers (issue #16 item 3): optional C extensions that setup.py
 builds beside the modules they speed up (events_fast.c; classify/correlate_fast.c with
-feed_fast.c; sinks/jsonl_fast.c with jsonl_multi.c). Each module keeps its pure-Python path as the reference and as the
-fallback where the helper was not built; doctor's `hot path` row says which runs."""
+feed_fast.c; sinks/jsonl_fast.c with jsonl_multi.c and jsonl_seconds.c). Each module keeps its
+pure-Python path as the reference and as the fallback where the helper was not built; doctor's
+`hot path` row says which runs."""
 from __future__ import annotations
 
 import importlib

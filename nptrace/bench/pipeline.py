@@ -187,7 +187,9 @@ def run_pipeline(n_resets: int, mix: bool, budget_s: float, batch: int = 256,
                   rst_name=lambda v: "NO_SOCKET" if v == 1 else f"REASON_{v}")
     clf = Classifier(ctx)
     devnull = open(os.devnull, "w")
-    sink = JsonLines(0, devnull, StormCollapse() if collapse else None)
+    # the live offset (tracer.py): a line's `ts` is epoch seconds, as nptrace run writes it
+    sink = JsonLines(time.time_ns() - time.monotonic_ns(), devnull,
+                     StormCollapse() if collapse else None)
     verdicts = fed = 0
     gc.collect()
     gc.freeze()           # as Tracer.run does

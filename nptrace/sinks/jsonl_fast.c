@@ -12,8 +12,7 @@
  * whichever path wrote a line.
  *
  * The float: `repr((ts_ns + offset) / 1e9)`, i.e. the int sum converted to the nearest double
- * (PyLong_AsDouble, as int / float does), divided, written by PyOS_double_to_string(.., 'r')
- * with Py_DTSF_ADD_DOT_0, which is float.__repr__.
+ * (as int / float does), divided, written as float.__repr__ does: jsonl_seconds.c.
  */
 #include "jsonl_fast.h"
 #include <string.h>
@@ -68,7 +67,13 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
-/* An ASCII str that json writes as itself between quotes. */
+/* The ASCII bytes _esc changes: controls, '"', '\\', DEL (one table load a byte: addresses
+ * are scanned twice a line) */
+static const unsigned char ESCAPED[128] = {
+	[0 ... 0x1f] = 1, ['"'] = 1, ['\\'] = 1, [0x7f] = 1,
+};
+
+/* An ASCII str that json writes as itself between quotes (an ASCII str's bytes are < 128). */
 int plain_ascii(PyObject *s)
 {
 	if (!PyUnicode_IS_ASCII(s))
@@ -76,7 +81,7 @@ int plain_ascii(PyObject *s)
 	const unsigned char *p = PyUnicode_1BYTE_DATA(s);
 	Py_ssize_t n = PyUnicode_GET_LENGTH(s);
 	for (Py_ssize_t i = 0; i < n; i++)
-		if (p[i] < 0x20 || p[i] == '"' || p[i] == '\\' || p[i] == 0x7f)
+		if (ESCAPED[p[i]])
 			return 0;
 	return 1;
 }
@@ -251,7 +256,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 {
 	PyObject *res = NULL, *e = NULL, *labeled = NULL, *events = NULL, *conf = NULL,
 		 *pods = NULL, *natmap = NULL, *ctx = NULL, *xiface = NULL, *key = NULL,
-		 *tpl = NULL, *tsum = NULL, *ts_ns;
+		 *tpl = NULL, *ts_ns;
 	char *ts = NULL;
 	e = PyObject_GetAttr(v, S.s_event);
 	labeled = e ? PyObject_GetAttr(v, S.s_labeled) : NULL;
@@ -370,13 +375,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		PyErr_SetString(PyExc_TypeError, "a line template is not 5 fragments");
 		goto out;
 	}
-	tsum = PyNumber_Add(ts_ns, offset);
-	if (tsum == NULL)
-		goto out;
-	double secs = PyLong_AsDouble(tsum);
-	if (secs == -1.0 && PyErr_Occurred())
-		goto out;
-	ts = PyOS_double_to_string(secs / 1e9, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+	ts = epoch_seconds(ts_ns, offset);
 	if (ts == NULL)
 		goto out;
 	char quote[] = "\"";
@@ -422,7 +421,6 @@ other:
 out:
 	if (ts)
 		PyMem_Free(ts);
-	Py_XDECREF(tsum);
 	Py_XDECREF(tpl);
 	Py_XDECREF(key);
 	Py_XDECREF(xiface);
@@ -511,13 +509,14 @@ static PyMethodDef methods[] = {
 	{"lines", lines, METH_VARARGS, "verdict_line of each verdict."},
 	{"configure_multi", multi_configure, METH_VARARGS, "Take the general path's caches."},
 	{"multi_line", multi_line, METH_VARARGS, "The line of several events, or None."},
+	{"_seconds_repr", seconds_repr_py, METH_O, "(repr(x), decided without dtoa): for tests."},
 	{NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
 	PyModuleDef_HEAD_INIT, "nptrace.sinks.jsonl_fast",
 	"jsonl.verdict_line compiled: the one-event line, the line of several events "
-	"(nptrace/sinks/jsonl_fast.c, jsonl_multi.c).", -1, methods,
+	"(nptrace/sinks/jsonl_fast.c, jsonl_multi.c, jsonl_seconds.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit_jsonl_fast(void)

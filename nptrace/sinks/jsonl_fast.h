@@ -1,5 +1,6 @@
-/* What the two sources of nptrace.sinks.jsonl_fast share: jsonl_fast.c (the one-event line,
- * the module) and jsonl_multi.c (the line of an incident of several events). */
+/* What the sources of nptrace.sinks.jsonl_fast share: jsonl_fast.c (the one-event line, the
+ * module), jsonl_multi.c (the line of an incident of several events) and jsonl_seconds.c
+ * (a line's `ts`). */
 #ifndef NPTRACE_JSONL_FAST_H
 #define NPTRACE_JSONL_FAST_H
 #define PY_SSIZE_T_CLEAN
@@ -42,4 +43,9 @@ PyObject *multi_configure(PyObject *self, PyObject *args);
 /* verdict_line(v, offset, 1, None, None, prefix) of an incident of several events, or None
  * (nothing looked up) where its own path does not apply, or NULL with an exception */
 PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix);
+
+/* jsonl_seconds.c: repr((ts_ns + offset) / 1e9) as PyMem text, or NULL with an exception */
+char *epoch_seconds(PyObject *ts_ns, PyObject *offset);
+int seconds_repr(double x, char *buf);
+PyObject *seconds_repr_py(PyObject *self, PyObject *arg);
 #endif

@@ -83,19 +83,6 @@ static PyObject *cached(PyObject *cache, PyObject *key, PyObject *fn, PyObject *
 	return PyObject_Call(fn, args, NULL);
 }
 
-/* repr((ts_ns + offset) / 1e9), the way one() writes it: PyMem text or NULL */
-static char *seconds(PyObject *ts_ns, PyObject *offset)
-{
-	PyObject *sum = PyNumber_Add(ts_ns, offset);
-	if (sum == NULL)
-		return NULL;
-	double secs = PyLong_AsDouble(sum);
-	Py_DECREF(sum);
-	if (secs == -1.0 && PyErr_Occurred())
-		return NULL;
-	return PyOS_double_to_string(secs / 1e9, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-}
-
 static int exact_ints(PyObject *e, const int *idx, int n)
 {
 	for (int i = 0; i < n; i++)
@@ -168,7 +155,7 @@ PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix)
 		Py_SETREF(at[A_CTX], Py_NewRef(M.no_ctx));
 	if ((iface_fn = PyObject_GetAttr(at[A_CTX], M.a[A_IFACE_NAME])) == NULL)
 		goto out;
-	if ((ts = seconds(PyTuple_GET_ITEM(e, E_TS), offset)) == NULL)
+	if ((ts = epoch_seconds(PyTuple_GET_ITEM(e, E_TS), offset)) == NULL)
 		goto out;
 	for (Py_ssize_t i = 0; i < n; i++) {
 		PyObject *l = PySequence_Fast_GET_ITEM(seq, i), *x = PyTuple_GET_ITEM(l, L_EV);
@@ -197,7 +184,7 @@ PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix)
 		t = PyObject_RichCompareBool(PyTuple_GET_ITEM(x, E_TS), PyTuple_GET_ITEM(e, E_TS), Py_EQ);
 		if (t < 0)
 			goto out;
-		if (!t && (xts[i] = seconds(PyTuple_GET_ITEM(x, E_TS), offset)) == NULL)
+		if (!t && (xts[i] = epoch_seconds(PyTuple_GET_ITEM(x, E_TS), offset)) == NULL)
 			goto out;
 	}
 	static const int hk[] = {A_KIND, A_DIRECTION, A_HOOK, A_REASON, A_CAUSE, A_SERVICE,

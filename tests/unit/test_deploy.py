@@ -141,6 +141,17 @@ def test_containerfile_is_debian_12_with_bcc():
     assert "NPTRACE_BPF_DIR" in text
 
 
+def test_containerfile_copies_every_helper_source():
+    """The helpers' stage copies each source and header setup.py names: a new .c file left out
+    would fail the image build only on a node, not here."""
+    setup = (DEPLOY.parent / "setup.py").read_text()
+    files = set(re.findall(r'"(nptrace/[\w/]+\.[ch])"', setup))
+    copied = set()
+    for m in re.finditer(r"^COPY ((?:.*\\\n)*.*)$", (DEPLOY / "Containerfile").read_text(), re.M):
+        copied.update(m.group(1).replace("\\\n", " ").split()[:-1])
+    assert len(files) >= 8 and files <= copied, files - copied
+
+
 def test_image_python_dependencies_are_pinned_with_hashes():
     """deploy/requirements.txt pins every runtime dependency of pyproject.toml exactly."""
     import tomllib

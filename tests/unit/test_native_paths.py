@@ -4,8 +4,10 @@ the same Events (values and types) and bad count for good, rare, damaged and hos
 the same JSON lines, and the same Context lookups in the same order, for seeded streams that
 reach every branch of verdict_line. `make setup` builds them; NPTRACE_PURE=1 turns them off."""
 import io
+import math
 import os
 import random
+import struct
 import subprocess
 import sys
 
@@ -181,13 +183,14 @@ def test_one_line_declines_before_any_lookup():
 
 
 @needs_native
-def test_write_many_output_is_the_python_text():
+@pytest.mark.parametrize("offset", [42, 1_764_633_600_123_456_789])   # and a live epoch offset
+def test_write_many_output_is_the_python_text(offset):
     recs = bench.records(5000, False)
     ctx = bench_ctx()
     texts = []
     for fast in (True, False):
         c, buf = Classifier(ctx), io.StringIO()
-        sink = jsonl.JsonLines(42, buf, node="node-a")
+        sink = jsonl.JsonLines(offset, buf, node="node-a")
         saved = jsonl._fast_lines
         jsonl._fast_lines = saved if fast else None
         try:
@@ -199,6 +202,45 @@ def test_write_many_output_is_the_python_text():
             jsonl._fast_lines = saved
         texts.append(buf.getvalue())
     assert texts[0] == texts[1] and texts[0].count("\n") == 5000
+
+
+def _seconds_cases(rnd):
+    """Doubles for seconds_repr: random ones of its whole range [2^30, 2^34), the short
+    decimals (0-7 places) and their neighbours 1-3 ulps away (where the shortest repr is
+    decided), its edges, and values it must leave to dtoa."""
+    for _ in range(60_000):
+        yield struct.unpack("<d", struct.pack("<Q", (1023 + rnd.randrange(30, 34)) << 52
+                                              | rnd.getrandbits(52)))[0]
+    for _ in range(20_000):
+        d = rnd.randrange(0, 8)
+        x = rnd.randrange(2**30 * 10**d, 2**34 * 10**d) / 10**d
+        for k in (-3, -2, -1, 0, 1, 2, 3):
+            y = x
+            for _ in range(abs(k)):
+                y = math.nextafter(y, math.inf if k > 0 else -math.inf)
+            yield y
+    edges = [2.0**30, 2.0**31, 2.0**34, 1e10, 9999999999.9999995, 1764633600.0]
+    for x in edges:
+        yield from (x, math.nextafter(x, 0), math.nextafter(x, math.inf))
+    yield from (float("nan"), float("inf"), -float("inf"), -1764633600.5, 0.0, -0.0, 5e-324,
+                1e300, 1.5, 12.345678901)
+
+
+@needs_native
+def test_seconds_repr_is_float_repr():
+    """jsonl_seconds.c writes a line's `ts` without dtoa: the same text as repr() for every
+    double, and it decides nearly all epoch seconds itself (else the gain is gone)."""
+    rnd = random.Random(11)
+    decided = inside = 0
+    for x in _seconds_cases(rnd):
+        text, fast = jsonl._FAST._seconds_repr(x)
+        assert text == repr(x), x.hex()
+        if 2**30 <= x < 2**34:
+            inside += 1
+            decided += fast
+        else:
+            assert not fast
+    assert decided > 0.999 * inside
 
 
 def bench_ctx():
