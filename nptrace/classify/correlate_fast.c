@@ -11,6 +11,9 @@
  * tests/unit/test_native_paths.py compares the two.
  */
 #include "correlate_fast.h"
+#include <structmember.h>
+
+#define NFIELDS 15      /* Verdict's */
 
 /* events.Event and verdict.Labeled by position */
 enum { E_TYPE = 1, E_HOOK = 2, E_IFINDEX = 5, E_NETNS = 6, E_SADDR = 8, E_SPORT = 9,
@@ -21,9 +24,9 @@ static struct {
 	PyObject *verdict;              /* verdict.Verdict */
 	PyObject *kind, *directions, *hooks;   /* verdict.KIND, correlate._DIRECTIONS, HOOKS */
 	PyObject *service, *pods;       /* correlate._service, _pods */
-	PyObject *s_drop, *s_brace, *s_pod, *s_natmap;
+	PyObject *s_drop, *s_brace, *s_pod;
 	PyObject *s_iface_name, *s_service_of, *s_endpoint_of, *s_pod_of, *s_pod_of_netns;
-	PyObject *fields[14];           /* correlate._VERDICT_FIELDS */
+	Py_ssize_t field_off[NFIELDS];  /* where Verdict's slots (correlate._VERDICT_FIELDS) are */
 	PyObject *hint_uses, *filled, *uses, *fill_text;   /* _fill_hint's caches and helpers */
 	Py_ssize_t filled_max;
 	PyObject *no_args;              /* () for object.__new__ */
@@ -56,17 +59,21 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	SET(uses, uses);
 	SET(fill_text, fill_text);
 	S.filled_max = filled_max;
-	if (PyTuple_GET_SIZE(fields) != 14) {
-		PyErr_SetString(PyExc_ValueError, "the Verdict has 14 fields here");
+	if (PyTuple_GET_SIZE(fields) != NFIELDS) {
+		PyErr_SetString(PyExc_ValueError, "the Verdict has 15 fields here");
 		return NULL;
 	}
-	for (int i = 0; i < 14; i++) {
+	for (int i = 0; i < NFIELDS; i++) {
 		PyObject *f = PyTuple_GET_ITEM(fields, i);
-		if (!PyUnicode_Check(f)) {
-			PyErr_SetString(PyExc_TypeError, "a field name is not a str");
+		PyObject *d = PyUnicode_Check(f)
+			? PyDict_GetItemWithError(((PyTypeObject *)verdict)->tp_dict, f) : NULL;
+		if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+		    || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+			if (!PyErr_Occurred())
+				PyErr_SetString(PyExc_TypeError, "a Verdict field is not a slot");
 			return NULL;
 		}
-		SET(fields[i], f);
+		S.field_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
 	}
 	SET(verdict, verdict);
 	SET(kind, kind);
@@ -75,7 +82,7 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	SET(service, service);
 	SET(pods, pods);
 	if (intern(&S.s_drop, "drop") || intern(&S.s_brace, "{") || intern(&S.s_pod, "pod")
-	    || intern(&S.s_natmap, "natmap") || intern(&S.s_iface_name, "iface_name")
+	    || intern(&S.s_iface_name, "iface_name")
 	    || intern(&S.s_service_of, "service_of") || intern(&S.s_endpoint_of, "endpoint_of")
 	    || intern(&S.s_pod_of, "pod_of") || intern(&S.s_pod_of_netns, "pod_of_netns"))
 		return NULL;
@@ -307,29 +314,24 @@ pods_done:;
 	hook = PyObject_GetItem(S.hooks, PyTuple_GET_ITEM(ev, E_HOOK));
 	if (hook == NULL)
 		goto out;
-	/* _make_verdict: object.__new__(Verdict), then its fields one by one, as
-	 * object.__setattr__ stores them (the frozen dataclass's own __setattr__ refuses; its
-	 * __init__ is not run): the same instance attributes, in the same order, kept in the
-	 * instance's inline values without a dict made for them */
+	/* _make_verdict: object.__new__(Verdict) (its __init__ is not run), then each slot at
+	 * its offset, as the member descriptor's __set__ stores it: a new instance's slots are
+	 * NULL, so nothing is released */
 	PyTypeObject *vt = (PyTypeObject *)S.verdict;
-	/* object.__new__, not tp_alloc alone: it also gives the instance its inline values
-	 * (_PyObject_InitializeDict), without which every field below went into a dict of its
-	 * own, built and grown per Verdict (~7k instructions an incident, measured) */
 	if (S.no_args == NULL && (S.no_args = PyTuple_New(0)) == NULL)
 		goto out;
 	v = PyBaseObject_Type.tp_new(vt, S.no_args, NULL);
 	if (v == NULL)
 		goto out;
-	PyObject *values[14] = {
+	PyObject *values[NFIELDS] = {
 		ev, kind, dir, hook, PyTuple_GET_ITEM(primary, L_RNAME),
 		PyTuple_GET_ITEM(primary, L_CAUSE), PyTuple_GET_ITEM(primary, L_CONF), hint, iface,
-		service, ordered, events, ctx, pods,
+		service, ordered, events, ctx, pods, nat,
 	};
-	for (int i = 0; i < 14; i++)
-		if (PyObject_GenericSetAttr(v, S.fields[i], values[i]) < 0)
-			goto out;
-	if (nat != Py_None && PyObject_GenericSetAttr(v, S.s_natmap, nat) < 0)
-		goto out;
+	for (int i = 0; i < NFIELDS; i++) {
+		PyObject **slot = (PyObject **)((char *)v + S.field_off[i]);
+		Py_XSETREF(*slot, Py_NewRef(values[i]));
+	}
 	res = Py_NewRef(v);
 out:
 	Py_XDECREF(v);

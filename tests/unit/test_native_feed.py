@@ -43,9 +43,7 @@ def _state(c: Classifier):
 
 
 def _plain(v):
-    d = dict(vars(v))
-    d.pop("ctx")
-    return d
+    return {f: getattr(v, f) for f in v.__slots__ if f != "ctx"}
 
 
 def _compare(ctx, log, batches, memo=True, ticks=()):
