@@ -13,9 +13,11 @@ PURE_ENV = "NPTRACE_PURE"     # =1: the pure paths (tests compare the two; an SR
 
 # What each helper must define: a module built from older sources (a `git pull` without
 # `make setup`) lacks the newer ones, and is then not used rather than failing the import.
+# verdict_slots marks a build that stores Verdict's fields as slots (session 11).
 ENTRY_POINTS = {
     "nptrace.events_fast": ("configure", "decode_many"),
-    "nptrace.classify.correlate_fast": ("configure", "one", "configure_feed", "feed_many"),
+    "nptrace.classify.correlate_fast": ("configure", "one", "configure_feed", "feed_many",
+                                        "verdict_slots"),
     "nptrace.sinks.jsonl_fast": ("configure", "one_line", "lines", "configure_multi",
                                  "multi_line"),
 }

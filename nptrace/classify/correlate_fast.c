@@ -359,5 +359,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit_correlate_fast(void)
 {
-	return PyModule_Create(&module);
+	PyObject *m = PyModule_Create(&module);
+	/* the Verdict layout this build stores (native.ENTRY_POINTS: an older build stored 14
+	 * fields by name, and its configure would refuse today's 15 slots) */
+	if (m != NULL && PyModule_AddIntConstant(m, "verdict_slots", NFIELDS) < 0)
+		Py_CLEAR(m);
+	return m;
 }
