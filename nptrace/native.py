@@ -19,7 +19,7 @@ ENTRY_POINTS = {
     "nptrace.classify.correlate_fast": ("configure", "one", "configure_feed", "feed_many",
                                         "verdict_slots"),
     "nptrace.sinks.jsonl_fast": ("configure", "one_line", "lines", "configure_multi",
-                                 "multi_line"),
+                                 "multi_line", "configure_verdict"),
 }
 
 

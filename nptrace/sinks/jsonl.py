@@ -220,6 +220,7 @@ def _native():
     if fast is None:
         return None
     fast.configure(_LINES, _one_template, _remember, _esc, _NO_CTX, verdict_line)
+    fast.configure_verdict(Verdict, Verdict.__slots__)
     fast.configure_multi(_HEADS, _head, _VALS, _val, _EVID, _evid, _HINTS, _remember, _esc,
                          _NO_CTX, MAX_EVIDENCE)
     return fast

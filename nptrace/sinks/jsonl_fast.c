@@ -16,6 +16,7 @@
  */
 #include "jsonl_fast.h"
 #include <string.h>
+#include <structmember.h>
 
 static struct {
 	PyObject *lines;        /* jsonl._LINES: key -> (head, fields, mid, pre, post) */
@@ -29,6 +30,11 @@ static struct {
 		 *s_pods, *s_natmap, *s_ctx, *s_iface_name, *s_kind, *s_direction, *s_reason,
 		 *s_cause, *s_service, *s_iface, *s_hint;
 	int ready;
+	/* the last line's key and template, and lines' version when it was looked up: a storm's
+	 * lines share one key, and an equal key in an unchanged dict finds the same template
+	 * (same_key), without hashing 17 values again */
+	PyObject *last_key, *last_tpl;
+	uint64_t last_version;
 } S;
 
 /* Event and Labeled are named tuples: their fields by position (events.Event, verdict.Labeled) */
@@ -63,8 +69,78 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	    || intern(&S.s_cause, "cause") || intern(&S.s_service, "service")
 	    || intern(&S.s_iface, "iface") || intern(&S.s_hint, "hint")))
 		return NULL;
+	Py_CLEAR(S.last_key);
+	Py_CLEAR(S.last_tpl);
 	S.ready = 1;
 	Py_RETURN_NONE;
+}
+
+/* Verdict's slots (configure_verdict): a field read at its offset, not through
+ * PyObject_GetAttr's type lookup (15 of them a line were ~2k instructions of a storm record) */
+#define V_MAX 32
+#define V_TABLE 64              /* open addressing by the name's address: V_MAX at most half full */
+static struct {
+	PyTypeObject *type;
+	int n;
+	PyObject *name[V_MAX];      /* interned */
+	struct { PyObject *name; Py_ssize_t off; } at[V_TABLE];
+} V;
+
+static unsigned v_hash(PyObject *name)
+{
+	return (unsigned)(((uintptr_t)name >> 4) % V_TABLE);
+}
+
+static PyObject *configure_verdict(PyObject *self, PyObject *args)
+{
+	PyObject *type, *names;
+	if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &type, &PyTuple_Type, &names))
+		return NULL;
+	if (PyTuple_GET_SIZE(names) > V_MAX) {
+		PyErr_SetString(PyExc_ValueError, "more Verdict slots than V_MAX");
+		return NULL;
+	}
+	int n = 0;
+	memset(V.at, 0, sizeof V.at);
+	for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+		PyObject *f = PyTuple_GET_ITEM(names, i);
+		PyObject *d = PyUnicode_CheckExact(f)
+			? PyDict_GetItemWithError(((PyTypeObject *)type)->tp_dict, f) : NULL;
+		if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+		    || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+			if (!PyErr_Occurred())
+				PyErr_SetString(PyExc_TypeError, "a Verdict field is not a slot");
+			return NULL;
+		}
+		Py_INCREF(f);
+		PyUnicode_InternInPlace(&f);
+		Py_XSETREF(V.name[n], f);
+		unsigned h = v_hash(f);
+		while (V.at[h].name != NULL)
+			h = (h + 1) % V_TABLE;
+		V.at[h].name = f;
+		V.at[h].off = ((PyMemberDescrObject *)d)->d_member->offset;
+		n++;
+	}
+	Py_INCREF(type);
+	Py_XSETREF(V.type, (PyTypeObject *)type);
+	V.n = n;
+	Py_RETURN_NONE;
+}
+
+/* getattr(v, name), name interned: a Verdict's slot directly (an unset one raises as
+ * getattr does), anything else through PyObject_GetAttr */
+PyObject *vget(PyObject *v, PyObject *name)
+{
+	if (Py_IS_TYPE(v, V.type))
+		for (unsigned h = v_hash(name); V.at[h].name != NULL; h = (h + 1) % V_TABLE)
+			if (V.at[h].name == name) {
+				PyObject *x = *(PyObject **)((char *)v + V.at[h].off);
+				if (x != NULL)
+					return Py_NewRef(x);
+				break;
+			}
+	return PyObject_GetAttr(v, name);
 }
 
 /* The ASCII bytes _esc changes: controls, '"', '\\', DEL (one table load a byte: addresses
@@ -252,18 +328,62 @@ PyObject *finish(struct line *l)
 
 /* The one-event line of verdict v, or None (nothing looked up) when the template path does
  * not apply, or NULL with an exception. */
+/* The version of lines, which every change of the dict moves (PEP 509; CPython 3.11's
+ * ma_version_tag). Where it is not there, 0: same_key then never holds. */
+static uint64_t lines_version(void)
+{
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+	return ((PyDictObject *)S.lines)->ma_version_tag;
+#else
+	return 0;
+#endif
+}
+
+/* key equal, item by item, to the last line's, and lines unchanged since: the dict would
+ * answer S.last_tpl. Only identical items, or equal ones of the exact types whose == is
+ * plain (int, float, str), count as equal; anything else is left to the dict. */
+static int same_key(PyObject *key)
+{
+	uint64_t version = lines_version();
+	if (S.last_key == NULL || version == 0 || version != S.last_version)
+		return 0;
+	for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); i++) {
+		PyObject *a = PyTuple_GET_ITEM(key, i), *b = PyTuple_GET_ITEM(S.last_key, i);
+		if (a == b)
+			continue;
+		PyTypeObject *t = Py_TYPE(a);
+		if (t != Py_TYPE(b) || (t != &PyLong_Type && t != &PyFloat_Type && t != &PyUnicode_Type))
+			return 0;
+		int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+		if (eq <= 0) {
+			PyErr_Clear();
+			return 0;
+		}
+	}
+	return 1;
+}
+
+static void last_line(PyObject *key, PyObject *tpl)
+{
+	Py_INCREF(key);
+	Py_XSETREF(S.last_key, key);
+	Py_INCREF(tpl);
+	Py_XSETREF(S.last_tpl, tpl);
+	S.last_version = lines_version();
+}
+
 static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 {
 	PyObject *res = NULL, *e = NULL, *labeled = NULL, *events = NULL, *conf = NULL,
 		 *pods = NULL, *natmap = NULL, *ctx = NULL, *xiface = NULL, *key = NULL,
 		 *tpl = NULL, *ts_ns;
 	char *ts = NULL;
-	e = PyObject_GetAttr(v, S.s_event);
-	labeled = e ? PyObject_GetAttr(v, S.s_labeled) : NULL;
-	events = labeled ? PyObject_GetAttr(v, S.s_events) : NULL;
-	conf = events ? PyObject_GetAttr(v, S.s_confidence) : NULL;
-	pods = conf ? PyObject_GetAttr(v, S.s_pods) : NULL;
-	natmap = pods ? PyObject_GetAttr(v, S.s_natmap) : NULL;
+	e = vget(v, S.s_event);
+	labeled = e ? vget(v, S.s_labeled) : NULL;
+	events = labeled ? vget(v, S.s_events) : NULL;
+	conf = events ? vget(v, S.s_confidence) : NULL;
+	pods = conf ? vget(v, S.s_pods) : NULL;
+	natmap = pods ? vget(v, S.s_natmap) : NULL;
 	if (natmap == NULL)
 		goto out;
 	/* verdict_line's conditions for its template path, in its order */
@@ -293,7 +413,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		goto other;
 
 	/* the template path: from here on it writes the line */
-	ctx = PyObject_GetAttr(v, S.s_ctx);
+	ctx = vget(v, S.s_ctx);
 	if (ctx == NULL)
 		goto out;
 	t = PyObject_IsTrue(ctx);
@@ -326,22 +446,22 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 		goto out;
 	PyTuple_SET_ITEM(key, 0, Py_NewRef(prefix));
 	for (int i = 0; i < 5; i++) {
-		PyObject *x = PyObject_GetAttr(v, names[i]);
+		PyObject *x = vget(v, names[i]);
 		if (x == NULL)
 			goto out;
 		PyTuple_SET_ITEM(key, 1 + i, x);
 	}
 	PyTuple_SET_ITEM(key, 6, Py_NewRef(conf));
 	PyObject *x;
-	if ((x = PyObject_GetAttr(v, S.s_service)) == NULL)
+	if ((x = vget(v, S.s_service)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 7, x);
 	PyTuple_SET_ITEM(key, 8, Py_NewRef(netns));
-	if ((x = PyObject_GetAttr(v, S.s_iface)) == NULL)
+	if ((x = vget(v, S.s_iface)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 9, x);
 	PyTuple_SET_ITEM(key, 10, Py_NewRef(ifindex));
-	if ((x = PyObject_GetAttr(v, S.s_hint)) == NULL)
+	if ((x = vget(v, S.s_hint)) == NULL)
 		goto out;
 	PyTuple_SET_ITEM(key, 11, x);
 	PyTuple_SET_ITEM(key, 12, Py_NewRef(events));
@@ -349,9 +469,11 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 	PyTuple_SET_ITEM(key, 14, Py_NewRef(PyTuple_GET_ITEM(l, L_RNAME)));
 	PyTuple_SET_ITEM(key, 15, Py_NewRef(xiface));
 	PyTuple_SET_ITEM(key, 16, Py_NewRef(PyTuple_GET_ITEM(l, L_CAUSE)));
-	tpl = PyDict_GetItemWithError(S.lines, key);
-	if (tpl != NULL) {
+	if (same_key(key)) {
+		tpl = Py_NewRef(S.last_tpl);
+	} else if ((tpl = PyDict_GetItemWithError(S.lines, key)) != NULL) {
 		Py_INCREF(tpl);
+		last_line(key, tpl);
 	} else {
 		int hashable = 1;
 		if (PyErr_Occurred()) {
@@ -369,6 +491,7 @@ static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 			if (r == NULL)
 				goto out;
 			Py_DECREF(r);
+			last_line(key, tpl);
 		}
 	}
 	if (!PyTuple_Check(tpl) || PyTuple_GET_SIZE(tpl) != 5) {
@@ -509,6 +632,7 @@ static PyMethodDef methods[] = {
 	{"lines", lines, METH_VARARGS, "verdict_line of each verdict."},
 	{"configure_multi", multi_configure, METH_VARARGS, "Take the general path's caches."},
 	{"multi_line", multi_line, METH_VARARGS, "The line of several events, or None."},
+	{"configure_verdict", configure_verdict, METH_VARARGS, "Take Verdict's slots."},
 	{"_seconds_repr", seconds_repr_py, METH_O, "(repr(x), decided without dtoa): for tests."},
 	{NULL, NULL, 0, NULL},
 };

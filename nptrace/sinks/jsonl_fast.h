@@ -44,6 +44,9 @@ PyObject *multi_configure(PyObject *self, PyObject *args);
  * (nothing looked up) where its own path does not apply, or NULL with an exception */
 PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix);
 
+/* getattr(v, name) (name interned), a Verdict's slot read at its offset */
+PyObject *vget(PyObject *v, PyObject *name);
+
 /* jsonl_seconds.c: repr((ts_ns + offset) / 1e9) as PyMem text, or NULL with an exception */
 char *epoch_seconds(PyObject *ts_ns, PyObject *offset);
 int seconds_repr(double x, char *buf);

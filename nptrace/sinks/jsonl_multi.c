@@ -115,7 +115,7 @@ PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix)
 	}
 	static const int first[] = {A_EVENT, A_LABELED, A_EVENTS, A_CONF, A_PODS, A_NATMAP};
 	for (int i = 0; i < 6; i++)
-		if ((at[first[i]] = PyObject_GetAttr(v, M.a[first[i]])) == NULL)
+		if ((at[first[i]] = vget(v, M.a[first[i]])) == NULL)
 			goto out;
 	PyObject *e = at[A_EVENT], *events = at[A_EVENTS];
 	/* verdict_line's conditions for its general path, and this one's own (types, sizes) */
@@ -149,7 +149,7 @@ PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix)
 		goto other;                     /* the one-event line: one()'s, or Python's */
 
 	/* the general path: from here on it writes the line */
-	if ((at[A_CTX] = PyObject_GetAttr(v, M.a[A_CTX])) == NULL || (t = PyObject_IsTrue(at[A_CTX])) < 0)
+	if ((at[A_CTX] = vget(v, M.a[A_CTX])) == NULL || (t = PyObject_IsTrue(at[A_CTX])) < 0)
 		goto out;
 	if (!t)
 		Py_SETREF(at[A_CTX], Py_NewRef(M.no_ctx));
@@ -190,7 +190,7 @@ PyObject *multi(PyObject *v, PyObject *offset, PyObject *prefix)
 	static const int hk[] = {A_KIND, A_DIRECTION, A_HOOK, A_REASON, A_CAUSE, A_SERVICE,
 				 A_IFACE, A_HINT};
 	for (int i = 0; i < 8; i++)
-		if ((at[hk[i]] = PyObject_GetAttr(v, M.a[hk[i]])) == NULL)
+		if ((at[hk[i]] = vget(v, M.a[hk[i]])) == NULL)
 			goto out;
 	/* _head(v): by (kind, direction, hook, reason, cause, confidence, service) */
 	key = PyTuple_Pack(7, at[A_KIND], at[A_DIRECTION], at[A_HOOK], at[A_REASON], at[A_CAUSE],

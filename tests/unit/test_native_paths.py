@@ -183,6 +183,65 @@ def test_one_line_declines_before_any_lookup():
 
 
 @needs_native
+def test_a_changed_template_cache_is_read_again():
+    """one() reuses the last line's template while jsonl._LINES is unchanged (same_key); any
+    change of the dict makes it look the key up again, as verdict_line does."""
+    v = next(x for x in _storm_verdicts() if jsonl._FAST.one_line(x, 7, "{") is not None)
+    first = jsonl._FAST.lines([v, v], 7, "{")
+    assert first == [jsonl.verdict_line(v, 7, 1, None, None, "{")] * 2
+    for k, tpl in list(jsonl._LINES.items()):
+        jsonl._LINES[k] = (tpl[0] + '"seen":1,',) + tpl[1:]
+    again = jsonl._FAST.lines([v], 7, "{")
+    assert again == [jsonl.verdict_line(v, 7, 1, None, None, "{")] and '"seen":1,' in again[0]
+    jsonl._LINES.clear()
+    assert jsonl._FAST.lines([v], 7, "{") == first[:1]
+
+
+def _storm_verdicts(n=2000):
+    recs = bench.records(n, False)
+    c = Classifier(bench_ctx())
+    out = []
+    for i in range(0, len(recs), 256):
+        events, _ = ev.decode_many(recs[i:i + 256])
+        out += c.feed_many(events)
+    return out + c.flush()
+
+
+@needs_native
+def test_lines_read_verdict_slots_as_getattr_does():
+    """jsonl_fast reads a Verdict's fields at their slots' offsets (vget): only for the exact
+    type, and an unset slot raises as getattr does. A subclass's property is honoured."""
+    from nptrace.classify import Verdict
+    rnd = random.Random(3)
+    c = Classifier(_ctx(rnd))
+    events, _ = ev.decode_many(_records(rnd, 400))
+    verdicts = c.feed_many(events) + c.flush()
+    assert verdicts
+
+    class Renamed(Verdict):
+        __slots__ = ()
+
+        @property
+        def service(self):
+            return "other/svc:80"
+
+    for v in verdicts[:50]:
+        sub = object.__new__(Renamed)
+        for f in Verdict.__slots__:
+            Verdict.__dict__[f].__set__(sub, getattr(v, f))
+        want = [jsonl.verdict_line(x, 7, 1, None, None, "{") for x in (v, sub)]
+        jsonl._LINES.clear()
+        assert jsonl._FAST.lines([v, sub], 7, "{") == want
+        assert '"service":"other/svc:80"' in want[1]
+    bare = object.__new__(Verdict)
+    Verdict.__dict__["event"].__set__(bare, verdicts[0].event)
+    with pytest.raises(AttributeError):
+        jsonl.verdict_line(bare, 7, 1, None, None, "{")
+    with pytest.raises(AttributeError):
+        jsonl._FAST.lines([bare], 7, "{")
+
+
+@needs_native
 @pytest.mark.parametrize("offset", [42, 1_764_633_600_123_456_789])   # and a live epoch offset
 def test_write_many_output_is_the_python_text(offset):
     recs = bench.records(5000, False)
