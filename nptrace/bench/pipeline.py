@@ -39,11 +39,13 @@ native    the same loops in child processes, alternating with NPTRACE_PURE=1 (th
           the collector (~2-5k).
           Session 11, 2026-12-02: the JSON sink runs with the live epoch offset (it ran with
           0, whose small floats dtoa writes cheaper than epoch seconds), a line's `ts` is
-          written without dtoa (sinks/jsonl_seconds.c, exact against repr) and Verdict has
-          __slots__ (correlate_fast.c stores its fields at their offsets). Callgrind, the same
-          marginal: single 47.5k -> 40.5k (11.5k of each is the test's own record
-          generation), mix 43.5k -> 39.4k. This section, three runs: single 201k / 226k /
-          181k/s, mix 227k / 211k / 194k/s.
+          written without dtoa (sinks/jsonl_seconds.c, exact against repr), Verdict has
+          __slots__ (correlate_fast.c stores its fields, jsonl_fast.c reads them at their
+          offsets) and one() reuses the last line's template while the cache is unchanged.
+          Callgrind, the same marginal: single 47.5k -> 38.7k, mix 43.5k -> 39.0k (of which
+          the test's own record generation is 11.5k and 9.3k: the loop 36.0k -> 27.2k and
+          34.2k -> 29.8k). This section, three runs: single 223k / 226k / 173k/s, mix
+          233k / 224k / 188k/s.
           Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
           108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
           stripped loop that keeps only what correlation needs per reset (one Flow in the key
