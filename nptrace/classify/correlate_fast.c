@@ -11,7 +11,7 @@
  * tests/unit/test_native_paths.py compares the two.
  */
 #include "correlate_fast.h"
-#include <structmember.h>
+#include "../slots.h"
 
 #define NFIELDS 15      /* Verdict's */
 
@@ -64,16 +64,9 @@ static PyObject *configure(PyObject *self, PyObject *args)
 		return NULL;
 	}
 	for (int i = 0; i < NFIELDS; i++) {
-		PyObject *f = PyTuple_GET_ITEM(fields, i);
-		PyObject *d = PyUnicode_Check(f)
-			? PyDict_GetItemWithError(((PyTypeObject *)verdict)->tp_dict, f) : NULL;
-		if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
-		    || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-			if (!PyErr_Occurred())
-				PyErr_SetString(PyExc_TypeError, "a Verdict field is not a slot");
+		const char *f = PyUnicode_AsUTF8(PyTuple_GET_ITEM(fields, i));
+		if (f == NULL || (S.field_off[i] = slot_offset((PyTypeObject *)verdict, f)) < 0)
 			return NULL;
-		}
-		S.field_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
 	}
 	SET(verdict, verdict);
 	SET(kind, kind);

@@ -18,8 +18,8 @@
  * skipped ticks are the ones that cannot report anything).
  */
 #include "correlate_fast.h"
+#include "../slots.h"
 #include <stdint.h>
-#include <structmember.h>
 
 enum { E_TS = 0, E_TYPE = 1, E_REASON = 7, E_SADDR = 8, E_SPORT = 9, E_DADDR = 10,
        E_DPORT = 11, E_CT = 23, E_NFIELDS = 28 };
@@ -72,15 +72,9 @@ PyObject *feed_configure(PyObject *self, PyObject *args)
 			      &rname, &nat, &weak, &rank, &rules_of, &run_rules, &peer, &key,
 			      &mapping, &never, &never_valid))
 		return NULL;
-	for (int i = 0; i < F_N; i++) {
-		PyObject *d = PyDict_GetItemString(((PyTypeObject *)flow)->tp_dict, FNAMES[i]);
-		if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
-		    || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-			PyErr_Format(PyExc_TypeError, "Flow.%s is not a slot", FNAMES[i]);
+	for (int i = 0; i < F_N; i++)
+		if ((F.off[i] = slot_offset((PyTypeObject *)flow, FNAMES[i])) < 0)
 			return NULL;
-		}
-		F.off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-	}
 	if (!PyType_IsSubtype((PyTypeObject *)labeled, &PyTuple_Type)) {
 		PyErr_SetString(PyExc_TypeError, "Labeled is not a tuple");
 		return NULL;

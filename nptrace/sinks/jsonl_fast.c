@@ -15,8 +15,8 @@
  * (as int / float does), divided, written as float.__repr__ does: jsonl_seconds.c.
  */
 #include "jsonl_fast.h"
+#include "../slots.h"
 #include <string.h>
-#include <structmember.h>
 
 static struct {
 	PyObject *lines;        /* jsonl._LINES: key -> (head, fields, mid, pre, post) */
@@ -104,14 +104,15 @@ static PyObject *configure_verdict(PyObject *self, PyObject *args)
 	memset(V.at, 0, sizeof V.at);
 	for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
 		PyObject *f = PyTuple_GET_ITEM(names, i);
-		PyObject *d = PyUnicode_CheckExact(f)
-			? PyDict_GetItemWithError(((PyTypeObject *)type)->tp_dict, f) : NULL;
-		if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
-		    || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+		const char *s = PyUnicode_CheckExact(f) ? PyUnicode_AsUTF8(f) : NULL;
+		if (s == NULL) {
 			if (!PyErr_Occurred())
-				PyErr_SetString(PyExc_TypeError, "a Verdict field is not a slot");
+				PyErr_SetString(PyExc_TypeError, "a Verdict slot name is not a str");
 			return NULL;
 		}
+		Py_ssize_t off = slot_offset((PyTypeObject *)type, s);
+		if (off < 0)
+			return NULL;
 		Py_INCREF(f);
 		PyUnicode_InternInPlace(&f);
 		Py_XSETREF(V.name[n], f);
@@ -119,7 +120,7 @@ static PyObject *configure_verdict(PyObject *self, PyObject *args)
 		while (V.at[h].name != NULL)
 			h = (h + 1) % V_TABLE;
 		V.at[h].name = f;
-		V.at[h].off = ((PyMemberDescrObject *)d)->d_member->offset;
+		V.at[h].off = off;
 		n++;
 	}
 	Py_INCREF(type);
