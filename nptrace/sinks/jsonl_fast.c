@@ -327,8 +327,6 @@ PyObject *finish(struct line *l)
 	return out;
 }
 
-/* The one-event line of verdict v, or None (nothing looked up) when the template path does
- * not apply, or NULL with an exception. */
 /* The version of lines, which every change of the dict moves (PEP 509; CPython 3.11's
  * ma_version_tag). Where it is not there, 0: same_key then never holds. */
 static uint64_t lines_version(void)
@@ -373,6 +371,8 @@ static void last_line(PyObject *key, PyObject *tpl)
 	S.last_version = lines_version();
 }
 
+/* The one-event line of verdict v, or None (nothing looked up) when the template path does
+ * not apply, or NULL with an exception. */
 static PyObject *one(PyObject *v, PyObject *offset, PyObject *prefix)
 {
 	PyObject *res = NULL, *e = NULL, *labeled = NULL, *events = NULL, *conf = NULL,

@@ -2,7 +2,7 @@
  * CPython's dtoa where that is safe. Part of nptrace.sinks.jsonl_fast.
  *
  * Why: float.__repr__ (PyOS_double_to_string 'r', David Gay's shortest round-trip digits) was
- * ~6k of a storm record's ~46k instructions (callgrind), the dearest single step of a line.
+ * ~5k of a storm record's ~36k instructions (callgrind), the dearest single step of a line.
  * Epoch seconds are a narrow case of it that exact integer arithmetic decides in a few
  * hundred: x in [2^30, 2^34) (2004 to 2514) is m * 2^-s with m < 2^53 and s in 19..22, so
  * the shortest decimal that reads back as x has at most 7 decimals (17 digits), and for each
@@ -13,7 +13,8 @@
  * decide exactly it leaves to dtoa: a candidate on the interval's edge (round-half-even would
  * take it for even m), two candidates equally near, m a power of two (the interval below is
  * half as wide), any x outside the range, and compilers without 128-bit integers.
- * tests/unit/test_native_paths.py compares it with repr() on millions of values, edges first.
+ * tests/unit/test_native_paths.py compares it with repr() on 200k values, edges first (a
+ * one-off run of 5.1 million found no difference).
  */
 #include "jsonl_fast.h"
 #include <stdint.h>
