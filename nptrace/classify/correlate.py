@@ -587,8 +587,9 @@ def _rules_of(cache: dict, t: int, rname: str) -> list:
     return got
 
 
-def _rootless(primary: Labeled) -> Labeled:
-    """A root cause kept for window_ns: without its raw record (an incident never prints it)."""
+def _rootless_py(primary: Labeled) -> Labeled:
+    """A root cause kept for window_ns: without its raw record (an incident never prints it).
+    `_rootless` is this, or the same function compiled (correlate_fast.c) where it is built."""
     pev = primary.ev
     return primary if not pev.raw else \
         _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
@@ -835,3 +836,4 @@ _FAST = _native()
 # "python"
 NATIVE = "compiled" if _FAST is not None else "python"
 _one = _FAST.one if _FAST is not None else _one_py
+_rootless = _FAST.rootless if _FAST is not None else _rootless_py

@@ -3,7 +3,8 @@
  * _one makes the Verdict of a one-record incident without an earlier root cause: a storm's
  * every incident. This is the same function: the same Context lookups in the same order
  * (iface_name; service_of, then endpoint_of or service_of; pod_of of the destination, of the
- * source, pod_of_netns), the same Verdict as correlate._make_verdict builds (its fields set one
+ * source, pod_of_netns; feed_many's evictions read the five attributes of ctx once a call, not
+ * once an incident), the same Verdict as correlate._make_verdict builds (its fields set one
  * by one as object.__setattr__ sets them, no dataclass __init__). What is rare goes back to Python:
  * an event with a conntrack entry (_service, _pods), a flow with a NAT mapping (_pods), a hint
  * not filled before (_fill_text; the cache of filled hints is correlate.py's own). correlate.py
@@ -14,6 +15,7 @@
 #include "../slots.h"
 
 #define NFIELDS 15      /* Verdict's */
+#define SMALL_KEYS 64   /* event types and hooks are below this (events.EvType, Hook) */
 
 /* events.Event and verdict.Labeled by position */
 enum { E_TYPE = 1, E_HOOK = 2, E_IFINDEX = 5, E_NETNS = 6, E_SADDR = 8, E_SPORT = 9,
@@ -30,8 +32,41 @@ static struct {
 	PyObject *hint_uses, *filled, *uses, *fill_text;   /* _fill_hint's caches and helpers */
 	Py_ssize_t filled_max;
 	PyObject *no_args;              /* () for object.__new__ */
+	PyObject *empty_bytes;          /* b"" (rootless) */
+	/* KIND, _DIRECTIONS and HOOKS by small int key, as configure found them (they are
+	 * constants): an index instead of a dict probe, ~230 instructions each a Verdict */
+	PyObject *kind_at[SMALL_KEYS], *dir_at[SMALL_KEYS], *hook_at[SMALL_KEYS];
 	int ready;
 } S;
+
+/* d[k] for each k < SMALL_KEYS into at[k] (a new reference, NULL where d has no such key) */
+static int small_keys(PyObject *d, PyObject **at)
+{
+	for (int k = 0; k < SMALL_KEYS; k++) {
+		PyObject *key = PyLong_FromLong(k), *v;
+		if (key == NULL)
+			return -1;
+		v = PyDict_GetItemWithError(d, key);
+		Py_DECREF(key);
+		if (v == NULL && PyErr_Occurred())
+			return -1;
+		Py_XINCREF(v);
+		Py_XSETREF(at[k], v);
+	}
+	return 0;
+}
+
+/* at[x] for an int x below SMALL_KEYS (a borrowed reference), else NULL: ask the dict. The
+ * int subclasses an Event holds are EvType and Hook, IntEnums: they hash and compare as their
+ * value, so the dict would give at[x] too. */
+static PyObject *small_get(PyObject *const *at, PyObject *x)
+{
+	if (!PyLong_Check(x))
+		return NULL;
+	int of;
+	long k = PyLong_AsLongAndOverflow(x, &of);
+	return !of && k >= 0 && k < SMALL_KEYS ? at[k] : NULL;
+}
 
 static int intern(PyObject **slot, const char *s)
 {
@@ -72,6 +107,8 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	SET(kind, kind);
 	SET(directions, dirs);
 	SET(hooks, hooks);
+	if (small_keys(kind, S.kind_at) || small_keys(dirs, S.dir_at) || small_keys(hooks, S.hook_at))
+		return NULL;
 	SET(service, service);
 	SET(pods, pods);
 	if (intern(&S.s_drop, "drop") || intern(&S.s_brace, "{") || intern(&S.s_pod, "pod")
@@ -83,16 +120,44 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
-/* ctx.<name>(a, b) or ctx.<name>(a): a new reference, or NULL with an exception */
-static PyObject *ask(PyObject *ctx, PyObject *name, PyObject *a, PyObject *b)
+/* fn(a, b) or fn(a), fn being ctx.<name> (fn NULL: read here): a new reference, or NULL with
+ * an exception */
+static PyObject *ask(PyObject *ctx, PyObject *name, PyObject *fn, PyObject *a, PyObject *b)
 {
-	PyObject *fn = PyObject_GetAttr(ctx, name);
+	fn = fn ? Py_NewRef(fn) : PyObject_GetAttr(ctx, name);
 	if (fn == NULL)
 		return NULL;
 	PyObject *r = b ? PyObject_CallFunctionObjArgs(fn, a, b, NULL)
 			: PyObject_CallOneArg(fn, a);
 	Py_DECREF(fn);
 	return r;
+}
+
+int one_lookups_read(PyObject *ctx, struct one_lookups *lk)
+{
+	*lk = (struct one_lookups){0};
+	if (!S.ready) {
+		PyErr_SetString(PyExc_RuntimeError, "configure() first");
+		return -1;
+	}
+	if ((lk->iface_name = PyObject_GetAttr(ctx, S.s_iface_name)) == NULL
+	    || (lk->service_of = PyObject_GetAttr(ctx, S.s_service_of)) == NULL
+	    || (lk->endpoint_of = PyObject_GetAttr(ctx, S.s_endpoint_of)) == NULL
+	    || (lk->pod_of = PyObject_GetAttr(ctx, S.s_pod_of)) == NULL
+	    || (lk->pod_of_netns = PyObject_GetAttr(ctx, S.s_pod_of_netns)) == NULL) {
+		one_lookups_clear(lk);
+		return -1;
+	}
+	return 0;
+}
+
+void one_lookups_clear(struct one_lookups *lk)
+{
+	Py_CLEAR(lk->iface_name);
+	Py_CLEAR(lk->service_of);
+	Py_CLEAR(lk->endpoint_of);
+	Py_CLEAR(lk->pod_of);
+	Py_CLEAR(lk->pod_of_netns);
 }
 
 /* For `x or <the next lookup>`: 1 keeps x (true), 0 drops it (false: ask the next), -1 error. */
@@ -168,11 +233,15 @@ static PyObject *one(PyObject *self, PyObject *args)
 	PyObject *primary, *events, *ctx, *nat;
 	if (!PyArg_ParseTuple(args, "O!OOO", &PyTuple_Type, &primary, &events, &ctx, &nat))
 		return NULL;
-	return correlate_one(primary, events, ctx, nat);
+	return correlate_one(primary, events, ctx, nat, NULL);
 }
 
-PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyObject *nat)
+PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyObject *nat,
+			const struct one_lookups *lk)
 {
+	static const struct one_lookups by_name = {0};   /* each read from ctx when asked */
+	if (lk == NULL)
+		lk = &by_name;
 	if (!PyTuple_Check(primary)) {
 		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
 		return NULL;
@@ -196,14 +265,14 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 	int t = PyObject_IsTrue(PyTuple_GET_ITEM(ev, E_IFINDEX));
 	if (t < 0)
 		goto out;
-	iface = t ? ask(ctx, S.s_iface_name, PyTuple_GET_ITEM(ev, E_NETNS),
+	iface = t ? ask(ctx, S.s_iface_name, lk->iface_name, PyTuple_GET_ITEM(ev, E_NETNS),
 			PyTuple_GET_ITEM(ev, E_IFINDEX)) : Py_NewRef(Py_None);
 	if (iface == NULL)
 		goto out;
 	if (ct == Py_None) {
 		/* service = so(daddr, dport); endpoint_of(saddr, sport) or it; else so(saddr, sport)
 		 * or None */
-		service = ask(ctx, S.s_service_of, PyTuple_GET_ITEM(ev, E_DADDR),
+		service = ask(ctx, S.s_service_of, lk->service_of, PyTuple_GET_ITEM(ev, E_DADDR),
 			      PyTuple_GET_ITEM(ev, E_DPORT));
 		if (service == NULL)
 			goto out;
@@ -211,7 +280,8 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 		if (t < 0)
 			goto out;
 		if (t) {
-			PyObject *ep = ask(ctx, S.s_endpoint_of, PyTuple_GET_ITEM(ev, E_SADDR),
+			PyObject *ep = ask(ctx, S.s_endpoint_of, lk->endpoint_of,
+					   PyTuple_GET_ITEM(ev, E_SADDR),
 					   PyTuple_GET_ITEM(ev, E_SPORT));
 			if (ep == NULL)
 				goto out;
@@ -225,7 +295,8 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 			else
 				Py_DECREF(ep);
 		} else {
-			Py_SETREF(service, ask(ctx, S.s_service_of, PyTuple_GET_ITEM(ev, E_SADDR),
+			Py_SETREF(service, ask(ctx, S.s_service_of, lk->service_of,
+					       PyTuple_GET_ITEM(ev, E_SADDR),
 					       PyTuple_GET_ITEM(ev, E_SPORT)));
 			if (service == NULL)
 				goto out;
@@ -254,11 +325,11 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 		goto out;
 	if (ct == Py_None && nat == Py_None) {
 		/* pod = pod_of(daddr) or pod_of(saddr) or (pod_of_netns(netns) if netns else None) */
-		PyObject *pod = ask(ctx, S.s_pod_of, PyTuple_GET_ITEM(ev, E_DADDR), NULL);
+		PyObject *pod = ask(ctx, S.s_pod_of, lk->pod_of, PyTuple_GET_ITEM(ev, E_DADDR), NULL);
 		if (pod == NULL || (t = keep_if_true(&pod)) < 0)
 			goto pod_fail;
 		if (!t) {
-			pod = ask(ctx, S.s_pod_of, PyTuple_GET_ITEM(ev, E_SADDR), NULL);
+			pod = ask(ctx, S.s_pod_of, lk->pod_of, PyTuple_GET_ITEM(ev, E_SADDR), NULL);
 			if (pod == NULL || (t = keep_if_true(&pod)) < 0)
 				goto pod_fail;
 		}
@@ -267,7 +338,8 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 			int n = PyObject_IsTrue(netns);
 			if (n < 0)
 				goto out;
-			pod = n ? ask(ctx, S.s_pod_of_netns, netns, NULL) : Py_NewRef(Py_None);
+			pod = n ? ask(ctx, S.s_pod_of_netns, lk->pod_of_netns, netns, NULL)
+				: Py_NewRef(Py_None);
 			if (pod == NULL)
 				goto out;
 		}
@@ -291,20 +363,24 @@ pod_fail:
 			goto out;
 	}
 pods_done:;
-	PyObject *typ = PyTuple_GET_ITEM(ev, E_TYPE);
-	PyObject *kind = PyDict_GetItemWithError(S.kind, typ);
-	if (kind == NULL) {
+	/* KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[hook]: the tables' entries for small
+	 * keys; the dicts themselves for any other key (a miss there too: the default, or
+	 * HOOKS' KeyError) */
+	PyObject *typ = PyTuple_GET_ITEM(ev, E_TYPE), *hk = PyTuple_GET_ITEM(ev, E_HOOK);
+	PyObject *kind = small_get(S.kind_at, typ);
+	if (kind == NULL && (kind = PyDict_GetItemWithError(S.kind, typ)) == NULL) {
 		if (PyErr_Occurred())
 			goto out;
 		kind = S.s_drop;
 	}
-	PyObject *dir = PyDict_GetItemWithError(S.directions, typ);
-	if (dir == NULL) {
+	PyObject *dir = small_get(S.dir_at, typ);
+	if (dir == NULL && (dir = PyDict_GetItemWithError(S.directions, typ)) == NULL) {
 		if (PyErr_Occurred())
 			goto out;
 		dir = Py_None;
 	}
-	hook = PyObject_GetItem(S.hooks, PyTuple_GET_ITEM(ev, E_HOOK));
+	hook = small_get(S.hook_at, hk);
+	hook = hook ? Py_NewRef(hook) : PyObject_GetItem(S.hooks, hk);
 	if (hook == NULL)
 		goto out;
 	/* _make_verdict: object.__new__(Verdict) (its __init__ is not run), then each slot at
@@ -337,7 +413,47 @@ out:
 	return res;
 }
 
+/* rootless(primary) -> Labeled: correlate._rootless, the root cause a flow keeps for window_ns
+ * without its raw record (Event.raw is its last field): primary itself when raw is empty,
+ * else a copy of the same types with raw b"". Two tuples made instead of the six of slicing
+ * and concatenating (~0.9 us an incident of several records in CPython 3.11). */
+static PyObject *rootless(PyObject *self, PyObject *primary)
+{
+	if (!PyTuple_Check(primary) || PyTuple_GET_SIZE(primary) != L_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+		return NULL;
+	}
+	PyObject *ev = PyTuple_GET_ITEM(primary, L_EV);
+	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary.ev is not an Event");
+		return NULL;
+	}
+	int raw = PyObject_IsTrue(PyTuple_GET_ITEM(ev, E_NFIELDS - 1));
+	if (raw <= 0)
+		return raw < 0 ? NULL : Py_NewRef(primary);
+	if (S.empty_bytes == NULL && (S.empty_bytes = PyBytes_FromStringAndSize("", 0)) == NULL)
+		return NULL;
+	/* tuple.__new__(type(x), items) of a tuple subclass is its tp_alloc and the items */
+	PyTypeObject *et = Py_TYPE(ev), *lt = Py_TYPE(primary);
+	PyObject *e2 = et->tp_alloc(et, E_NFIELDS);
+	if (e2 == NULL)
+		return NULL;
+	for (Py_ssize_t i = 0; i < E_NFIELDS - 1; i++)
+		PyTuple_SET_ITEM(e2, i, Py_NewRef(PyTuple_GET_ITEM(ev, i)));
+	PyTuple_SET_ITEM(e2, E_NFIELDS - 1, Py_NewRef(S.empty_bytes));
+	PyObject *l2 = lt->tp_alloc(lt, L_NFIELDS);
+	if (l2 == NULL) {
+		Py_DECREF(e2);
+		return NULL;
+	}
+	PyTuple_SET_ITEM(l2, L_EV, e2);
+	for (Py_ssize_t i = 1; i < L_NFIELDS; i++)
+		PyTuple_SET_ITEM(l2, i, Py_NewRef(PyTuple_GET_ITEM(primary, i)));
+	return l2;
+}
+
 static PyMethodDef methods[] = {
+	{"rootless", rootless, METH_O, "correlate._rootless(primary)."},
 	{"configure", configure, METH_VARARGS, "Take correlate's tables and fallbacks."},
 	{"one", one, METH_VARARGS, "correlate._one(primary, events, ctx, nat)."},
 	{"configure_feed", feed_configure, METH_VARARGS, "Take feed_many's tables and fallbacks."},

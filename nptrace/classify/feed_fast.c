@@ -46,12 +46,12 @@ static struct {
 enum { S_CTX, S_KEYS, S_FLOWS, S_STRONG, S_WEAK, S_RULES, S_MEMO, S_ROOTS, S_NOW, S_DUE, S_HS,
        S_HW, S_HF, S_MAX_FLOWS, S_NAT_PEER, S_DROP_NAME, S_RST_NAME, S_HOLD, S_MAX_HOLD,
        S_WINDOW, S_STATUS, S_ODPORT, S_OSRC, S_OSPORT, S_ODST, S_RSRC, S_RSPORT, S_RDST,
-       S_RDPORT, S_MOVE, S_POPITEM, S_TICK, S_FLOW_OF, S_REPORT, S_PY, S_LABEL, S_N };
+       S_RDPORT, S_MOVE, S_TICK, S_FLOW_OF, S_REPORT, S_PY, S_LABEL, S_N };
 static const char *const SNAMES[S_N] = {
 	"ctx", "keys", "flows", "strong", "weak", "_rules", "memo", "roots", "now_ns", "_due_ns",
 	"_hs", "_hw", "_hf", "max_flows", "nat_peer", "drop_name", "rst_name", "hold_ns",
 	"max_hold_ns", "window_ns", "status", "orig_dport", "orig_src", "orig_sport", "orig_dst",
-	"reply_src", "reply_sport", "reply_dst", "reply_dport", "move_to_end", "popitem", "tick",
+	"reply_src", "reply_sport", "reply_dst", "reply_dport", "move_to_end", "tick",
 	"_flow_of", "_report", "_feed_many_py", "label",
 };
 
@@ -121,6 +121,10 @@ typedef struct {
 	int64_t now, due, hold, max_hold, window;
 	PyObject *hs, *hw, *hf;
 	int fresh;              /* the copies are newer than the classifier's attributes */
+	/* ctx's lookups for correlate_one, read at the call's first eviction (lk_read 1; -1: ctx
+	 * would not give them, so correlate_one reads each by name and raises as _one would) */
+	struct one_lookups lk;
+	int lk_read;
 } St;
 
 /* a Python int in [0, 2**62) as a C one; 0 when it is not one */
@@ -322,12 +326,25 @@ static int append_verdict(PyObject *out, PyObject *v)
 /* Classifier._evict: the oldest flows past max_flows, a one-record incident by correlate_one */
 static int evict(St *st)
 {
+	if (st->lk_read == 0) {
+		st->lk_read = one_lookups_read(st->ctx, &st->lk) ? -1 : 1;
+		if (st->lk_read < 0)
+			PyErr_Clear();
+	}
+	const struct one_lookups *lk = st->lk_read > 0 ? &st->lk : NULL;
 	while (PyDict_GET_SIZE(st->flows) > st->cap) {
-		PyObject *item = PyObject_CallMethodOneArg(st->flows, F.s[S_POPITEM], Py_False);
-		if (item == NULL)
+		/* flows.popitem(False)[0]: the oldest key, then its deletion (no method call, no
+		 * item tuple) */
+		PyObject *flow = first(st->flows);
+		if (flow == NULL) {
+			if (!PyErr_Occurred())
+				PyErr_SetString(PyExc_KeyError, "popitem(): dictionary is empty");
 			return -1;
-		PyObject *flow = Py_NewRef(PyTuple_GET_ITEM(item, 0));
-		Py_DECREF(item);
+		}
+		if (PyObject_DelItem(st->flows, flow)) {
+			Py_DECREF(flow);
+			return -1;
+		}
 		int r = -1;
 		PyObject *pending, *root, *keys;
 		if (!is_flow(flow) || (pending = slot(flow, F_PENDING)) == NULL
@@ -349,7 +366,7 @@ static int evict(St *st)
 					goto done;
 				Py_INCREF(lab);
 				n = PyNumber_Add(F.one, extra);
-				if (n == NULL || append_verdict(st->out, correlate_one(lab, n, st->ctx, nat))) {
+				if (n == NULL || append_verdict(st->out, correlate_one(lab, n, st->ctx, nat, lk))) {
 					Py_XDECREF(n);
 					Py_DECREF(lab);
 					goto done;
@@ -1019,5 +1036,6 @@ out:
 	Py_XDECREF(st.hw);
 	Py_XDECREF(st.hf);
 	Py_XDECREF(st.out);
+	one_lookups_clear(&st.lk);
 	return res;
 }

@@ -208,6 +208,19 @@ def test_pipeline_rows_judge_records_per_second_for_both_runs():
     assert slow.met is False and slow.ratio == 0.75
 
 
+def test_pipeline_row_is_the_median_run_with_the_range_beside_it():
+    from nptrace.bench import pipeline as pl
+    runs = [{"resets": 10, "records": 10, "verdicts": 10, "complete": True, "budget_s": 1,
+             "resets_per_s": x, "records_per_s": x} for x in (230_000.0, 170_000.0, 210_000.0)]
+    m = pl.median_run(runs)
+    assert m["records_per_s"] == 210_000.0
+    assert m["runs_records_per_s"] == [230_000.0, 170_000.0, 210_000.0]
+    row = pl._pipe_row("single", m)
+    assert row.met is True and row.value == 210_000.0
+    assert "median of 3 runs (170k/s-230k/s)" in row.metric
+    assert pl.median_run(runs[:2])["records_per_s"] == 170_000.0   # even: the lower middle
+
+
 # --- section row builders -------------------------------------------------------------------
 def test_alternation_is_abba_and_ratio_row():
     from nptrace.bench.throughput import alternate, ratio_row

@@ -352,7 +352,7 @@ def test_hot_path_built_from_older_sources(monkeypatch):
     assert native.load("nptrace.classify.correlate_fast") is None
     state = doctor.hot_path({**BOTH, "nptrace.classify.correlate_fast": "python"}, env={})
     assert state == ("python: nptrace.classify.correlate_fast built from older sources "
-                     "(no configure_feed, feed_many, verdict_slots)")
+                     "(no configure_feed, feed_many, verdict_slots, rootless)")
 
 
 def test_hot_path_defaults_to_this_process():

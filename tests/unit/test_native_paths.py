@@ -346,3 +346,23 @@ def test_one_compiled_equals_python_with_the_same_lookups(seed):
         assert log == want_log
         assert _slots(got) == _slots(want)       # every field, compared or not
         assert got == want and type(got) is type(want)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(4))
+def test_rootless_compiled_equals_python(seed):
+    """The root cause a flow keeps: the same Labeled and Event types and values, raw b"", and
+    the record itself (not a copy) when it has no raw bytes."""
+    from nptrace.classify import correlate
+    from nptrace.classify.verdict import Labeled
+    assert correlate._rootless is not correlate._rootless_py
+    rnd = random.Random(seed)
+    events, _ = ev.decode_many(_records(rnd, 200))
+    for e in events + [e._replace(raw=b"") for e in events[:20]]:
+        lab = Labeled(e, "NO_SOCKET", rnd.choice(["no_listener", None]), 0.9, "h")
+        want, got = correlate._rootless_py(lab), correlate._rootless(lab)
+        assert got == want and type(got) is type(want) and type(got.ev) is type(want.ev)
+        assert got.ev.raw == b"" and (got is lab) == (not e.raw)
+    for bad in (None, (1, 2), Labeled(("not", "an", "event"), "", None)):
+        with pytest.raises(TypeError):
+            correlate._rootless(bad)
