@@ -17,7 +17,7 @@ PURE_ENV = "NPTRACE_PURE"     # =1: the pure paths (tests compare the two; an SR
 ENTRY_POINTS = {
     "nptrace.events_fast": ("configure", "decode_many"),
     "nptrace.classify.correlate_fast": ("configure", "one", "configure_feed", "feed_many",
-                                        "verdict_slots", "rootless"),
+                                        "verdict_slots", "rootless", "make_verdict", "service"),
     "nptrace.sinks.jsonl_fast": ("configure", "one_line", "lines", "configure_multi",
                                  "multi_line", "configure_verdict"),
 }

@@ -688,11 +688,12 @@ _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "con
  _SET_NATMAP) = (Verdict.__dict__[f].__set__ for f in _VERDICT_FIELDS)
 
 
-def _make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
-                  labeled, events, ctx, pods=None) -> "Verdict":
+def _make_verdict_py(event, kind, direction, hook, reason, cause, confidence, hint, iface,
+                     service, labeled, events, ctx, pods=None) -> "Verdict":
     """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
     storm's per-incident budget): the same instance, each slot set by its descriptor (natmap
-    None: the caller sets a NAT map)."""
+    None: the caller sets a NAT map). `_make_verdict` is this, or the same compiled
+    (correlate_fast.c: one call, not 15 descriptor calls) where it is built."""
     v = _object_new(Verdict)
     _SET_EVENT(v, event)
     _SET_KIND(v, kind)
@@ -801,8 +802,9 @@ def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Ve
     yield from c.flush()
 
 
-def _service(ev: Event, ctx: Context) -> str | None:
-    """The Service of one event's connection.
+def _service_py(ev: Event, ctx: Context) -> str | None:
+    """The Service of one event's connection (`_service`: this, or the same compiled where
+    correlate_fast.c is built, which calls this for an event with a conntrack entry).
 
     With a conntrack entry: its original destination (the frontend the client used), then its
     reply source (the endpoint); the masqueraded side (reply destination, whose port the
@@ -830,6 +832,7 @@ def _service(ev: Event, ctx: Context) -> str | None:
     return so(ev.saddr, ev.sport) or None
 
 
+_service = _service_py
 # after _service, _fill_hint and _pods, which the compiled _one falls back on
 _FAST = _native()
 # which loop and _one make a storm's Verdicts: "compiled" (correlate_fast.c, feed_fast.c) or
@@ -837,3 +840,5 @@ _FAST = _native()
 NATIVE = "compiled" if _FAST is not None else "python"
 _one = _FAST.one if _FAST is not None else _one_py
 _rootless = _FAST.rootless if _FAST is not None else _rootless_py
+_make_verdict = _FAST.make_verdict if _FAST is not None else _make_verdict_py
+_service = _FAST.service if _FAST is not None else _service_py

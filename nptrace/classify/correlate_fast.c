@@ -227,6 +227,102 @@ out:
 	return got;
 }
 
+/* correlate._service(ev, ctx) of an Event (a new reference, or NULL with an exception):
+ * without a conntrack entry, service_of(daddr, dport), then endpoint_of(saddr, sport) or that;
+ * else service_of(saddr, sport) or None. With one, the Python function. */
+static PyObject *event_service(PyObject *ctx, const struct one_lookups *lk, PyObject *ev)
+{
+	if (PyTuple_GET_ITEM(ev, E_CT) != Py_None)
+		return PyObject_CallFunctionObjArgs(S.service, ev, ctx, NULL);
+	PyObject *service = ask(ctx, S.s_service_of, lk->service_of,
+				PyTuple_GET_ITEM(ev, E_DADDR), PyTuple_GET_ITEM(ev, E_DPORT));
+	int t = service ? PyObject_IsTrue(service) : -1;
+	if (t < 0)
+		goto fail;
+	if (t) {
+		PyObject *ep = ask(ctx, S.s_endpoint_of, lk->endpoint_of,
+				   PyTuple_GET_ITEM(ev, E_SADDR), PyTuple_GET_ITEM(ev, E_SPORT));
+		t = ep ? PyObject_IsTrue(ep) : -1;
+		if (t < 0) {
+			Py_XDECREF(ep);
+			goto fail;
+		}
+		if (t)
+			Py_SETREF(service, ep);
+		else
+			Py_DECREF(ep);
+		return service;
+	}
+	Py_SETREF(service, ask(ctx, S.s_service_of, lk->service_of,
+			       PyTuple_GET_ITEM(ev, E_SADDR), PyTuple_GET_ITEM(ev, E_SPORT)));
+	t = service ? PyObject_IsTrue(service) : -1;
+	if (t < 0)
+		goto fail;
+	if (!t)
+		Py_SETREF(service, Py_NewRef(Py_None));
+	return service;
+fail:
+	Py_XDECREF(service);
+	return NULL;
+}
+
+/* service(ev, ctx): correlate._service, compiled for an Event without a conntrack entry
+ * (_report asks it for each event of an incident that names no Service) */
+static PyObject *service(PyObject *self, PyObject *const *args, Py_ssize_t n)
+{
+	static const struct one_lookups by_name = {0};
+	if (!S.ready) {
+		PyErr_SetString(PyExc_RuntimeError, "configure() first");
+		return NULL;
+	}
+	if (n != 2) {
+		PyErr_Format(PyExc_TypeError, "service takes 2 arguments (%zd given)", n);
+		return NULL;
+	}
+	PyObject *ev = args[0];
+	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS)    /* not an Event */
+		return PyObject_CallFunctionObjArgs(S.service, ev, args[1], NULL);
+	return event_service(args[1], &by_name, ev);
+}
+
+/* _make_verdict: object.__new__(Verdict) (its __init__ is not run), then each slot at its
+ * offset, as the member descriptor's __set__ stores it (values in _VERDICT_FIELDS' order): a
+ * new instance's slots are NULL, so nothing is released */
+static PyObject *new_verdict(PyObject *const *values)
+{
+	PyTypeObject *vt = (PyTypeObject *)S.verdict;
+	if (S.no_args == NULL && (S.no_args = PyTuple_New(0)) == NULL)
+		return NULL;
+	PyObject *v = PyBaseObject_Type.tp_new(vt, S.no_args, NULL);
+	if (v == NULL)
+		return NULL;
+	for (int i = 0; i < NFIELDS; i++) {
+		PyObject **slot = (PyObject **)((char *)v + S.field_off[i]);
+		Py_XSETREF(*slot, Py_NewRef(values[i]));
+	}
+	return v;
+}
+
+/* make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface, service,
+ * labeled, events, ctx, pods=None) -> Verdict: correlate._make_verdict (natmap None), for
+ * _report's incidents of several records: one call instead of 15 descriptor calls */
+static PyObject *make_verdict(PyObject *self, PyObject *const *args, Py_ssize_t n)
+{
+	if (!S.ready) {
+		PyErr_SetString(PyExc_RuntimeError, "configure() first");
+		return NULL;
+	}
+	if (n != NFIELDS - 2 && n != NFIELDS - 1) {
+		PyErr_Format(PyExc_TypeError, "make_verdict takes %d or %d arguments (%zd given)",
+			     NFIELDS - 2, NFIELDS - 1, n);
+		return NULL;
+	}
+	PyObject *values[NFIELDS];
+	for (Py_ssize_t i = 0; i < NFIELDS; i++)
+		values[i] = i < n ? args[i] : Py_None;     /* pods, natmap: None */
+	return new_verdict(values);
+}
+
 /* one(primary, events, ctx, nat) -> Verdict: correlate._one */
 static PyObject *one(PyObject *self, PyObject *args)
 {
@@ -260,7 +356,7 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 		return NULL;
 	}
 	PyObject *iface = NULL, *service = NULL, *hint = NULL, *ordered = NULL, *pods = NULL,
-		 *v = NULL, *res = NULL, *hook = NULL;
+		 *res = NULL, *hook = NULL;
 	PyObject *ct = PyTuple_GET_ITEM(ev, E_CT);
 	int t = PyObject_IsTrue(PyTuple_GET_ITEM(ev, E_IFINDEX));
 	if (t < 0)
@@ -269,48 +365,9 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 			PyTuple_GET_ITEM(ev, E_IFINDEX)) : Py_NewRef(Py_None);
 	if (iface == NULL)
 		goto out;
-	if (ct == Py_None) {
-		/* service = so(daddr, dport); endpoint_of(saddr, sport) or it; else so(saddr, sport)
-		 * or None */
-		service = ask(ctx, S.s_service_of, lk->service_of, PyTuple_GET_ITEM(ev, E_DADDR),
-			      PyTuple_GET_ITEM(ev, E_DPORT));
-		if (service == NULL)
-			goto out;
-		t = PyObject_IsTrue(service);
-		if (t < 0)
-			goto out;
-		if (t) {
-			PyObject *ep = ask(ctx, S.s_endpoint_of, lk->endpoint_of,
-					   PyTuple_GET_ITEM(ev, E_SADDR),
-					   PyTuple_GET_ITEM(ev, E_SPORT));
-			if (ep == NULL)
-				goto out;
-			t = PyObject_IsTrue(ep);
-			if (t < 0) {
-				Py_DECREF(ep);
-				goto out;
-			}
-			if (t)
-				Py_SETREF(service, ep);
-			else
-				Py_DECREF(ep);
-		} else {
-			Py_SETREF(service, ask(ctx, S.s_service_of, lk->service_of,
-					       PyTuple_GET_ITEM(ev, E_SADDR),
-					       PyTuple_GET_ITEM(ev, E_SPORT)));
-			if (service == NULL)
-				goto out;
-			t = PyObject_IsTrue(service);
-			if (t < 0)
-				goto out;
-			if (!t)
-				Py_SETREF(service, Py_NewRef(Py_None));
-		}
-	} else {
-		service = PyObject_CallFunctionObjArgs(S.service, ev, ctx, NULL);
-		if (service == NULL)
-			goto out;
-	}
+	service = event_service(ctx, lk, ev);
+	if (service == NULL)
+		goto out;
 	hint = Py_NewRef(PyTuple_GET_ITEM(primary, L_HINT));
 	t = PySequence_Contains(hint, S.s_brace);
 	if (t < 0)
@@ -383,27 +440,13 @@ pods_done:;
 	hook = hook ? Py_NewRef(hook) : PyObject_GetItem(S.hooks, hk);
 	if (hook == NULL)
 		goto out;
-	/* _make_verdict: object.__new__(Verdict) (its __init__ is not run), then each slot at
-	 * its offset, as the member descriptor's __set__ stores it: a new instance's slots are
-	 * NULL, so nothing is released */
-	PyTypeObject *vt = (PyTypeObject *)S.verdict;
-	if (S.no_args == NULL && (S.no_args = PyTuple_New(0)) == NULL)
-		goto out;
-	v = PyBaseObject_Type.tp_new(vt, S.no_args, NULL);
-	if (v == NULL)
-		goto out;
 	PyObject *values[NFIELDS] = {
 		ev, kind, dir, hook, PyTuple_GET_ITEM(primary, L_RNAME),
 		PyTuple_GET_ITEM(primary, L_CAUSE), PyTuple_GET_ITEM(primary, L_CONF), hint, iface,
 		service, ordered, events, ctx, pods, nat,
 	};
-	for (int i = 0; i < NFIELDS; i++) {
-		PyObject **slot = (PyObject **)((char *)v + S.field_off[i]);
-		Py_XSETREF(*slot, Py_NewRef(values[i]));
-	}
-	res = Py_NewRef(v);
+	res = new_verdict(values);
 out:
-	Py_XDECREF(v);
 	Py_XDECREF(hook);
 	Py_XDECREF(pods);
 	Py_XDECREF(ordered);
@@ -454,6 +497,10 @@ static PyObject *rootless(PyObject *self, PyObject *primary)
 
 static PyMethodDef methods[] = {
 	{"rootless", rootless, METH_O, "correlate._rootless(primary)."},
+	{"service", (PyCFunction)(void (*)(void))service, METH_FASTCALL,
+	 "correlate._service(ev, ctx)."},
+	{"make_verdict", (PyCFunction)(void (*)(void))make_verdict, METH_FASTCALL,
+	 "correlate._make_verdict(event, ..., ctx, pods=None)."},
 	{"configure", configure, METH_VARARGS, "Take correlate's tables and fallbacks."},
 	{"one", one, METH_VARARGS, "correlate._one(primary, events, ctx, nat)."},
 	{"configure_feed", feed_configure, METH_VARARGS, "Take feed_many's tables and fallbacks."},

@@ -352,7 +352,8 @@ def test_hot_path_built_from_older_sources(monkeypatch):
     assert native.load("nptrace.classify.correlate_fast") is None
     state = doctor.hot_path({**BOTH, "nptrace.classify.correlate_fast": "python"}, env={})
     assert state == ("python: nptrace.classify.correlate_fast built from older sources "
-                     "(no configure_feed, feed_many, verdict_slots, rootless)")
+                     "(no configure_feed, feed_many, verdict_slots, rootless, make_verdict, "
+                     "service)")
 
 
 def test_hot_path_defaults_to_this_process():

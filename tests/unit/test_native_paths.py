@@ -366,3 +366,41 @@ def test_rootless_compiled_equals_python(seed):
     for bad in (None, (1, 2), Labeled(("not", "an", "event"), "", None)):
         with pytest.raises(TypeError):
             correlate._rootless(bad)
+
+
+@needs_native
+def test_make_verdict_compiled_equals_python():
+    """Every slot as the descriptors set them, pods and natmap None when not given; a wrong
+    argument count raises as the Python function does (TypeError)."""
+    from nptrace.classify import correlate
+    from nptrace.classify.verdict import Labeled
+    assert correlate._make_verdict is not correlate._make_verdict_py
+    events, _ = ev.decode_many(_records(random.Random(1), 3))
+    e = events[0]
+    lab = (Labeled(e, "NO_SOCKET", "no_listener", 0.9, "h"),)
+    args = [e, "rst", "sent", "tcp:tcp_send_reset", "NO_SOCKET", "no_listener", 0.9, "h",
+            "eth0", "ns/svc:80", lab, 3, correlate.Context()]
+    for extra in ([], [{"pod": "ns/p"}]):
+        want = correlate._make_verdict_py(*args, *extra)
+        got = correlate._make_verdict(*args, *extra)
+        assert _slots(got) == _slots(want) and type(got) is type(want)
+        assert got.natmap is None and got.pods == (extra[0] if extra else None)
+    for bad in (args[:-1], args + [None, None]):
+        with pytest.raises(TypeError):
+            correlate._make_verdict(*bad)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+def test_service_compiled_equals_python_with_the_same_lookups(seed):
+    from nptrace.classify import correlate
+    assert correlate._service is not correlate._service_py
+    ctx, log = _counting(_ctx(random.Random(seed)))
+    events, _ = ev.decode_many(_records(random.Random(seed), 300))
+    assert any(e.ct is None for e in events) and any(e.ct is not None for e in events)
+    for e in events:
+        log.clear()
+        want = correlate._service_py(e, ctx)
+        want_log = list(log)
+        log.clear()
+        assert correlate._service(e, ctx) == want and log == want_log
