@@ -46,6 +46,13 @@ native    the same loops in child processes, alternating with NPTRACE_PURE=1 (th
           the test's own record generation is 11.5k and 9.3k: the loop 36.0k -> 27.2k and
           34.2k -> 29.8k). This section, three runs: single 223k / 226k / 173k/s, mix
           233k / 224k / 188k/s.
+          Session 12, 2026-12-02: feed_many's evictions read the Context's five lookups once a
+          call, KIND/_DIRECTIONS/HOOKS are indexed by small int, eviction takes the oldest flow
+          without popitem's method call; _report's incidents of several records build their
+          Verdict (make_verdict) and ask _service (an event without conntrack) in C. Callgrind,
+          the same marginal: single 38.3k -> 37.1k, mix 39.0k -> 36.0k (the loop 26.8k ->
+          25.6k and 29.7k -> 26.7k). The rows are now the median of three alternated runs;
+          two sections, 6 runs each: single 219-244k/s, mix 231-261k/s.
           Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
           108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
           stripped loop that keeps only what correlation needs per reset (one Flow in the key
