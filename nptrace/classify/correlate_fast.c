@@ -107,7 +107,8 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	SET(kind, kind);
 	SET(directions, dirs);
 	SET(hooks, hooks);
-	if (small_keys(kind, S.kind_at) || small_keys(dirs, S.dir_at) || small_keys(hooks, S.hook_at))
+	if (small_keys(kind, S.kind_at) || small_keys(dirs, S.dir_at)
+	    || small_keys(hooks, S.hook_at))
 		return NULL;
 	SET(service, service);
 	SET(pods, pods);
@@ -382,7 +383,8 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 		goto out;
 	if (ct == Py_None && nat == Py_None) {
 		/* pod = pod_of(daddr) or pod_of(saddr) or (pod_of_netns(netns) if netns else None) */
-		PyObject *pod = ask(ctx, S.s_pod_of, lk->pod_of, PyTuple_GET_ITEM(ev, E_DADDR), NULL);
+		PyObject *pod = ask(ctx, S.s_pod_of, lk->pod_of, PyTuple_GET_ITEM(ev, E_DADDR),
+				    NULL);
 		if (pod == NULL || (t = keep_if_true(&pod)) < 0)
 			goto pod_fail;
 		if (!t) {

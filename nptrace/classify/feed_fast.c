@@ -366,7 +366,8 @@ static int evict(St *st)
 					goto done;
 				Py_INCREF(lab);
 				n = PyNumber_Add(F.one, extra);
-				if (n == NULL || append_verdict(st->out, correlate_one(lab, n, st->ctx, nat, lk))) {
+				PyObject *v = n ? correlate_one(lab, n, st->ctx, nat, lk) : NULL;
+				if (append_verdict(st->out, v)) {     /* v NULL: -1 */
 					Py_XDECREF(n);
 					Py_DECREF(lab);
 					goto done;
