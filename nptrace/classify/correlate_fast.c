@@ -228,6 +228,21 @@ out:
 	return got;
 }
 
+/* primary.ev (borrowed) of a Labeled whose ev is an Event, else NULL with a TypeError */
+static PyObject *labeled_event(PyObject *primary)
+{
+	if (!PyTuple_Check(primary) || PyTuple_GET_SIZE(primary) != L_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+		return NULL;
+	}
+	PyObject *ev = PyTuple_GET_ITEM(primary, L_EV);
+	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS) {
+		PyErr_SetString(PyExc_TypeError, "primary.ev is not an Event");
+		return NULL;
+	}
+	return ev;
+}
+
 /* correlate._service(ev, ctx) of an Event (a new reference, or NULL with an exception):
  * without a conntrack entry, service_of(daddr, dport), then endpoint_of(saddr, sport) or that;
  * else service_of(saddr, sport) or None. With one, the Python function. */
@@ -339,23 +354,13 @@ PyObject *correlate_one(PyObject *primary, PyObject *events, PyObject *ctx, PyOb
 	static const struct one_lookups by_name = {0};   /* each read from ctx when asked */
 	if (lk == NULL)
 		lk = &by_name;
-	if (!PyTuple_Check(primary)) {
-		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
-		return NULL;
-	}
 	if (!S.ready) {
 		PyErr_SetString(PyExc_RuntimeError, "configure() first");
 		return NULL;
 	}
-	if (PyTuple_GET_SIZE(primary) != L_NFIELDS) {
-		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+	PyObject *ev = labeled_event(primary);
+	if (ev == NULL)
 		return NULL;
-	}
-	PyObject *ev = PyTuple_GET_ITEM(primary, L_EV);
-	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS) {
-		PyErr_SetString(PyExc_TypeError, "primary.ev is not an Event");
-		return NULL;
-	}
 	PyObject *iface = NULL, *service = NULL, *hint = NULL, *ordered = NULL, *pods = NULL,
 		 *res = NULL, *hook = NULL;
 	PyObject *ct = PyTuple_GET_ITEM(ev, E_CT);
@@ -464,15 +469,9 @@ out:
  * and concatenating (~0.9 us an incident of several records in CPython 3.11). */
 static PyObject *rootless(PyObject *self, PyObject *primary)
 {
-	if (!PyTuple_Check(primary) || PyTuple_GET_SIZE(primary) != L_NFIELDS) {
-		PyErr_SetString(PyExc_TypeError, "primary is not a Labeled");
+	PyObject *ev = labeled_event(primary);
+	if (ev == NULL)
 		return NULL;
-	}
-	PyObject *ev = PyTuple_GET_ITEM(primary, L_EV);
-	if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != E_NFIELDS) {
-		PyErr_SetString(PyExc_TypeError, "primary.ev is not an Event");
-		return NULL;
-	}
 	int raw = PyObject_IsTrue(PyTuple_GET_ITEM(ev, E_NFIELDS - 1));
 	if (raw <= 0)
 		return raw < 0 ? NULL : Py_NewRef(primary);
