@@ -103,12 +103,12 @@ class Topology:
     # --- processes -----------------------------------------------------------------------
     def spawn(self, ns: str | None, argv: list[str], stdout=subprocess.DEVNULL,
               stderr=subprocess.DEVNULL, env: dict | None = None, text: bool = True,
-              ) -> subprocess.Popen:
+              stdin=subprocess.DEVNULL) -> subprocess.Popen:
         for f in (stdout, stderr):
             if hasattr(f, "close") and f not in self._files:
                 self._files.append(f)
         p = subprocess.Popen(in_ns(ns, argv), stdout=stdout, stderr=stderr, env=env,
-                             text=text, stdin=subprocess.DEVNULL)
+                             text=text, stdin=stdin)
         self.procs.append(p)
         return p
 

@@ -9,7 +9,8 @@ Each prints one JSON line with what it did, and stops by itself (bounded by coun
            server end of a connection-rate run: it closes second and keeps no TIME_WAIT)
   connect  non-blocking connects kept --conc in flight for --secs; each sends its FIN at the
            handshake's end (the client closes first and keeps the TIME_WAIT) and counts once
-           the server's FIN arrives (bench/connrate.py says why this order)
+           the server's FIN arrives (bench/connrate.py says why this order); --serve runs
+           once per line of stdin instead and lets the connections in flight end after each
   sink / source   bulk TCP without iperf3 (fallback)
 """
 from __future__ import annotations
@@ -111,52 +112,91 @@ def cmd_accept(a) -> dict:
         c.close()
 
 
-def cmd_connect(a) -> dict:
-    ep = select.epoll()
-    socks: dict[int, socket.socket] = {}
-    shut: set[int] = set()     # connected, our FIN sent: waiting for the server's
-    done = failed = 0
-    addr = (a.host, a.port)
+class Connector:
+    """Non-blocking connects to addr kept `conc` in flight; run(secs) counts the ones done."""
+
+    def __init__(self, addr: tuple[str, int], conc: int):
+        self.addr, self.conc = addr, conc
+        self.ep = select.epoll()
+        self.socks: dict[int, socket.socket] = {}
+        self.shut: set[int] = set()   # connected, our FIN sent: waiting for the server's
+        self.failed = 0
+
     # edge-triggered, one registration: EPOLLOUT once the handshake is done, EPOLLRDHUP once
     # the server's FIN is in (an epoll_ctl per connection less than re-arming in between)
-    flags = select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
-    fin, err = select.EPOLLRDHUP, select.EPOLLERR
+    FLAGS = select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 
-    def start() -> None:
-        nonlocal failed
+    def start(self) -> None:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        r = s.connect_ex(addr)
+        r = s.connect_ex(self.addr)
         if r not in (0, errno.EINPROGRESS):
-            failed += 1
+            self.failed += 1
             s.close()
             return
-        socks[s.fileno()] = s
-        ep.register(s.fileno(), flags)
+        self.socks[s.fileno()] = s
+        self.ep.register(s.fileno(), self.FLAGS)
 
-    t0 = time.monotonic()
-    end = t0 + a.secs
-    for _ in range(a.conc):
-        start()
-    while time.monotonic() < end:
-        for fd, ev in ep.poll(0.05):
-            if ev & err:
-                failed += 1
-            elif fd not in shut:
+    def step(self, timeout: float, refill: bool) -> int:
+        """Handle one poll's events; connections done. refill: start one for each that ends."""
+        done = 0
+        for fd, ev in self.ep.poll(timeout):
+            if ev & select.EPOLLERR:
+                self.failed += 1
+            elif fd not in self.shut:
                 # not before the handshake's end: shutdown() in SYN_SENT closes without a FIN
-                socks[fd].shutdown(socket.SHUT_WR)
-                shut.add(fd)
-                if not ev & fin:
+                self.socks[fd].shutdown(socket.SHUT_WR)
+                self.shut.add(fd)
+                if not ev & select.EPOLLRDHUP:
                     continue
                 done += 1
-            elif ev & fin:
+            elif ev & select.EPOLLRDHUP:
                 done += 1
             else:
                 continue       # another edge (our FIN's ACK): the server's FIN is still due
-            shut.discard(fd)
-            socks.pop(fd).close()
-            start()
-    secs = time.monotonic() - t0
-    return {"done": done, "failed": failed, "secs": secs}
+            self.shut.discard(fd)
+            self.socks.pop(fd).close()
+            if refill:
+                self.start()
+        return done
+
+    def run(self, secs: float) -> dict:
+        self.failed = 0
+        t0 = time.monotonic()
+        end = t0 + secs
+        done = 0
+        while len(self.socks) < self.conc:
+            self.start()
+        while time.monotonic() < end:
+            done += self.step(0.05, True)
+        return {"done": done, "failed": self.failed, "secs": time.monotonic() - t0}
+
+    def drain(self, limit: float = 5.0) -> int:
+        """Let the connections in flight end, uncounted, so that the next run starts from none
+        (as a fresh process would); those still open after `limit` seconds are closed."""
+        end = time.monotonic() + limit
+        while self.socks and time.monotonic() < end:
+            self.step(0.05, False)
+        left = len(self.socks)
+        for s in self.socks.values():
+            s.close()
+        self.socks.clear()
+        self.shut.clear()
+        return left
+
+
+def cmd_connect(a) -> dict:
+    c = Connector((a.host, a.port), a.conc)
+    if not a.serve:
+        return c.run(a.secs)
+    # --serve: one run per line of stdin (its seconds), one JSON line each; EOF ends. The
+    # connection-rate bench keeps its clients between runs, so that the runs it pairs are
+    # adjacent (no process start between them) and each starts with none in flight.
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        r = c.run(float(line))
+        r["stuck"] = c.drain()
+        print(json.dumps(r), flush=True)
+    return {"done": 0, "failed": 0, "secs": 0.0}
 
 
 def cmd_sink(a) -> dict:
@@ -208,6 +248,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--secs", type=float, default=2)
     s.add_argument("--conc", type=int, default=128)
+    s.add_argument("--serve", action="store_true",
+                   help="one run per line of stdin (its seconds), one JSON line each")
     s = sub.add_parser("sink")
     s.add_argument("--port", type=int, required=True)
     s = sub.add_parser("source")

@@ -48,3 +48,29 @@ def test_client_closes_first_and_every_connection_completes():
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_served_client_runs_once_a_line_and_starts_each_run_from_none_in_flight():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(TRAFFIC + ["accept", "--port", str(port)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert "ready" in server.stdout.readline()
+        client = subprocess.Popen(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port",
+                                             str(port), "--conc", "8", "--serve"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(client.stdout.readline()) == {"ready": True}
+        for secs in ("0.2", "0.1"):
+            client.stdin.write(secs + "\n")
+            client.stdin.flush()
+            r = json.loads(client.stdout.readline())
+            # the connections in flight at the run's end were let end, uncounted
+            assert r["done"] > 0 and r["failed"] == 0 and r["stuck"] == 0
+            assert float(secs) <= r["secs"] < float(secs) + 1
+        client.stdin.close()
+        assert client.wait(10) == 0
+    finally:
+        server.kill()
+        server.wait()
