@@ -71,8 +71,8 @@
 #ifndef NPT_TC_VXLAN
 #define NPT_TC_VXLAN 1
 #endif
-#ifndef NPT_TC_MAX_IFACES
-#define NPT_TC_MAX_IFACES 1024
+#ifndef NPT_TC_IF_SLOTS
+#define NPT_TC_IF_SLOTS 4096     /* tc_ifaces: a power of 2 (nptrace/kernel/tc.py TC_IF_SLOTS) */
 #endif
 
 #define NPT_TC_PASS        (-1)          /* TC_ACT_UNSPEC: see the header comment */
@@ -95,15 +95,19 @@
 #define NPT_REPORTED_SRC   0x02
 
 struct npt_tc_iface {
+	u32 ifindex;        /* the watched device this slot is for; 0: none */
 	u32 netns;
 	u32 flags;          /* NPT_TC_IF_*, written by nptrace/kernel/tc.py iface_map_filler */
 };
-#define NPT_TC_IF_AMBIGUOUS 0x01  /* watched devices of several namespaces have this ifindex */
+/* watched devices of several namespaces have this ifindex, or two ifindexes share the slot */
+#define NPT_TC_IF_AMBIGUOUS 0x01
 
 /* UDP destination ports (host order) that carry VXLAN: 4789 (IANA), 8472 (Linux default) */
 /* vxlan_ports (UDP ports carrying VXLAN) is in npt_common.h: the tracepoints decapsulate too */
-/* Watched ifindex -> netns inode (npt_tc_netns) */
-BPF_HASH(tc_ifaces, u32, struct npt_tc_iface, NPT_TC_MAX_IFACES);
+/* Watched ifindex -> netns inode (npt_tc_netns), in slot ifindex % NPT_TC_IF_SLOTS: an array,
+ * whose lookup the verifier inlines, where a hash lookup cost ~50 ns on each SYN and SYN-ACK
+ * (6.18 VM, bpf_stats: ~100 ns of a NodePort connection's ~900). */
+BPF_ARRAY(tc_ifaces, struct npt_tc_iface, NPT_TC_IF_SLOTS);
 
 /* Where the headers of one packet are (packet pointers, bounds-checked as noted). */
 struct npt_tc_pkt {
@@ -175,23 +179,26 @@ static __always_inline int npt_tc_l3(void *p, void *end, u16 proto, struct npt_t
 	return -1;
 }
 
-/* The netns inode of the device the program runs on: tc_ifaces' entry for its ifindex, one
- * hash lookup, where only one watched device has that ifindex (tc.py marks the others
- * NPT_TC_IF_AMBIGUOUS); else, with -DNPT_TC_KSKB=1, from the kernel sk_buff (three dependent
- * probe reads: skb->dev, dev->nd_net, net->ns.inum, ~95 ns on the 6.18 VM, paid on each SYN
- * and SYN-ACK before the lookup did). */
+/* The netns inode of the device the program runs on: its tc_ifaces slot, where that slot is
+ * its ifindex's and not NPT_TC_IF_AMBIGUOUS (tc.py marks an ifindex that devices of several
+ * watched namespaces have, and a slot two ifindexes share); else, with -DNPT_TC_KSKB=1, from
+ * the kernel sk_buff (three dependent probe reads: skb->dev, dev->nd_net, net->ns.inum, ~95 ns
+ * on the 6.18 VM, paid on each SYN and SYN-ACK before the map did). Without it a device whose
+ * slot another took gets netns 0 (unknown). */
 static __always_inline u32 npt_tc_netns(struct __sk_buff *skb)
 {
 	u32 idx = skb->ifindex;
-	struct npt_tc_iface *v = tc_ifaces.lookup(&idx);
-	if (v && !(v->flags & NPT_TC_IF_AMBIGUOUS))
+	u32 slot = idx & (NPT_TC_IF_SLOTS - 1);
+	struct npt_tc_iface *v = tc_ifaces.lookup(&slot);
+	int mine = v && v->ifindex == idx;
+	if (mine && !(v->flags & NPT_TC_IF_AMBIGUOUS))
 		return v->netns;
 #if NPT_TC_KSKB
 	void *dev = 0;
 	NPT_READ(dev, skb, NPT_OFF_sk_buff__dev);
 	return npt_netns_of_dev(dev);
 #else
-	return v ? v->netns : 0;
+	return mine ? v->netns : 0;
 #endif
 }
 

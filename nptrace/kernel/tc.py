@@ -80,23 +80,28 @@ def configure(probes, cfg: Config) -> None:
 
 
 TC_IF_AMBIGUOUS = 0x01     # bpf/tc.bpf.c NPT_TC_IF_AMBIGUOUS
+TC_IF_SLOTS = 4096         # bpf/tc.bpf.c NPT_TC_IF_SLOTS
 
 
 def iface_map_filler(probes) -> Callable[["Attached"], None]:
-    """on_attach callback filling tc_ifaces {ifindex -> netns inode}, which the tc programs
-    read instead of following skb->dev to its namespace. An ifindex that watched devices of
-    two namespaces share is marked ambiguous: the programs then read the sk_buff."""
+    """on_attach callback filling tc_ifaces {ifindex % TC_IF_SLOTS -> (ifindex, netns
+    inode)}, which the tc programs read instead of following skb->dev to its namespace. A slot
+    is marked ambiguous where watched devices of two namespaces share its ifindex, or two
+    ifindexes share it: the programs then read the sk_buff."""
     m = probes.map("tc_ifaces")
 
     def fill(a: "Attached") -> None:
-        key = m.Key(a.ifindex)
+        key = m.Key(a.ifindex % TC_IF_SLOTS)
         leaf = m.Leaf()
+        leaf.ifindex = a.ifindex
         leaf.netns = a.netns_inode
         try:
             old = m[key]
-        except KeyError:
+        except KeyError:       # an array holds every slot; a test's table may not
             old = None
-        if old is not None and (old.netns != a.netns_inode or old.flags & TC_IF_AMBIGUOUS):
+        if old is not None and old.ifindex and (old.ifindex != a.ifindex
+                                                or old.netns != a.netns_inode
+                                                or old.flags & TC_IF_AMBIGUOUS):
             leaf.flags = TC_IF_AMBIGUOUS
         m[key] = leaf
     return fill

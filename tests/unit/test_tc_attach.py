@@ -366,6 +366,7 @@ class FakeTable(dict):
     class Leaf:
         def __init__(self, v=0):
             self.value = v
+            self.ifindex = 0
             self.netns = 0
             self.flags = 0
 
@@ -407,6 +408,28 @@ def test_iface_map_marks_an_ifindex_of_two_namespaces_ambiguous():
     assert m[2].flags == tc.TC_IF_AMBIGUOUS
     fill(A(ifindex=2, netns_inode=2000))      # stays ambiguous: both may still be watched
     assert m[2].flags == tc.TC_IF_AMBIGUOUS and m[3].flags == 0
+
+
+def test_iface_map_marks_a_slot_two_ifindexes_share_ambiguous():
+    from types import SimpleNamespace as A
+    p = FakeProbes()
+    fill = tc.iface_map_filler(p)
+    fill(A(ifindex=3, netns_inode=2000))
+    fill(A(ifindex=3 + tc.TC_IF_SLOTS, netns_inode=2000))   # the same slot, another device
+    m = p.maps["tc_ifaces"]
+    assert list(m) == [3]
+    # the programs find the slot not theirs (ifindex) or ambiguous: both read the sk_buff
+    assert (m[3].ifindex, m[3].flags) == (3 + tc.TC_IF_SLOTS, tc.TC_IF_AMBIGUOUS)
+
+
+def test_iface_map_constants_are_the_programs():
+    import re
+    from pathlib import Path
+    src = (Path(tc.__file__).parents[2] / "bpf" / "tc.bpf.c").read_text()
+    slots = int(re.search(r"#define NPT_TC_IF_SLOTS (\d+)", src).group(1))
+    amb = int(re.search(r"#define NPT_TC_IF_AMBIGUOUS (0x[0-9a-f]+)", src).group(1), 16)
+    assert (slots, amb) == (tc.TC_IF_SLOTS, tc.TC_IF_AMBIGUOUS)
+    assert slots & (slots - 1) == 0        # the programs take the slot with a mask
 
 
 def test_attach_helper_fills_the_iface_map(net, proc, tmp_path):
