@@ -39,7 +39,8 @@
  * (bpf_base_func_proto, CAP_PERFMON; checked on 6.18). Conntrack is attached only on egress:
  * on ingress tc runs before PREROUTING, and a veth crossing resets it (skb_scrub_packet).
  * With -DNPT_TC_KSKB=0 the netns comes from tc_ifaces {ifindex -> netns inode}, filled at
- * attach time (ambiguous when two watched namespaces reuse an ifindex), and ct stays empty.
+ * attach time (ambiguous when two watched namespaces reuse an ifindex, unknown for a device
+ * whose slot another ifindex took: npt_tc_netns), and ct stays empty.
  *
  * Flow state (conn_slots, npt_common.h: one 2-way set-associative array of connections that
  * the netfilter hook adds its NAT tuples to): a SYN's slot is found by its CLIENT end (source

@@ -61,10 +61,11 @@ the paths cancels. Verdict: the median of the per-round ratios, with its distrib
 interval (median_ci) and whether that interval's lower bound clears 97% (only then is the
 target met beyond the noise), and the ratios' interquartile range. Runs are 0.5 s: 36 rounds
 a phase (108 in all) fit the section in about 4 minutes; 36 one-second rounds gave intervals
-7-9 points wide, 108 half-second ones 3.4-4.3 (10 while other jobs shared the VM), and 1.2-1.6
-with the served clients (seven runs). Caveat: nptrace's tracepoints are global, so the plain
-and floor paths' connections run its kfree_skb program too (1.0 run and ~10 ns net per
-connection: the bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward 1 of under 0.1%.
+7-9 points wide, 108 half-second ones 3.4-4.3 (10 while other jobs shared the VM), and 1.2-1.7
+with the served clients (ten runs; 0.7 with 324). Caveat: nptrace's tracepoints are global, so
+the plain and floor paths' connections run its kfree_skb program too (1.0 run and ~10 ns net
+per connection: the bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward 1 of under
+0.1%.
 
 After the rounds, one more run on the traced path holds BPF_ENABLE_STATS and divides each of
 nptrace's programs' run_time_ns by the connections made: where the kernel-side cost per
