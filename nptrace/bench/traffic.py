@@ -164,8 +164,8 @@ class Connector:
         t0 = time.monotonic()
         end = t0 + secs
         done = 0
-        while len(self.socks) < self.conc:
-            self.start()
+        for _ in range(self.conc - len(self.socks)):   # a connect that fails at once is
+            self.start()                                # counted, not retried in a loop
         while time.monotonic() < end:
             done += self.step(0.05, True)
         return {"done": done, "failed": self.failed, "secs": time.monotonic() - t0}
