@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from nptrace.bench import connrate
 
 TRAFFIC = [sys.executable, "-m", "nptrace.bench.traffic"]
@@ -32,7 +34,9 @@ def test_ratio_row_says_whether_the_lower_bound_clears_the_target():
     assert data["ci_clears_target"] is False and "lower bound below 97%" in row.ratio_target
 
 
-def test_client_closes_first_and_every_connection_completes():
+@pytest.fixture
+def accept_port():
+    """The port of a running `traffic accept` server on loopback."""
     with socket.socket() as probe:     # a free port for the server
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -40,27 +44,25 @@ def test_client_closes_first_and_every_connection_completes():
                               text=True)
     try:
         assert "ready" in server.stdout.readline()
-        out = subprocess.run(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port", str(port),
-                                        "--secs", "0.3", "--conc", "8"],
-                             capture_output=True, text=True, timeout=30)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        assert r["done"] > 0 and r["failed"] == 0
+        yield port
     finally:
         server.kill()
         server.wait()
 
 
-def test_a_served_client_runs_once_a_line_and_starts_each_run_from_none_in_flight():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(TRAFFIC + ["accept", "--port", str(port)], stdout=subprocess.PIPE,
-                              text=True)
+def test_client_closes_first_and_every_connection_completes(accept_port):
+    out = subprocess.run(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port", str(accept_port),
+                                    "--secs", "0.3", "--conc", "8"],
+                         capture_output=True, text=True, timeout=30)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["done"] > 0 and r["failed"] == 0
+
+
+def test_a_served_client_runs_once_a_line_and_starts_each_run_from_none_in_flight(accept_port):
+    client = subprocess.Popen(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port",
+                                         str(accept_port), "--conc", "8", "--serve"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert "ready" in server.stdout.readline()
-        client = subprocess.Popen(TRAFFIC + ["connect", "--host", "127.0.0.1", "--port",
-                                             str(port), "--conc", "8", "--serve"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert json.loads(client.stdout.readline()) == {"ready": True}
         for secs in ("0.2", "0.1"):
             client.stdin.write(secs + "\n")
@@ -72,5 +74,5 @@ def test_a_served_client_runs_once_a_line_and_starts_each_run_from_none_in_fligh
         client.stdin.close()
         assert client.wait(10) == 0
     finally:
-        server.kill()
-        server.wait()
+        client.kill()
+        client.wait()
