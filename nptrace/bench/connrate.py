@@ -70,7 +70,7 @@ per connection: the bare ACK TCP_DEFER_ACCEPT drops), a bias of the ratio toward
 After the rounds, one more run on the traced path holds BPF_ENABLE_STATS and divides each of
 nptrace's programs' run_time_ns by the connections made: where the kernel-side cost per
 connection goes (info rows). Stats are on only in that run, so the ratio runs are not charged
-for them. Stats cost each run two clock reads, 69-78 ns here, more than most of our runs do:
+for them. Stats cost each run two clock reads, 67-78 ns here, more than most of our runs do:
 four empty programs on the same devices in that run measure it, and the rows give each
 program's time net of it (2.5-2.6 us with stats were 0.86-0.95 us net). nptrace's own
 process competes for the same 2 CPUs: its CPU time during the rounds, per traced connection,
@@ -267,7 +267,7 @@ def per_connection_costs(b: Bench, t: Topology, node: str, load: ConnLoad, secs:
     """{connections, stats_ns_per_run, programs: {name: {runs_per_conn, ns_per_run,
     ns_per_conn, net_ns_per_conn}}} of one run of nptrace with BPF_ENABLE_STATS held;
     programs that did not run are left out. Stats cost each run of a program two clock reads
-    (~60 ns on the 6.18 VM, more than most runs of ours do): four empty programs on the same
+    (67-78 ns on the 6.18 VM, more than most runs of ours do): four empty programs on the same
     devices measure that in the same run, and net_* is each program's time less it."""
     from nptrace.kernel.tc import enable_bpf_stats
     npt = b.nptrace(t, "connrate", "connrate_stats",
