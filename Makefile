@@ -32,6 +32,19 @@ fuzz: setup
 	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PYTEST) -q -s -p no:cacheprovider \
 		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py tests/unit/test_fuzz_rules.py
 
+## The kernel matrix: Debian's 6.1 and 5.10 kernels booted under qemu (virtme-ng; KVM where a
+## guest really runs under it, else TCG), nptrace doctor and every lab scenario inside each;
+## the table goes to docs/kernels.md. KERNELS="6.1 5.10 6.12" picks kernels; SCENARIOS some
+## scenarios. test-kernels-short is .ci/run's subset: doctor and three scenarios on 6.1.
+KERNELS ?= 6.1 5.10
+SCENARIOS ?=
+.PHONY: test-kernels test-kernels-short
+test-kernels: setup
+	$(PY) -m nptrace.lab.kernels $(foreach k,$(KERNELS),--kernel $(k)) --markdown docs/kernels.md $(SCENARIOS)
+
+test-kernels-short: setup
+	$(PY) -m nptrace.lab.kernels --short
+
 bench: setup
 	$(PY) -m nptrace.bench
 

@@ -13,6 +13,10 @@
  *     --reject-with tcp-reset (oldskb is the 3rd argument since the sk argument was added in
  *     5.x; older kernels, nf_send_reset(net, oldskb, hook), need another program).
  *     tcp:tcp_send_reset does not fire for these resets (docs/PLATFORM.md).
+ *   tcp_v4_send_reset(sk, skb), tcp_v6_send_reset(sk, skb)  the stack's reset; with sk NULL
+ *     nothing listens. Since 6.10 tcp:tcp_send_reset fires inside these functions for such
+ *     resets too, so the group attaches only where that tracepoint lacks `reason` (before
+ *     6.10); the record is the tracepoint's (hook tcp_send_reset, reason NO_SOCKET)
  *   ip_vs_in_hook / ip_vs_out_hook(priv, skb, state)  IPVS, 6.2+ (before: ip_vs_remote_request4
  *     and ip_vs_reply4, same argument order); kretprobe gives the verdict
  * Needs CONFIG_KPROBES (kprobe PMU 4.17, kprobe_events since 4.1; absent on the development VM:
@@ -162,12 +166,29 @@ int npt_kp_fib_validate_ret(struct pt_regs *ctx)
 	int l4 = npt_read_skb(&e, (void *)s->skb);
 	if (l4 != NPT_IPPROTO_TCP && !(e.flags & NPT_F_ICMP_QUOTE))
 		return 0;
+#ifdef NPT_KP_RPF_REASON
+	/* no kfree_skb reason on this kernel (before 5.17): this is the rp_filter drop's name */
+	e.reason = ret == -18 ? NPT_KP_RPF_REASON : 0;   /* -EXDEV */
+#else
 	e.reason = 0;
+#endif
 	e.aux = NPT_KF_FIB_VALIDATE;
 	e.aux2 = (u32)ret;
 	e.dir = NPT_D_INGRESS;
 	npt_emit(&e);
 	return 0;
+}
+
+/* ---- the stack's reset without a socket (nothing listens) -------------------------------- */
+#ifndef NPT_RST_NO_SOCKET
+#define NPT_RST_NO_SOCKET 0
+#endif
+int npt_kp_tcp_reset(struct pt_regs *ctx)
+{
+	void *sk = (void *)PT_REGS_PARM1(ctx), *skb = (void *)PT_REGS_PARM2(ctx);
+	if (sk || !skb)
+		return 0;     /* a socket's reset: tcp:tcp_send_reset fires for it */
+	return npt_emit_skb_reset(skb, 0, 0, NPT_RST_NO_SOCKET);
 }
 
 /* ---- REJECT --reject-with tcp-reset ----------------------------------------------------- */

@@ -880,4 +880,36 @@ static __always_inline void npt_init(struct npt_event *e, u16 type, u8 hook)
 	e->hook = hook;
 }
 
+/* A reset the TCP stack sends about a packet, not from a connection: no socket (nothing
+ * listens; since 6.10 tcp:tcp_send_reset fires for these, before only the kprobe on
+ * tcp_v4_send_reset / tcp_v6_send_reset sees them, bpf/kprobes.bpf.c), or a LISTEN socket
+ * answering a segment of a connection it never had. The RST's tuple is the offending
+ * packet's, reversed; aux = the flags of what was answered (a SYN: no listener). */
+static __always_inline int npt_emit_skb_reset(void *skb, void *sk, u8 state, u32 reason)
+{
+	struct npt_event e;
+	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
+	if (npt_read_skb(&e, skb) != NPT_IPPROTO_TCP)
+		return 0;
+	e.aux = e.tcpflags;
+	if (!e.netns)
+		e.netns = npt_netns_of_sk(sk);
+	if (sk)
+		e.flags |= NPT_F_HAS_SOCK;
+	u8 a[16];
+	__builtin_memcpy(a, e.saddr, 16);
+	__builtin_memcpy(e.saddr, e.daddr, 16);
+	__builtin_memcpy(e.daddr, a, 16);
+	u16 sp = e.sport;
+	e.sport = e.dport;
+	e.dport = sp;
+	e.l4proto = NPT_IPPROTO_TCP;
+	e.tcpflags = 0x04;
+	e.state = state;
+	e.reason = reason;
+	e.dir = NPT_D_LOCAL;
+	npt_emit(&e);
+	return 0;
+}
+
 #endif /* NPT_COMMON_H */

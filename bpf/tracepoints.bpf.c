@@ -28,12 +28,21 @@ enum sk_rst_reason { NPT_SK_RST_REASON_STANDIN };
 #include "npt_common.h"
 #include "npt_packet.h"
 
-/* The socket tracepoints (tcp_receive_reset, tcp_retransmit_synack) carry the socket's
- * addresses in two layouts: __u8 saddr[4] / saddr_v6[16]. `swap` puts the local side as the
- * destination (a received RST travels remote -> local). */
+/* The socket tracepoints (tcp_receive_reset, tcp_retransmit_synack, and tcp_send_reset before
+ * 6.10) carry the socket's addresses in two layouts: __u8 saddr[4] / saddr_v6[16]. The family
+ * is read from saddr_v6, which holds an IPv4 socket's address v4-mapped (TP_STORE_ADDRS):
+ * the `family` field arrived only in 5.11. `swap` puts the local side as the destination (a
+ * received RST travels remote -> local). */
+static __always_inline u16 npt_family_of_v6(const u8 *a6)
+{
+	u32 w[3] = {};
+	bpf_probe_read_kernel(w, sizeof(w), a6);
+	return (w[0] == 0 && w[1] == 0 && w[2] == bpf_htonl(0xffff)) ? NPT_AF_INET : NPT_AF_INET6;
+}
+
 #define NPT_SOCK_TUPLE(e, args, swap) do {					\
-	(e).family = (args)->family;						\
-	if ((args)->family == NPT_AF_INET6) {					\
+	(e).family = npt_family_of_v6((args)->saddr_v6);			\
+	if ((e).family == NPT_AF_INET6) {					\
 		bpf_probe_read_kernel((e).saddr, 16, swap ? (args)->daddr_v6 : (args)->saddr_v6); \
 		bpf_probe_read_kernel((e).daddr, 16, swap ? (args)->saddr_v6 : (args)->daddr_v6); \
 	} else {								\
@@ -70,9 +79,30 @@ static __always_inline u32 npt_neigh_failed(u32 reason, u64 at)
 #define npt_neigh_failed(reason, at) (reason)
 #endif
 
+/* Before 5.17 kfree_skb has no reason: a drop is named by the function that freed it, from
+ * kallsyms ranges (-DNPT_DROP_SITE_*, nptrace/kernel/kallsyms.py) with the values of the
+ * reason table nptrace uses on such kernels (nptrace/reasons.py LEGACY_DROPS). nf_hook_slow
+ * frees what a netfilter rule dropped; anything else is NOT_SPECIFIED, which is not sent (the
+ * reverse-path check and the reset sender have their own kprobes there). */
+#ifndef NPT_DROP_NOT_SPECIFIED
+#define NPT_DROP_NOT_SPECIFIED 1
+#endif
+static __always_inline u32 npt_drop_site(u64 at)
+{
+#ifdef NPT_DROP_SITE_NF_LO
+	if (at >= NPT_DROP_SITE_NF_LO && at < NPT_DROP_SITE_NF_HI)
+		return NPT_DROP_NETFILTER_DROP;
+#endif
+	return NPT_DROP_NOT_SPECIFIED;
+}
+
 TRACEPOINT_PROBE(skb, kfree_skb)
 {
+#if NPT_TPF_KFREE_SKB_REASON
 	u32 reason = npt_neigh_failed((u32)args->reason, (u64)args->location);
+#else
+	u32 reason = npt_drop_site((u64)args->location);   /* before 5.17: by call site */
+#endif
 	u32 kreason = reason;
 	u16 proto = args->protocol;   /* the tracepoint stores ntohs(skb->protocol) */
 	if (proto != NPT_ETH_P_IP && proto != NPT_ETH_P_IPV6)
@@ -99,47 +129,42 @@ TRACEPOINT_PROBE(skb, kfree_skb)
 #if NPT_TP_TCP_SEND_RESET
 TRACEPOINT_PROBE(tcp, tcp_send_reset)
 {
-	struct npt_event e;
-	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
 	void *skb = (void *)args->skbaddr, *sk = (void *)args->skaddr;
-	int l4 = 0;
-	if (skb) {
-		l4 = npt_read_skb(&e, skb);  /* interface, netns and conntrack of the offending packet */
-		e.aux = e.tcpflags;       /* what was answered: a SYN-ACK from a stranger means an
-					     un-NATed reply, a SYN means no listener */
-	}
-	if (!e.netns)
-		e.netns = npt_netns_of_sk(sk);
-	if (sk)
-		e.flags |= NPT_F_HAS_SOCK;
+#if NPT_TPF_TCP_SEND_RESET_REASON
+	u32 why = (u32)args->reason;
+#else
+	u32 why = 0;      /* sk_rst_reason: 6.10 */
+#endif
 	/* The tracepoint fills its tuple from a full socket first (include/trace/events/tcp.h,
 	 * `if (sk && sk_fullsock(sk))`), else from the skb reversed. A LISTEN socket is a full
 	 * socket bound to 0.0.0.0:port and connected to nobody: its tuple reads
 	 * "0.0.0.0:8080 > 0.0.0.0:0" (a rollout's new pod answering an old connection's segment).
 	 * Then the RST's own tuple is the offending packet's, reversed. */
-	if (l4 == NPT_IPPROTO_TCP && (!sk || args->state == NPT_TCP_LISTEN)) {
-		u8 a[16];
-		__builtin_memcpy(a, e.saddr, 16);
-		__builtin_memcpy(e.saddr, e.daddr, 16);
-		__builtin_memcpy(e.daddr, a, 16);
-		u16 sp = e.sport;
-		e.sport = e.dport;
-		e.dport = sp;
-		e.l4proto = NPT_IPPROTO_TCP;
-		e.tcpflags = 0x04;
-		e.state = (u8)args->state;
-		e.reason = (u32)args->reason;
-		e.dir = NPT_D_LOCAL;
-		npt_emit(&e);
-		return 0;
+	if (skb && (!sk || args->state == NPT_TCP_LISTEN))
+		return npt_emit_skb_reset(skb, sk, (u8)args->state, why);
+
+	struct npt_event e;
+	npt_init(&e, NPT_T_RST_SENT, NPT_H_TCP_SEND_RST);
+	if (skb) {
+		npt_read_skb(&e, skb);    /* interface, netns and conntrack of the offending packet */
+		e.aux = e.tcpflags;       /* what was answered: a SYN-ACK from a stranger means an
+					     un-NATed reply */
 	}
+	if (!e.netns)
+		e.netns = npt_netns_of_sk(sk);
+	if (sk)
+		e.flags |= NPT_F_HAS_SOCK;
 	/* Otherwise the tracepoint's tuple is the RST's own (a socket's, or the skb's reversed). */
+	__builtin_memset(e.saddr, 0, 16);
+	__builtin_memset(e.daddr, 0, 16);
+#if NPT_TPF_TCP_SEND_RESET_SADDR_V6
+	NPT_SOCK_TUPLE(e, args, 0);       /* before 6.10: the socket layout */
+#else
+	/* 6.10+: saddr/daddr are a sockaddr_in or sockaddr_in6 */
 	u16 fam = 0, p = 0;
 	bpf_probe_read_kernel(&fam, 2, args->saddr + NPT_SOCKADDR_FAMILY);
 	if (fam != NPT_AF_INET && fam != NPT_AF_INET6)
 		return 0;
-	__builtin_memset(e.saddr, 0, 16);
-	__builtin_memset(e.daddr, 0, 16);
 	if (fam == NPT_AF_INET) {
 		bpf_probe_read_kernel(e.saddr, 4, args->saddr + NPT_SOCKADDR_IN4);
 		bpf_probe_read_kernel(e.daddr, 4, args->daddr + NPT_SOCKADDR_IN4);
@@ -151,9 +176,10 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 	bpf_probe_read_kernel(&p, 2, args->daddr + NPT_SOCKADDR_PORT); e.dport = bpf_ntohs(p);
 	e.family = fam;
 	e.l4proto = NPT_IPPROTO_TCP;
+#endif
 	e.tcpflags = 0x04;
 	e.state = (u8)args->state;
-	e.reason = (u32)args->reason;
+	e.reason = why;
 	e.dir = NPT_D_LOCAL;
 	npt_emit(&e);
 	return 0;

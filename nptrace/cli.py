@@ -223,7 +223,7 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
     needed: without root the tracepoints count as present, and where the kernel's BTF is not
     readable the -DNPT_OFF_* offsets are left out, said in the output)."""
     from nptrace import reasons
-    from nptrace.kernel import attach, btf, features, kallsyms, loader, offsets
+    from nptrace.kernel import attach, btf, features, loader
     from nptrace.tracer import WAKE_EVERY
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
@@ -241,9 +241,9 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
                      "netfilter-hook switches `run` adds from it are left out")
     kflags = []
     if kbtf is not None:
-        kflags = offsets.cflags(kbtf) + attach.nf_cflags(
-            plan, kbtf, lambda msg: click.echo(f"nptrace: {msg}", err=True))
-        kflags += kallsyms.neigh_cflags(reasons.load_tables(kbtf)[0])
+        drops, rsts = reasons.load_tables(kbtf)
+        kflags = attach.kernel_flags(plan, kbtf, drops, rsts,
+                                     lambda msg: click.echo(f"nptrace: {msg}", err=True))
     flags = attach.all_cflags(plan, kflags)
     for n in notes:
         click.echo(f"nptrace: {n}", err=True)

@@ -122,11 +122,14 @@ def hot_path_line(state: str) -> str | None:
 
 def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None = None,
                  cfg: Config | None = None, header_source=None,
-                 hot_path: str | None = None) -> Report:
+                 hot_path: str | None = None, plan_load=None) -> Report:
     """`cfg`: the run configuration the hook rows are planned for (default: `nptrace run`'s).
     `header_source`: kernel/headers.py find()'s answer, a row of its own (fail when none).
-    `hot_path`: hot_path()'s answer, a row of its own (warn when "python: ...")."""
+    `hot_path`: hot_path()'s answer, a row of its own (warn when "python: ...").
+    `plan_load`: a function of the plan giving attach.trial()'s (ok, line): the plan compiled
+    and loaded for real, a row of its own; its failure makes tracing impossible."""
     plan = attach.plan(features, cfg or Config())
+    loaded = plan_load(plan) if plan_load is not None and not features.failures else None
     hook_rows = set(feat.HOOK_ROWS)
     rows = [Row(r.area, r.name, r.status, plan.detail(r) if r.name in hook_rows else r.detail,
                 "" if r.status == "ok" else r.cost)
@@ -142,6 +145,9 @@ def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None
                                                                for m, _ in HELPERS) + ")"
         rows.append(Row("nptrace", "hot path", "warn" if pure else "ok", detail,
                         HOT_PATH_COST if pure else "", _hot_path_remedy(hot_path) if pure else ""))
+    if loaded is not None:
+        rows.append(Row("bpf", "plan load", "ok" if loaded[0] else "fail", loaded[1],
+                        "" if loaded[0] else "nptrace run cannot start on this kernel"))
     if node_checks is not None:
         area = f"node ({node_checks.netns})" if node_checks.netns else "node"
         rows += [Row(area, f.check, f.status, f.detail, "" if f.status == "ok" else f.cost,
@@ -152,6 +158,8 @@ def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None
         why = [feat.PROBES[r.name].fail_reason or f"{r.name}: {r.detail}" for r in fails]
         why += [f"no kernel headers ({hs.detail})"] if hs is not None and hs.kind == "none" else []
         reason = "tracing is not possible: " + "; ".join(why)
+    elif loaded is not None and not loaded[0]:
+        reason = f"tracing is not possible: the plan `run` would use does not load ({loaded[1]})"
     return Report(features.kernel, tuple(rows), not reason, reason)
 
 
@@ -216,7 +224,8 @@ Examples:
               help="Check rp_filter, conntrack and kube-proxy rules inside this named "
                    "network namespace instead of the current one.")
 @click.option("--trials/--no-trials", default=True, show_default=True,
-              help="Trial-load programs the kernel may refuse (fentry); needs root and bcc.")
+              help="Trial-load programs the kernel may refuse (fentry), and compile and load "
+                   "the plan `run` would use; needs root and bcc.")
 @click.option("--mount-tracefs", is_flag=True,
               help="Mount tracefs at /sys/kernel/tracing if it is not mounted.")
 @click.option("--color/--no-color", default=None, help="Colour the status column (default: on a tty).")
@@ -237,7 +246,14 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
     node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
     from nptrace.kernel import headers    # fixture trees (--root) carry no headers: real root only
     hs = headers.find(features.kernel or None) if real else None
-    report = build_report(features, node_checks, header_source=hs, hot_path=hot_path())
+    plan_load = None
+    if trial_fn is not None and hs is not None and hs.kind != "none":
+        def plan_load(plan):
+            from nptrace.kernel import headers
+            headers.select(hs)
+            return attach.trial(plan)
+    report = build_report(features, node_checks, header_source=hs, hot_path=hot_path(),
+                          plan_load=plan_load)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -59,11 +59,37 @@ def interesting_drops(table: ReasonTable, limit: int) -> list[int]:
     return sorted(v for v, n in table.names.items() if v < limit and n not in ROUTINE_DROPS)
 
 
+# Kernels without the enums (skb_drop_reason 5.17, sk_rst_reason 6.10) still have these causes:
+# there a drop is named by the function that freed it (bpf/tracepoints.bpf.c npt_drop_site),
+# the reverse-path check's failure by its kprobe and a socket-less reset by the reset sender's
+# kprobe (bpf/kprobes.bpf.c). Their values are nptrace's own, used only on such kernels; the
+# names are the kernel's, so the rules are the same on every kernel.
+LEGACY_DROPS = {1: "NOT_SPECIFIED", 2: "NO_SOCKET", 3: "NETFILTER_DROP", 4: "IP_RPFILTER"}
+LEGACY_RSTS = {1: "NOT_SPECIFIED", 2: "NO_SOCKET"}
+
+
 def load_tables(btf) -> tuple[ReasonTable, ReasonTable]:
-    """(drop reasons, reset reasons) from BTF; an enum the kernel lacks gives an empty table."""
-    def enum(name, prefix):
+    """(drop reasons, reset reasons) from BTF; an enum the kernel lacks gives the legacy table."""
+    def enum(name, prefix, legacy):
         try:
             return ReasonTable(btf.enum(name), prefix)
         except Exception:
-            return ReasonTable({}, prefix)
-    return enum("skb_drop_reason", DROP_PREFIX), enum("sk_rst_reason", RST_PREFIX)
+            return ReasonTable(legacy, prefix)
+    return (enum("skb_drop_reason", DROP_PREFIX, LEGACY_DROPS),
+            enum("sk_rst_reason", RST_PREFIX, LEGACY_RSTS))
+
+
+def bpf_flags(drops: ReasonTable, rsts: ReasonTable, kfree_reason: bool) -> list[str]:
+    """-D values of the reasons the programs set themselves: a socket-less reset's NO_SOCKET
+    (the reset sender's kprobe), and where kfree_skb has no reason field (`kfree_reason`
+    False) the call-site names and the reverse-path kprobe's IP_RPFILTER."""
+    flags = []
+    if rsts.value("NO_SOCKET") is not None:
+        flags.append(f"-DNPT_RST_NO_SOCKET={rsts.value('NO_SOCKET')}")
+    if not kfree_reason:
+        for name in ("NOT_SPECIFIED", "NETFILTER_DROP", "IP_RPFILTER"):
+            if drops.value(name) is not None:
+                flags.append(f"-DNPT_DROP_{name}={drops.value(name)}")
+        if drops.value("IP_RPFILTER") is not None:
+            flags.append("-DNPT_KP_RPF_REASON=NPT_DROP_IP_RPFILTER")
+    return flags

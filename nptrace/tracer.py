@@ -219,10 +219,9 @@ class Tracer:
             raise LoadError(f"no kernel headers for bcc's compile: {hsrc.detail}")
         headers.select(hsrc)
         from nptrace import reasons
-        from nptrace.kernel import attach, btf, features, kallsyms, offsets
+        from nptrace.kernel import attach, btf, features
         from nptrace.node.netns import Names
         kbtf = btf.default()
-        offset_flags = offsets.cflags(kbtf)
         drops, rsts = reasons.load_tables(kbtf)
         # tracefs is often not mounted on minimal hosts; mounting it is harmless and needed.
         feats = features.probe(mount_tracefs=True)
@@ -238,12 +237,7 @@ class Tracer:
             log(f"plan: {line}")
         self.cfg = plan.cfg
         check("plan")
-        kflags = offset_flags + attach.nf_cflags(plan, kbtf, log)
-        neigh = kallsyms.neigh_cflags(drops)
-        if not neigh:
-            log("IPv6 neighbour failures stay unnamed: /proc/kallsyms shows no addresses "
-                "(needs CAP_SYSLOG) or the kernel lacks NEIGH_FAILED")
-        kflags += neigh
+        kflags = attach.kernel_flags(plan, kbtf, drops, rsts, log)
         self.probes = attach.load(plan, kflags, drops)
         check("compile")
         if plan.tc:

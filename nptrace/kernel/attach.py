@@ -23,7 +23,7 @@ from nptrace.errors import FeatureMissing, LoadError
 from nptrace.kernel import hooks, loader
 
 __all__ = ["Choice", "Plan", "all_cflags", "attach_kprobes", "attach_netfilter", "attach_tc",
-           "load", "nf_cflags", "nf_namespaces", "plan", "tc_cflags"]
+           "load", "nf_cflags", "nf_namespaces", "plan", "reason_cflags", "tc_cflags"]
 
 Log = Callable[[str], None]
 
@@ -53,6 +53,10 @@ class Plan:
     nf_hook: bool
     choices: tuple[Choice, ...]
     missing: tuple[tuple[hooks.Hook, str], ...] = ()   # required hooks that cannot run, why
+    # each compiled tracepoint's format-file fields, for the field gates (kernel/cflags.py);
+    # None where tracefs was not read (dump-bpf without root: the newest layout)
+    fields: dict[str, tuple[str, ...]] | None = None
+    kprobe_groups: tuple[str, ...] = ()   # the kprobe groups attached (hooks.py order)
 
     def require(self) -> None:
         """FeatureMissing for a required hook this kernel lacks (before the slow compile)."""
@@ -114,13 +118,19 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
         else:
             choices.append(Choice(h.name, h.probe, False, f"{why}; lost: {h.cost}"))
 
-    # kprobe enrichment: wherever the kernel has kprobes (or the config asks for it)
+    fields = {tp: features.tracepoint_fields(tp) for tp in sorted(tps)} if tracefs else None
+
+    # kprobe enrichment: wherever the kernel has kprobes (or the config asks for it); a group
+    # whose events a tracepoint field's kernel already gives (`unless`) stays off
     kp = _result(features, "kprobes")
     kprobes = bool(cfg.kprobes or (kp is not None and kp.present))
+    groups = tuple(h.group for h in KPROBE_HOOKS if not _redundant(h, fields)) if kprobes else ()
     if kprobes:
-        groups = ", ".join(h.group for h in KPROBE_HOOKS)
+        skipped = [f"{h.group} (not needed: {h.unless.replace('/', ':')})"
+                   for h in KPROBE_HOOKS if h.group not in groups]
         choices.append(Choice("kprobe:*", "kprobes", True, f"kprobes.bpf.c, -DNPT_WITH_KPROBES=1; "
-                                                           f"groups {groups}"))
+                              f"groups {', '.join(groups)}"
+                              + (f"; off: {', '.join(skipped)}" if skipped else "")))
     else:
         choices.append(Choice("kprobe:*", "kprobes", False,
                               kp.detail if kp is not None and kp.detail else "no kprobes"))
@@ -150,7 +160,17 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
     choices.append(Choice(NF_HOOK.name, NF_HOOK.probe, nf_hook, why))
 
     eff = dataclasses.replace(cfg, kprobes=True) if kprobes and not cfg.kprobes else cfg
-    return Plan(eff, frozenset(tps), kprobes, tc, nf_hook, tuple(choices), tuple(missing))
+    return Plan(eff, frozenset(tps), kprobes, tc, nf_hook, tuple(choices), tuple(missing),
+                fields, groups)
+
+
+def _redundant(h: hooks.Hook, fields) -> bool:
+    """A kprobe group made redundant by a tracepoint field this kernel has (unknown fields:
+    the newest kernel, where it is)."""
+    if not h.unless:
+        return False
+    tp, _, name = h.unless.partition(":")
+    return fields is None or name in fields.get(tp, ())
 
 
 # --- compile ---------------------------------------------------------------------------------
@@ -178,6 +198,63 @@ def nf_cflags(p: Plan, kbtf, log: Log) -> list[str]:
         return []
 
 
+def kernel_flags(p: Plan, kbtf, drops, rsts, log: Log) -> list[str]:
+    """The -D switches that come from this kernel, not the configuration: BTF offsets, the
+    netfilter-hook program's, the reasonless drops' call sites and the reason values."""
+    from nptrace.kernel import kallsyms, offsets
+    flags = offsets.cflags(kbtf) + nf_cflags(p, kbtf, log)
+    neigh = kallsyms.neigh_cflags(drops)
+    if not neigh:
+        log("IPv6 neighbour failures stay unnamed: /proc/kallsyms shows no addresses "
+            "(needs CAP_SYSLOG) or the kernel lacks NEIGH_FAILED")
+    return flags + neigh + reason_cflags(p, drops, rsts)
+
+
+def trial(p: Plan, log: Log = lambda _: None) -> tuple[bool, str]:
+    """Compile and load the very programs `run` would for this plan (tracepoints attached for
+    the moment of the trial, kprobes verified without attaching): (ok, one line). What
+    `nptrace doctor` reports, so that it never calls tracing possible where `run` then fails."""
+    import time
+
+    from nptrace import reasons
+    from nptrace.kernel import btf
+    t0 = time.monotonic()
+    try:
+        kbtf = btf.default()
+        drops, rsts = reasons.load_tables(kbtf)
+        probes = load(p, kernel_flags(p, kbtf, drops, rsts, log), drops)
+    except (LoadError, btf.BtfError, OSError) as e:
+        return False, _first_error(e)
+    try:
+        progs = sorted({prog for h in KPROBE_HOOKS if h.group in p.kprobe_groups
+                        for prog in h.programs})
+        n = loader.verify_kprobes(probes.bpf, progs) if p.kprobes else 0
+    except LoadError as e:
+        return False, _first_error(e)
+    finally:
+        probes.close()
+    return True, (f"compiled and loaded {len(p.tracepoints)} tracepoint and {n} kprobe "
+                  f"programs in {time.monotonic() - t0:.1f} s")
+
+
+def _first_error(e: Exception) -> str:
+    """The error and the first compiler/verifier `error:` line of its log, on one line."""
+    tail = getattr(e, "log_tail", "") or ""
+    first = next((ln.strip() for ln in tail.splitlines() if "error" in ln.lower()), "")
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"{msg}: {first}" if first and first not in msg else msg
+
+
+def reason_cflags(p: Plan, drops, rsts) -> list[str]:
+    """The reason values the programs set themselves (nptrace/reasons.py bpf_flags) and, where
+    kfree_skb has no reason field, the call sites that name a drop (kernel/kallsyms.py)."""
+    from nptrace import reasons
+    from nptrace.kernel import kallsyms
+    kfree_reason = p.fields is None or "reason" in p.fields.get("skb/kfree_skb", ())
+    flags = reasons.bpf_flags(drops, rsts, kfree_reason)
+    return flags if kfree_reason else flags + kallsyms.drop_site_cflags()
+
+
 def tc_cflags(p: Plan, kskb: bool = True) -> list[str]:
     if not p.tc:
         return []
@@ -194,12 +271,13 @@ def tc_cflags(p: Plan, kskb: bool = True) -> list[str]:
 def all_cflags(p: Plan, kernel_flags: list[str]) -> list[str]:
     """Every cflag of the one bcc object (`nptrace dump-bpf` prints these). kernel_flags: BTF
     offsets (offsets.cflags) and nf_cflags."""
-    return loader.all_cflags(p.cfg, p.tracepoints, kernel_flags + tc_cflags(p))
+    return loader.all_cflags(p.cfg, p.tracepoints, kernel_flags + tc_cflags(p), p.fields)
 
 
 def load(p: Plan, kernel_flags: list[str], drops, *, kskb: bool = True) -> loader.Probes:
     """Compile and load the planned programs into one bcc object."""
-    return loader.Probes(p.cfg, kernel_flags + tc_cflags(p, kskb), drops, p.tracepoints)
+    return loader.Probes(p.cfg, kernel_flags + tc_cflags(p, kskb), drops, p.tracepoints,
+                         p.fields)
 
 
 # --- attach, fall back -----------------------------------------------------------------------
@@ -258,7 +336,7 @@ def attach_kprobes(p: Plan, probes, log: Log) -> None:
     alternatives attaches is logged and skipped."""
     if not p.cfg.kprobes:
         return
-    got = loader.attach_kprobes(probes.bpf)
+    got = loader.attach_kprobes(probes.bpf, {g: hooks.KPROBE_GROUPS[g] for g in p.kprobe_groups})
     for group, what in got.items():
         if what.startswith("skipped"):
             log(f"kprobe {group} {what}")

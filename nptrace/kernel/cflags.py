@@ -10,14 +10,17 @@ from __future__ import annotations
 import os
 
 from nptrace.config import Config, ConfigError, per_cpu
-from nptrace.kernel.hooks import TRACEPOINTS
+from nptrace.kernel.hooks import TRACEPOINT_FIELDS, TRACEPOINTS
 
 __all__ = ["build_cflags"]
 
 
 def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
-                 offset_flags: list[str] = ()) -> list[str]:
-    """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all)."""
+                 offset_flags: list[str] = (), fields: dict[str, tuple[str, ...]] | None = None
+                 ) -> list[str]:
+    """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all).
+    `fields`: each tracepoint's format-file fields (features.probe()); None = the newest layout
+    (every gated field on, the ones a later kernel removed off)."""
     pages = cfg.ringbuf_pages
     if pages <= 0 or pages & (pages - 1):
         raise ConfigError(f"ring buffer pages must be a power of two, got {pages}")
@@ -46,6 +49,9 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
     wanted = TRACEPOINTS if cfg.tracepoints is None else cfg.tracepoints
     for tp, macro in TRACEPOINTS.items():
         on = tp in wanted and (available_tracepoints is None or tp in available_tracepoints)
+        flags.append(f"-D{macro}={1 if on else 0}")
+    for tp, name, macro, until in TRACEPOINT_FIELDS:
+        on = (not until) if fields is None else name in fields.get(tp, ())
         flags.append(f"-D{macro}={1 if on else 0}")
     flags.extend(offset_flags)
     return flags

@@ -114,7 +114,7 @@ def _tracepoint_rows():
             continue
         yield Probe(h.name, "tracepoints", h.min_kernel, h.required, h.cost, h.fail_reason,
                     by_version=True)
-        for fld in h.fields:
+        for fld in (f for f in h.fields if f.row):
             yield Probe(fld.row, "tracepoints", fld.min_kernel, False, fld.cost, by_version=True)
 
 
@@ -537,7 +537,7 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     for h in hooks.HOOKS:              # the hook table's order: PROBES' order
         if h.kind == "tracepoint":
             tp_row(h.tracepoint, h.name)
-            for fld in h.fields:           # e.g. kfree_skb reason: commit c504e5c2f964, 5.17
+            for fld in (f for f in h.fields if f.row):   # kfree_skb reason: c504e5c2f964, 5.17
                 field_row(h.tracepoint, fld.row, fld.name)
 
     b.add("kprobes", kprobes, kdetail)

@@ -139,10 +139,15 @@ def compile_everything() -> int:
     # bcc makes TRACEPOINT_PROBE's argument structs from tracefs format files, which an image
     # build has none of: there the tracepoint programs are left out. The header set is the
     # same either way (bcc's preamble; our programs include only uapi/linux/ptrace.h).
-    tracefs = any(Path(d, "events/skb/kfree_skb/format").is_file()
-                  for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
-    flags = build_cflags(cfg, None if tracefs and not os.environ.get("NPT_HEADERTREE_NO_TP")
-                         else set(), offset_defines(text))
+    from nptrace.kernel.features import TRACEPOINTS, tracepoint_fields
+    tracefs = next((Path(d) for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+                    if Path(d, "events/skb/kfree_skb/format").is_file()), None)
+    use_tp = tracefs is not None and not os.environ.get("NPT_HEADERTREE_NO_TP")
+    # the running kernel's tracepoints and fields (a 6.1 node has no icmp:icmp_send, and its
+    # tcp_send_reset no `reason`): what `run` would compile there
+    have = {tp for tp in TRACEPOINTS if use_tp and (tracefs / "events" / tp / "format").is_file()}
+    fields = {tp: tracepoint_fields(tracefs, tp) for tp in have} if use_tp else None
+    flags = build_cflags(cfg, have, offset_defines(text), fields)
     rc = 0
     try:
         b = loader.compile_families(loader.FAMILIES, flags)

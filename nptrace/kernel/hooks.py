@@ -14,18 +14,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Field", "Hook", "HOOKS", "KPROBE_GROUPS", "TRACEPOINTS", "by_name", "probe_rows"]
+__all__ = ["Field", "Hook", "HOOKS", "KPROBE_GROUPS", "TRACEPOINTS", "TRACEPOINT_FIELDS", "by_name",
+           "probe_rows"]
 
 NO_FALLBACK = "none"
 
 
 @dataclass(frozen=True)
 class Field:
-    """A tracepoint field that arrived after its tracepoint; features probes it as its own row."""
+    """A tracepoint field that some kernels with the tracepoint lack: it arrived later, or a
+    later kernel removed it (a layout change). Its program reads it only under its gate
+    (Hook.field_gate), set by build_cflags from the format file features.probe() read, because
+    bcc builds `args` from that file: a field the kernel lacks is a compile error, not a zero."""
     name: str          # the field in the tracepoint's format file
-    row: str           # its features/doctor row
+    row: str           # its features/doctor row; "" for a layout marker (no capability lost)
     min_kernel: str
     cost: str          # what is lost on a kernel whose tracepoint lacks it
+    until: str = ""    # the kernel that removed it ("" = still there)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,13 @@ class Hook:
     probe: str         # the features row that says whether this kernel offers it
     fields: tuple[Field, ...] = ()
     fail_reason: str = ""       # doctor's one-line reason when a required hook is missing
+    # tracepoints: the fields its program reads on every kernel that has the tracepoint (the
+    # Fields above are the rest; tests/unit/test_tracepoint_fields.py holds both against the
+    # program text and the format files of 5.4, 5.10, 6.1, 6.12 and 6.18)
+    reads: tuple[str, ...] = ()
+    # kprobe groups: "cat/event:field" whose presence makes the group redundant (the
+    # tracepoint field's kernel fires the tracepoint where the kprobe would)
+    unless: str = ""
     # kprobe groups: alternatives tried in order; each a list of (program, "entry"|"return",
     # kernel function) that must all attach (an entry/return pair)
     alternatives: tuple[tuple[tuple[str, str, str], ...], ...] = ()
@@ -51,47 +63,72 @@ class Hook:
         """"skb:kfree_skb" -> "skb/kfree_skb" (its tracefs path under events/)."""
         return self.name.replace(":", "/", 1) if self.kind == "tracepoint" else ""
 
+    def field_gate(self, fld: Field) -> str:
+        """The -D switch that says the running kernel's format has `fld`:
+        skb:kfree_skb reason -> NPT_TPF_KFREE_SKB_REASON."""
+        return f"NPT_TPF_{self.name.split(':', 1)[1]}_{fld.name}".upper()
+
     @property
     def group(self) -> str:
         """"kprobe:nat" -> "nat"."""
         return self.name.split(":", 1)[1] if self.kind == "kprobe" else ""
 
 
-def _tp(name, gate, min_kernel, cost, required=False, fields=(), fail_reason=""):
+def _tp(name, gate, min_kernel, cost, reads, required=False, fields=(), fail_reason=""):
     cat, _, event = name.partition(":")
     # bcc names a TRACEPOINT_PROBE(cat, event) function tracepoint__<cat>__<event>
     return Hook(name, "tracepoint", "tracepoints.bpf.c", (f"tracepoint__{cat}__{event}",), gate,
-                min_kernel, required, cost, NO_FALLBACK, name, fields, fail_reason)
+                min_kernel, required, cost, NO_FALLBACK, name, fields, fail_reason,
+                reads=tuple(reads))
+
+
+# The socket tracepoints' address layout (include/trace/events/tcp.h TP_STORE_ADDRS): an IPv4
+# socket's addresses also stand v4-mapped in saddr_v6, which is how the programs tell the
+# family where the `family` field is missing (before 5.11).
+_SOCK_ADDRS = ("sport", "dport", "saddr", "daddr", "saddr_v6", "daddr_v6")
 
 
 _KP_COST = "kprobe enrichment (bpf/kprobes.bpf.c) only adds detail: "
 
 
-def _kp(group, cost, alternatives, fallback=NO_FALLBACK):
+def _kp(group, cost, alternatives, fallback=NO_FALLBACK, unless=""):
     progs = tuple(dict.fromkeys(p for alt in alternatives for p, _, _ in alt))
     return Hook(f"kprobe:{group}", "kprobe", "kprobes.bpf.c", progs, "NPT_WITH_KPROBES", "4.1",
-                False, _KP_COST + cost, fallback, "kprobes", alternatives=alternatives)
+                False, _KP_COST + cost, fallback, "kprobes", alternatives=alternatives,
+                unless=unless)
 
 
 # Tracepoints, with the kernel that added each (include/trace/events/*.h); the order is doctor's.
 HOOKS: tuple[Hook, ...] = (
     _tp("skb:kfree_skb", "NPT_TP_KFREE_SKB", "2.6.30",        # added with the drop monitor
         "no drop events: rp_filter, netfilter drops and no_listener drops are not seen",
-        required=True,
+        ("skbaddr", "location", "protocol"), required=True,
         fields=(Field("reason", "skb:kfree_skb reason", "5.17",   # commit c504e5c2f964
-                      "drops cannot be told apart (IP_RPFILTER vs NETFILTER_DROP vs NO_SOCKET): "
-                      "cause unknown"),),
+                      "drops are told apart by where they were freed (nf_hook_slow: "
+                      "NETFILTER_DROP), rp_filter by kprobe:rp_filter, no_listener by "
+                      "kprobe:tcp_reset; other reasons are unknown"),),
         fail_reason="no drop hook: skb:kfree_skb is missing (no fallback)"),
     _tp("tcp:tcp_send_reset", "NPT_TP_TCP_SEND_RESET", "4.15",  # with the other tcp tracepoints
         "resets sent by the local TCP stack (no_listener) are not seen",
+        ("skbaddr", "skaddr", "state", "saddr", "daddr"),
         fields=(Field("reason", "tcp:tcp_send_reset reason", "6.10",   # sk_rst_reason
-                      "why the stack reset (NO_SOCKET vs state errors) is unknown"),)),
+                      "why the stack reset (NO_SOCKET vs state errors) is unknown; resets "
+                      "sent without a socket (no listener) do not fire it: kprobe:tcp_reset"),
+                # 6.10 gave tcp_send_reset its own event with sockaddr-sized saddr/daddr
+                # (trace/events/tcp.h); before, the socket layout of _SOCK_ADDRS
+                Field("sport", "", "4.15", "", until="6.10"),
+                Field("dport", "", "4.15", "", until="6.10"),
+                Field("saddr_v6", "", "4.15", "", until="6.10"),
+                Field("daddr_v6", "", "4.15", "", until="6.10"))),
     _tp("tcp:tcp_receive_reset", "NPT_TP_TCP_RECEIVE_RESET", "4.15",
-        "resets received by local sockets (peer_reset) are not seen"),
+        "resets received by local sockets (peer_reset) are not seen",
+        ("skaddr", *_SOCK_ADDRS)),
     _tp("icmp:icmp_send", "NPT_TP_ICMP_SEND", "6.10",           # trace/events/icmp.h
-        "REJECT with ICMP (kube-proxy's no-endpoints rule) is seen only as a NETFILTER_DROP"),
+        "REJECT with ICMP (kube-proxy's no-endpoints rule) is seen only as a NETFILTER_DROP",
+        ("skbaddr", "type", "code")),
     _tp("tcp:tcp_retransmit_synack", "NPT_TP_TCP_RETRANSMIT_SYNACK", "4.15",
-        "lost handshakes (SYN-ACK retransmits) are not seen"),
+        "lost handshakes (SYN-ACK retransmits) are not seen",
+        ("skaddr", *_SOCK_ADDRS)),
     # tc (bpf/tc.bpf.c): only with --iface. clsact 4.5 (direct-action 4.4); tcx links 6.6.
     Hook("tc:ingress", "tc", "tc.bpf.c", ("npt_tc_ingress",), "NPT_WITH_TC", "4.5", False,
          "no wire view: resets sent by iptables REJECT --reject-with tcp-reset are not seen",
@@ -116,6 +153,11 @@ HOOKS: tuple[Hook, ...] = (
     _kp("rp_filter", "the reverse-path check's result is known from the kfree_skb reason only",
         ((("npt_kp_fib_validate_entry", "entry", "fib_validate_source"),
           ("npt_kp_fib_validate_ret", "return", "fib_validate_source")),)),
+    _kp("tcp_reset", "resets the stack sends without a socket (no listener) are not seen "
+        "before 6.10 (tcp:tcp_send_reset fires for them only since)",
+        ((("npt_kp_tcp_reset", "entry", "tcp_v4_send_reset"),),), unless="tcp/tcp_send_reset:reason"),
+    _kp("tcp_reset6", "IPv6 resets without a socket are not seen before 6.10",
+        ((("npt_kp_tcp_reset", "entry", "tcp_v6_send_reset"),),), unless="tcp/tcp_send_reset:reason"),
     _kp("reject_reset", "resets sent by REJECT --reject-with tcp-reset are seen on tc only",
         ((("npt_kp_nf_send_reset", "entry", "nf_send_reset"),),)),
     _kp("reject_reset6", "IPv6 REJECT resets are seen on tc only",
@@ -150,6 +192,10 @@ FACILITIES: dict[str, tuple[str, str, bool]] = {
 
 # tracefs path -> the -D switch that compiles its program in (kernel/cflags.py)
 TRACEPOINTS: dict[str, str] = {h.tracepoint: h.gate for h in HOOKS if h.kind == "tracepoint"}
+# (tracefs path, field, its -D switch, removed in) of every gated field (kernel/cflags.py)
+TRACEPOINT_FIELDS: tuple[tuple[str, str, str, str], ...] = tuple(
+    (h.tracepoint, f.name, h.field_gate(f), f.until) for h in HOOKS if h.kind == "tracepoint"
+    for f in h.fields)
 # kprobe group -> alternatives (kernel/loader.py attach_kprobes)
 KPROBE_GROUPS = {h.group: h.alternatives for h in HOOKS if h.kind == "kprobe"}
 
@@ -165,7 +211,7 @@ def probe_rows() -> tuple[str, ...]:
     """The features rows derived from this table, in doctor's order within each kind."""
     rows: list[str] = []
     for h in HOOKS:
-        for r in (h.probe, *(f.row for f in h.fields)):
+        for r in (h.probe, *(f.row for f in h.fields if f.row)):
             if r not in rows:
                 rows.append(r)
     return tuple(rows)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["NEIGH_FAIL_SITES", "neigh_cflags", "text_ranges"]
+__all__ = ["DROP_SITES", "NEIGH_FAIL_SITES", "drop_site_cflags", "neigh_cflags", "text_ranges"]
 
 # Functions whose NOT_SPECIFIED frees are a failed neighbour's queued packets.
 NEIGH_FAIL_SITES = ("neigh_invalidate", "ndisc_error_report")
+# Before kfree_skb had a reason (5.17): the function that frees what a netfilter rule dropped
+# (net/netfilter/core.c, NF_DROP -> kfree_skb), by its -D name (bpf/tracepoints.bpf.c).
+DROP_SITES = {"NF": "nf_hook_slow"}
 
 
 def text_ranges(text: bytes, names) -> dict[str, tuple[int, int]]:
@@ -68,4 +71,20 @@ def neigh_cflags(drops, path: Path = Path("/proc/kallsyms")) -> list[str]:
     for i, name in enumerate(NEIGH_FAIL_SITES):
         lo, hi = ranges.get(name, (0, 0))
         flags += [f"-DNPT_NEIGH_FAIL_LO{i}={lo:#x}ULL", f"-DNPT_NEIGH_FAIL_HI{i}={hi:#x}ULL"]
+    return flags
+
+
+def drop_site_cflags(path: Path = Path("/proc/kallsyms")) -> list[str]:
+    """-DNPT_DROP_SITE_<NAME>_LO/HI: [start, end) of each DROP_SITES function, for kernels
+    whose kfree_skb has no reason. [] where kallsyms hides addresses: then netfilter drops
+    stay unnamed there."""
+    try:
+        ranges = text_ranges(path.read_bytes(), DROP_SITES.values())
+    except OSError:
+        return []
+    flags = []
+    for key, func in DROP_SITES.items():
+        if func in ranges:
+            lo, hi = ranges[func]
+            flags += [f"-DNPT_DROP_SITE_{key}_LO={lo:#x}ULL", f"-DNPT_DROP_SITE_{key}_HI={hi:#x}ULL"]
     return flags

@@ -77,8 +77,8 @@ def source_text(families=FAMILIES) -> str:
     return "\n".join(parts)
 
 
-def all_cflags(cfg: Config, available_tracepoints, offset_flags) -> list[str]:
-    return [f"-I{BPF_DIR}"] + build_cflags(cfg, available_tracepoints, offset_flags)
+def all_cflags(cfg: Config, available_tracepoints, offset_flags, fields=None) -> list[str]:
+    return [f"-I{BPF_DIR}"] + build_cflags(cfg, available_tracepoints, offset_flags, fields)
 
 
 @contextmanager
@@ -244,11 +244,11 @@ class Probes:
     """A loaded and attached set of nptrace programs."""
 
     def __init__(self, cfg: Config, offset_flags: list[str], drops: ReasonTable,
-                 available_tracepoints: set[str]):
+                 available_tracepoints: set[str], fields=None):
         from bcc import BPF  # noqa: the only bcc import site
 
         self.cfg = cfg
-        self.cflags = all_cflags(cfg, available_tracepoints, offset_flags)
+        self.cflags = all_cflags(cfg, available_tracepoints, offset_flags, fields)
         self.attached: list[str] = []
         t0 = time.monotonic()
         with _compiling("BPF compile/load failed") as log:
@@ -589,6 +589,22 @@ def attach_kprobes(bpf, groups=None) -> dict[str, str]:
         else:
             out[group] = "skipped: " + "; ".join(errors)
     return out
+
+
+def verify_kprobes(bpf, programs) -> int:
+    """Load (verify) kprobe programs without attaching them, as `run` would before its
+    attach: how many loaded. LoadError names the first the verifier refuses."""
+    from bcc import BPF
+    for name in programs:
+        with _capture_stderr() as log:
+            try:
+                bpf.load_func(name, BPF.KPROBE)
+            except Exception as e:
+                err = e
+            else:
+                continue
+        raise LoadError(f"kprobe program {name} failed to load: {err}", _tail(log["text"]))
+    return len(programs)
 
 
 def load_netfilter_prog(bpf, name: str = "npt_nf_view") -> int:

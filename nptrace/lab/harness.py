@@ -32,8 +32,14 @@ def _nptrace_cmd() -> list[str]:
     return [sys.executable, "-m", "nptrace.cli"]
 
 
-def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: Path | None = None) -> None:
-    end = time.monotonic() + timeout
+# How long a traced run may take to compile and attach: about a second here, a minute or more
+# in a guest under TCG (the kernel matrix, nptrace/lab/kernels.py, sets it higher).
+ATTACH_TIMEOUT = float(os.environ.get("NPT_LAB_ATTACH_TIMEOUT", "60"))
+
+
+def wait_ready(path: Path, proc: subprocess.Popen, timeout: float | None = None,
+               stderr: Path | None = None) -> None:
+    end = time.monotonic() + (ATTACH_TIMEOUT if timeout is None else timeout)
     while time.monotonic() < end:
         if path.exists():
             return
@@ -48,10 +54,11 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 60, stderr: 
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
                    inode_sink: dict | None = None, variant: str | None = None,
-                   rounds: int = 1, pause: float = 1.5, wrap: tuple = ()):
+                   rounds: int = 1, pause: float = 1.5, wrap: tuple = (), before_stop=None):
     """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down. ``wrap``: a
-    command prefix for nptrace (a mount namespace, ...). Returns (lab info, attempts, JSON
-    events, stderr)."""
+    command prefix for nptrace (a mount namespace, ...); ``before_stop``: called while the
+    tracer is still attached, after the last trigger (the kernel matrix reads the programs'
+    run counts there). Returns (lab info, attempts, JSON events, stderr)."""
     from nptrace import lab
     info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
     if inode_sink is not None:   # netns inodes exist only while the lab is up
@@ -76,6 +83,8 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
                         time.sleep(pause)
                         attempts += lab.trigger(name, count=count, prefix=prefix)
                     time.sleep(settle)   # let the last records reach user space
+                    if before_stop is not None:
+                        before_stop()
                     if inode_sink is not None:   # pods a scenario's steps (re)created
                         for ns in (lab.status(prefix=prefix) or {}).get("namespaces", []):
                             try:

@@ -28,7 +28,7 @@ privileged = pytest.mark.privileged
 # every program in bpf/kprobes.bpf.c; loader.KPROBE_GROUPS must name exactly these
 KPROBE_PROGRAMS = sorted((
     "npt_kp_nat_manip", "npt_kp_nat_packet", "npt_kp_fib_validate_entry",
-    "npt_kp_fib_validate_ret", "npt_kp_nf_send_reset", "npt_kp_ipvs_in_entry",
+    "npt_kp_fib_validate_ret", "npt_kp_tcp_reset", "npt_kp_nf_send_reset", "npt_kp_ipvs_in_entry",
     "npt_kp_ipvs_in_ret", "npt_kp_ipvs_out_entry", "npt_kp_ipvs_out_ret"))
 
 

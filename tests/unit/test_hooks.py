@@ -55,7 +55,7 @@ def test_features_hook_rows_are_the_tables():
     # every row the table derives is a features probe, reported once, and nothing else in
     # features is a tracepoint row (fib:fib_table_lookup had a row and no program)
     assert set(features.HOOK_ROWS) == {h.probe for h in hooks.HOOKS} | \
-        {f.row for h in hooks.HOOKS for f in h.fields}
+        {f.row for h in hooks.HOOKS for f in h.fields if f.row}
     feats = features.probe(FIXTURES / "linux-6.18")
     reported = [r.name for r in feats.results]
     for row in features.HOOK_ROWS:
@@ -82,7 +82,8 @@ def test_every_hook_says_kernel_cost_and_fallback():
 def test_kprobe_groups_come_from_the_table():
     from nptrace.kernel import loader
     assert loader.KPROBE_GROUPS is hooks.KPROBE_GROUPS
-    assert set(hooks.KPROBE_GROUPS) == {"nat", "rp_filter", "reject_reset", "reject_reset6",
+    assert set(hooks.KPROBE_GROUPS) == {"nat", "rp_filter", "tcp_reset", "tcp_reset6",
+                                        "reject_reset", "reject_reset6",
                                         "ipvs_in", "ipvs_out"}
 
 

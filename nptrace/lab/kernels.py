@@ -1,0 +1,415 @@
+"""The kernel matrix: real older kernels booted under qemu, nptrace run inside each.
+
+    python -m nptrace.lab.kernels [--kernel 6.1 --kernel 5.10 ...] [--count N] [--short]
+                                  [--markdown docs/kernels.md] [SCENARIO ...]
+
+Each kernel is Debian's own `linux-image` package of one suite (bullseye 5.10, bookworm 6.1,
+trixie 6.12), fetched with apt through a temporary source list that reuses the URI of this
+machine's own Debian source, unpacked under /var/lib/nptrace/kernels/<suite>/ with its modules
+linked at /lib/modules/<release> (depmod run there). virtme-ng (`vng`, the tool kernel and BPF
+developers boot test kernels with) boots it on a read-only 9p view of this machine's root, so
+the guest runs this checkout and its venv; only the results folder is shared writable.
+
+In the guest (`guest` subcommand): the modules the lab needs are loaded, bpf_stats is turned
+on, `nptrace doctor --json` runs (it compiles and loads the plan `run` would use), then every
+scenario's first yardstick case (nptrace/lab/scorecard.py score(), the host's yardstick) with
+the kprobe programs' run counts read from bpftool while the tracer is still attached. The
+host prints one table: kernel, accelerator, plan, per scenario the label score and the kprobe
+groups that fired.
+
+KVM is used when a guest really boots under it (a short trial boot, remembered per host
+kernel); otherwise TCG, several times slower (on the development VM a KVM guest hangs after
+the BIOS). Needs root, apt and PyPI; says in one line what it lacks otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path("/var/lib/nptrace/kernels")   # not /var/cache or /tmp: the guest has tmpfs there
+VNG_VENV = Path("/var/lib/nptrace/vng")
+VNG_VERSION = "1.42"
+SUITES = {"5.10": "bullseye", "6.1": "bookworm", "6.12": "trixie"}
+DEFAULT_KERNELS = ("6.1", "5.10")
+# the short form .ci/run uses: doctor and three scenarios on one kernel
+SHORT = ("6.1", ("no-listener", "rp-filter-asymmetric", "networkpolicy-drop"))
+GUEST_MODULES = ("ip_vs", "ip_vs_rr", "sch_ingress", "veth", "vxlan", "bridge", "br_netfilter",
+                 "nf_tables", "nf_conntrack", "nf_nat", "nf_reject_ipv4", "nf_reject_ipv6",
+                 "xt_conntrack", "xt_MASQUERADE", "xt_REJECT", "xt_mark", "xt_comment",
+                 "xt_set", "ip_set_hash_ip", "ip_set_hash_ipport", "ip_set_hash_ipportip",
+                 "ip_set_hash_ipportnet", "ip_set_bitmap_port", "dummy", "nfnetlink_log")
+BOOT_TIMEOUT = 3600
+
+
+class MatrixError(Exception):
+    """What the matrix lacks to run here, in one line (exit 2)."""
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+# --- host: tools ------------------------------------------------------------------------------
+def ensure_tools() -> Path:
+    """qemu, busybox (virtme-ng's initramfs) and virtme-ng in its own venv; the vng path."""
+    if os.geteuid() != 0:
+        raise MatrixError("needs root (apt, /lib/modules, qemu): run with sudo")
+    need = [p for p, exe in (("qemu-system-x86", "qemu-system-x86_64"), ("busybox-static", "busybox"))
+            if not shutil.which(exe)]
+    if need:
+        r = _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *need],
+                 env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        if r.returncode:
+            _run(["apt-get", "update", "-qq"])
+            r = _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *need])
+        if r.returncode:
+            raise MatrixError(f"cannot install {' '.join(need)}: {r.stderr.strip()[-200:]}")
+    vng = VNG_VENV / "bin" / "vng"
+    if not vng.exists():
+        r = _run(["/usr/bin/python3", "-m", "venv", str(VNG_VENV)])
+        if r.returncode == 0:
+            r = _run([str(VNG_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                      f"virtme-ng=={VNG_VERSION}"])
+        if r.returncode or not vng.exists():
+            raise MatrixError(f"cannot install virtme-ng {VNG_VERSION} from PyPI: "
+                              f"{(r.stderr or r.stdout).strip()[-200:]}")
+    return vng
+
+
+def debian_uri(root: Path = Path("/")) -> str:
+    """The URI of this machine's own Debian archive (not the security one)."""
+    texts = []
+    for f in sorted((root / "etc/apt/sources.list.d").glob("*.sources")):
+        texts += re.findall(r"^URIs:\s*(\S+)", f.read_text(errors="replace"), re.M)
+    lst = root / "etc/apt/sources.list"
+    if lst.exists():
+        texts += re.findall(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)", lst.read_text(errors="replace"), re.M)
+    for uri in texts:
+        if "debian" in uri and "security" not in uri:
+            return uri.rstrip("/")
+    raise MatrixError("no Debian archive in /etc/apt sources: the kernels come from there")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str          # "6.1"
+    suite: str
+    release: str       # "6.1.0-50-amd64"
+    vmlinuz: Path
+
+
+def fetch(name: str, cache: Path = CACHE) -> Kernel:
+    """Debian's linux-image of the suite behind `name`, unpacked once, its modules linked."""
+    suite = SUITES.get(name)
+    if suite is None:
+        raise MatrixError(f"unknown kernel {name!r}: one of {', '.join(SUITES)}")
+    d = cache / suite
+    root = d / "root"
+    found = sorted(root.glob("boot/vmlinuz-*"))
+    if not found:
+        (d / "lists/partial").mkdir(parents=True, exist_ok=True)
+        (d / "sources.list").write_text(
+            f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {debian_uri()} "
+            f"{suite} main\n")
+        opts = ["-o", f"Dir::Etc::sourcelist={d / 'sources.list'}", "-o", "Dir::Etc::sourceparts=-",
+                "-o", f"Dir::State::Lists={d / 'lists'}"]
+        r = _run(["apt-get", *opts, "update", "-qq"])
+        if r.returncode:
+            raise MatrixError(f"apt cannot read {suite}: {r.stderr.strip()[-200:]}")
+        r = _run(["apt-cache", *opts, "depends", "linux-image-amd64"])
+        pkg = next(iter(re.findall(r"Depends: (linux-image-[0-9]\S*)", r.stdout)), None)
+        if pkg is None:
+            raise MatrixError(f"no linux-image package in {suite}")
+        for old in d.glob("*.deb"):
+            old.unlink()
+        r = _run(["apt-get", *opts, "download", pkg], cwd=d)
+        debs = list(d.glob("*.deb"))
+        if r.returncode or not debs:
+            raise MatrixError(f"cannot download {pkg}: {r.stderr.strip()[-200:]}")
+        shutil.rmtree(root, ignore_errors=True)
+        r = _run(["dpkg-deb", "-x", str(debs[0]), str(root)])
+        if r.returncode:
+            raise MatrixError(f"cannot unpack {debs[0].name}: {r.stderr.strip()}")
+        found = sorted(root.glob("boot/vmlinuz-*"))
+    vmlinuz = found[-1]
+    release = vmlinuz.name[len("vmlinuz-"):]
+    mods = next((m for m in (root / "lib/modules" / release, root / "usr/lib/modules" / release)
+                 if m.is_dir()), None)
+    if mods is None:
+        raise MatrixError(f"{suite}'s package has no modules for {release}")
+    if not (mods / "modules.dep").exists():
+        if not (root / "lib/modules").exists():   # merged /usr (trixie): depmod looks in lib/
+            (root / "lib").mkdir(exist_ok=True)
+            (root / "lib/modules").symlink_to("../usr/lib/modules")
+        _run(["depmod", "-b", str(root), release])
+    link = Path("/lib/modules") / release
+    if link.is_symlink() and Path(os.readlink(link)) != mods:
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(mods)
+    elif not link.is_symlink():
+        raise MatrixError(f"/lib/modules/{release} is a directory not made by nptrace: "
+                          "remove it or boot another kernel")
+    return Kernel(name, suite, release, vmlinuz)
+
+
+def vng_command(vng: Path, k: Kernel, cmd: str, rwdir: Path, kvm: bool) -> list[str]:
+    return [str(vng), "-r", str(k.vmlinuz), *(() if kvm else ("--disable-kvm",)), "--force-9p",
+            "--cpus", "2", "--memory", "4G", "--rwdir", str(rwdir), "-e", cmd]
+
+
+def _env(vng: Path) -> dict:
+    return {**os.environ, "PATH": f"{vng.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
+
+def kvm_works(vng: Path, k: Kernel, cache: Path = CACHE) -> bool:
+    """Whether a guest really boots under KVM here: a trial boot of 60 s, remembered per
+    host kernel (KVM_CREATE_VM can succeed on a host whose KVM guests then hang)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    memo = cache / f"kvm-{os.uname().release}"
+    if memo.exists():
+        return memo.read_text().strip() == "yes"
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        try:
+            r = _run(vng_command(vng, k, f"echo ok > {tmp}/kvm", Path(tmp), True), timeout=60,
+                     env=_env(vng))
+            ok = r.returncode == 0 and (Path(tmp) / "kvm").exists()
+        except subprocess.TimeoutExpired:
+            ok = False
+    memo.write_text("yes\n" if ok else "no\n")
+    return ok
+
+
+def boot(vng: Path, k: Kernel, args: list[str], out: Path, kvm: bool, timeout: float) -> dict:
+    """Run this module's `guest` in the kernel; its JSON result (or why it gave none)."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "result.json"
+    result.unlink(missing_ok=True)
+    top = Path(__file__).resolve().parents[2]
+    guest = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 {sys.executable} -m nptrace.lab.kernels guest --out {result} "
+             + " ".join(args) + f" > {out}/guest.log 2>&1")
+    t0 = time.monotonic()
+    try:
+        r = _run(vng_command(vng, k, guest, out, kvm), timeout=timeout, env=_env(vng))
+        err = r.stderr.strip().splitlines()[-1:] if r.returncode else []
+    except subprocess.TimeoutExpired:
+        err = [f"guest did not finish within {timeout:.0f} s"]
+    wall = time.monotonic() - t0
+    if not result.exists():
+        log = (out / "guest.log").read_text(errors="replace").strip().splitlines()[-3:] \
+            if (out / "guest.log").exists() else []
+        return {"kernel": k.release, "error": "; ".join(err + log) or "no result", "wall_s": wall}
+    data = json.loads(result.read_text())
+    data["wall_s"] = wall
+    return data
+
+
+# --- guest ------------------------------------------------------------------------------------
+def _sh(cmd: list[str]) -> str:
+    r = _run(cmd)
+    return r.stdout
+
+
+def prog_runs() -> dict[str, int]:
+    """BPF program name (15 characters: the kernel's BPF_OBJ_NAME_LEN) -> run count."""
+    try:
+        progs = json.loads(_sh(["bpftool", "prog", "show", "-j"]) or "[]")
+    except ValueError:
+        return {}
+    out: dict[str, int] = {}
+    for p in progs:
+        out[p.get("name", "")] = out.get(p.get("name", ""), 0) + int(p.get("run_cnt", 0))
+    return out
+
+
+def kprobe_fired(runs: dict[str, int]) -> dict[str, int]:
+    """kprobe group -> the run count of its programs (hooks.py)."""
+    from nptrace.kernel import hooks
+    out = {}
+    for h in hooks.HOOKS:
+        if h.kind == "kprobe":
+            out[h.group] = sum(runs.get(p, 0) for p in {p[:15] for p in h.programs})
+    return out
+
+
+def _attached(stderr: str) -> tuple[list[str], list[str]]:
+    """(kprobe groups on, groups skipped) from `nptrace run`'s start-up lines."""
+    on = re.search(r"plan: kprobe:\*: on \(.*?groups ([\w, ]+)", stderr)
+    groups = [g.strip() for g in on.group(1).split(",")] if on else []
+    skipped = re.findall(r"kprobe (\w+) skipped", stderr)
+    return [g for g in groups if g not in skipped], skipped
+
+
+def guest(argv) -> int:
+    ap = argparse.ArgumentParser(prog="nptrace-kernels guest")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("scenarios", nargs="*")
+    a = ap.parse_args(argv)
+    for m in GUEST_MODULES:
+        _run(["modprobe", m])
+    _run(["sysctl", "-qw", "kernel.bpf_stats_enabled=1"])
+    if not os.path.ismount("/sys/fs/bpf"):
+        _run(["mount", "-t", "bpf", "bpf", "/sys/fs/bpf"])
+    res: dict = {"kernel": os.uname().release, "scenarios": []}
+    t0 = time.monotonic()
+    r = _run([sys.executable, "-m", "nptrace.cli", "doctor", "--json"])
+    try:
+        doc = json.loads(r.stdout)
+        res["doctor"] = {"ok": doc["ok"], "reason": doc["reason"],
+                         "rows": {x["check"]: [x["status"], x["detail"]] for x in doc["rows"]}}
+    except (ValueError, KeyError):
+        tail = (r.stderr.strip() or r.stdout.strip() or f"exit {r.returncode}, no output")
+        res["doctor"] = {"ok": False, "reason": tail.splitlines()[-1]}
+        (Path(a.out).parent / "doctor.log").write_text(r.stdout + r.stderr)
+    res["doctor_s"] = round(time.monotonic() - t0, 1)
+    Path(a.out).write_text(json.dumps(res))
+    from nptrace import lab
+    from nptrace.lab.errors import NotRunnable
+    from nptrace.lab.model import compile_spec
+    from nptrace.lab.scorecard import runs, score
+    for sc in lab.scenarios():
+        if a.scenarios and sc.name not in a.scenarios:
+            continue
+        backend, variant = runs(sc)[0]
+        row = {"scenario": sc.name, "backend": backend, "expected": sc.cause or "none"}
+        seen: dict = {}
+
+        def sample(seen=seen):
+            seen.update(kprobe_fired(prog_runs()))
+        t1 = time.monotonic()
+        try:
+            s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
+                      observe=max(sc.observe, 2.0), hint=compile_spec(sc.name, variant).hint,
+                      before_stop=sample)
+        except NotRunnable as e:
+            row["not_runnable"] = str(e)
+        except Exception as e:   # one scenario's failure is its row, not the matrix's end
+            row["error"] = f"{type(e).__name__}: {e}"
+        else:
+            on, skipped = _attached(s.stderr)
+            row.update(hit=s.hit_rate, events=s.total, labels=dict(s.labels),
+                       services=dict(s.services), outcomes=dict(s.outcomes),
+                       attached=on, skipped=skipped, fired={g: n for g, n in seen.items() if n},
+                       stderr_tail=s.stderr.strip().splitlines()[-3:])
+        row["s"] = round(time.monotonic() - t1, 1)
+        res["scenarios"].append(row)
+        Path(a.out).write_text(json.dumps(res))
+    return 0
+
+
+# --- the table --------------------------------------------------------------------------------
+def plan_summary(doctor: dict) -> str:
+    rows = doctor.get("rows", {})
+
+    def st(name):
+        return rows.get(name, ["?"])[0]
+    parts = [f"tcx {st('tcx')}", f"kprobes {st('kprobes')}", f"nf bpf {st('netfilter bpf')}",
+             f"kfree reason {st('skb:kfree_skb reason')}", f"rst reason {st('tcp:tcp_send_reset reason')}"]
+    return ", ".join(parts)
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| kernel | accel | boot+run | doctor | plan | scenario | expected | score | events | "
+             "kprobe groups attached | fired |", "|" + "---|" * 11]
+    for r in results:
+        head = [r.get("kernel", "?"), r.get("accel", "?"), f"{r.get('wall_s', 0):.0f} s"]
+        if "error" in r:
+            lines.append("| " + " | ".join(head + [f"error: {r['error']}"] + [""] * 7) + " |")
+            continue
+        doc = r.get("doctor", {})
+        head += ["ok" if doc.get("ok") else f"fail: {doc.get('reason', '')}", plan_summary(doc)]
+        for i, s in enumerate(r.get("scenarios", [])):
+            cells = head if i == 0 else [""] * len(head)
+            if "not_runnable" in s:
+                score, ev, att, fired = f"not runnable: {s['not_runnable']}", "", "", ""
+            elif "error" in s:
+                score, ev, att, fired = f"error: {s['error'][:120]}", "", "", ""
+            else:
+                score = f"{s['hit'] * 100:.1f}%"
+                ev = str(s["events"])
+                att = ", ".join(s["attached"]) or "-"
+                fired = ", ".join(f"{g} {n}" for g, n in sorted(s["fired"].items())) or "-"
+            lines.append("| " + " | ".join(cells + [s["scenario"], s["expected"], score, ev, att, fired])
+                         + " |")
+    return "\n".join(lines)
+
+
+def failures(results: list[dict]) -> list[str]:
+    """What makes the matrix fail: a kernel without result, a doctor that fails, a runnable
+    scenario that errs or scores below 100%."""
+    out = []
+    for r in results:
+        if "error" in r:
+            out.append(f"{r.get('kernel')}: {r['error']}")
+            continue
+        if not r.get("doctor", {}).get("ok"):
+            out.append(f"{r['kernel']}: doctor: {r['doctor'].get('reason')}")
+        for s in r.get("scenarios", []):
+            if "error" in s:
+                out.append(f"{r['kernel']} {s['scenario']}: {s['error']}")
+            elif "hit" in s and s["hit"] < 1.0:
+                out.append(f"{r['kernel']} {s['scenario']}: {s['hit'] * 100:.1f}% {s['labels']}")
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["guest"]:
+        return guest(argv[1:])
+    ap = argparse.ArgumentParser(prog="nptrace-kernels")
+    ap.add_argument("--kernel", action="append", choices=sorted(SUITES))
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("--short", action="store_true", help=f"doctor and {', '.join(SHORT[1])} on {SHORT[0]}")
+    ap.add_argument("--markdown")
+    ap.add_argument("--timeout", type=float, default=BOOT_TIMEOUT)
+    ap.add_argument("scenarios", nargs="*")
+    a = ap.parse_args(argv)
+    kernels = a.kernel or ([SHORT[0]] if a.short else list(DEFAULT_KERNELS))
+    scen = a.scenarios or (list(SHORT[1]) if a.short else [])
+    try:
+        vng = ensure_tools()
+        got = [fetch(k) for k in kernels]
+    except MatrixError as e:
+        print(f"nptrace-kernels: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for k in got:
+        kvm = kvm_works(vng, k)
+        accel = "KVM" if kvm else "TCG"
+        print(f"== {k.release} ({k.suite}) under {accel}", file=sys.stderr, flush=True)
+        r = boot(vng, k, ["--count", str(a.count), *scen], CACHE / "runs" / k.release, kvm, a.timeout)
+        r["accel"] = accel
+        results.append(r)
+        print(table([r]), file=sys.stderr, flush=True)
+    md = table(results)
+    print(md)
+    if a.markdown:
+        commit = _run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        Path(a.markdown).write_text(
+            "# Kernel matrix\n\nEach kernel is Debian's `linux-image` of its suite, booted under "
+            "qemu by `make test-kernels` (python -m nptrace.lab.kernels; virtme-ng); in it "
+            "`nptrace doctor` and each lab scenario's first yardstick case "
+            f"({a.count} attempts; nptrace/lab/scorecard.py), with the kprobe programs' run "
+            "counts (bpf_stats) read while the tracer is attached.\n\n"
+            f"{time.strftime('%Y-%m-%d')}, commit {commit}.\n\n{md}\n")
+    bad = failures(results)
+    for line in bad:
+        print(f"FAIL {line}", file=sys.stderr)
+    n = sum(1 for r in results for s in r.get("scenarios", ()) if "hit" in s)
+    print(f"kernels: {n - sum(1 for b in bad if ' ' in b.split(':')[0])} passed, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The kernel matrix's pure parts (nptrace/lab/kernels.py): where the kernels come from, how a
+guest's run counts become kprobe groups, and the table and verdict the target prints. The
+boots themselves run in `make test-kernels` (and their short form in .ci/run)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from nptrace.lab import kernels
+
+
+def test_debian_uri_is_the_machines_own_archive(tmp_path: Path):
+    d = tmp_path / "etc/apt/sources.list.d"
+    d.mkdir(parents=True)
+    (d / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm\n")
+    assert kernels.debian_uri(tmp_path) == "http://mirror.example/debian"
+    (d / "debian.sources").unlink()
+    (tmp_path / "etc/apt/sources.list").write_text(
+        "deb [signed-by=/k.gpg] http://old.example/debian bullseye main\n")
+    assert kernels.debian_uri(tmp_path) == "http://old.example/debian"
+
+
+def test_kprobe_groups_fired_from_bpf_program_names():
+    # bpftool shows the kernel's 15-character names; a group's entry and return programs sum
+    runs = {"npt_kp_fib_vali": 7, "npt_kp_tcp_rese": 3, "npt_kp_nat_mani": 0, "tracepoint__skb": 9}
+    fired = kernels.kprobe_fired(runs)
+    assert fired["rp_filter"] == 7 and fired["nat"] == 0
+    assert fired["tcp_reset"] == 3 and fired["tcp_reset6"] == 3   # one program, two functions
+
+
+def test_attached_groups_from_the_run_log():
+    log = ("nptrace: plan: kprobe:*: on (kprobes.bpf.c, -DNPT_WITH_KPROBES=1; groups nat, "
+           "rp_filter, ipvs_in; off: tcp_reset (not needed: tcp:tcp_send_reset:reason))\n"
+           "nptrace: kprobe ipvs_in skipped: ip_vs_in_hook: no such function\n")
+    assert kernels._attached(log) == (["nat", "rp_filter"], ["ipvs_in"])
+
+
+def _result(hit=1.0, **kw):
+    s = {"scenario": "no-listener", "expected": "no_listener", "hit": hit, "events": 10,
+         "labels": {"no_listener": 10}, "attached": ["nat"], "fired": {"nat": 4}}
+    s.update(kw)
+    return {"kernel": "6.1.0-50-amd64", "accel": "TCG", "wall_s": 80.0,
+            "doctor": {"ok": True, "reason": "", "rows": {"tcx": ["missing", ""]}},
+            "scenarios": [s, {"scenario": "ipvs-no-endpoints", "expected": "no_endpoints",
+                              "not_runnable": "no IPVS"}]}
+
+
+def test_table_and_verdict():
+    r = _result()
+    md = kernels.table([r])
+    assert "| 6.1.0-50-amd64 | TCG | 80 s | ok | tcx missing" in md
+    assert "| no-listener | no_listener | 100.0% | 10 | nat | nat 4 |" in md
+    assert "not runnable: no IPVS" in md
+    assert kernels.failures([r]) == []
+    bad = _result(hit=0.5, labels={"no_listener": 5, "peer_reset": 5})
+    assert kernels.failures([bad]) == ["6.1.0-50-amd64 no-listener: 50.0% "
+                                       "{'no_listener': 5, 'peer_reset': 5}"]
+    assert kernels.failures([{"kernel": "5.10", "error": "guest did not finish"}]) == \
+        ["5.10: guest did not finish"]
+    down = _result()
+    down["doctor"] = {"ok": False, "reason": "the plan does not load"}
+    assert kernels.failures([down]) == ["6.1.0-50-amd64: doctor: the plan does not load"]
+
+
+def test_vng_command_says_tcg_unless_kvm_works():
+    k = kernels.Kernel("6.1", "bookworm", "6.1.0-50-amd64", Path("/k/vmlinuz"))
+    cmd = kernels.vng_command(Path("/v/vng"), k, "true", Path("/out"), kvm=False)
+    assert "--disable-kvm" in cmd and "--force-9p" in cmd and cmd[-2:] == ["-e", "true"]
+    assert "--disable-kvm" not in kernels.vng_command(Path("/v/vng"), k, "true", Path("/o"), True)
