@@ -242,15 +242,15 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
     trial_fn = None
     if trials and real and feat.has_bpf_caps(root):
         trial_fn = _trial_function()
+    from nptrace.kernel import headers    # fixture trees (--root) carry no headers: real root only
+    hs = headers.find(os.uname().release) if real else None
+    if hs is not None and hs.kind != "none":
+        headers.select(hs)     # the trials compile as `run` does, against the same headers
     features = feat.probe(root, trials=trial_fn, mount_tracefs=mount_tracefs and real)
     node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
-    from nptrace.kernel import headers    # fixture trees (--root) carry no headers: real root only
-    hs = headers.find(features.kernel or None) if real else None
     plan_load = None
     if trial_fn is not None and hs is not None and hs.kind != "none":
         def plan_load(plan):
-            from nptrace.kernel import headers
-            headers.select(hs)
             return attach.trial(plan)
     report = build_report(features, node_checks, header_source=hs, hot_path=hot_path(),
                           plan_load=plan_load)

@@ -16,7 +16,7 @@ log() { echo "setup: $*" >&2; }
 [ "$(id -u)" = 0 ] || { echo "setup: must run as root (try: sudo make setup)" >&2; exit 2; }
 export DEBIAN_FRONTEND=noninteractive
 
-pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack ethtool
+pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack ethtool ipvsadm ipset
       nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib hping3
       podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
       strace                             # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test

@@ -220,6 +220,8 @@ def rule_netfilter(ev, rname, history, ctx):
                 "(no readable ruleset for this namespace): run `iptables-save -c` / "
                 "`nft list ruleset` in the namespace")
     tag = got.get("tag")
+    if got.get("virtual_server"):
+        return _ipvs_label(ev, got)
     rule = f"{got.get('where')}: `{got.get('text')}`"
     if got.get("source"):
         # nftrace_live: whether nf_tables tracing saw this rule drop the flow, or why not
@@ -241,6 +243,48 @@ def rule_netfilter(ev, rname, history, ctx):
             "matches it as far as nptrace evaluates rules, so the rule cannot be known from the "
             "ruleset" + (f"; {got['note']}" if got.get("note") else
                          ": trace it with `nft monitor trace` / `iptables -j TRACE`"))
+
+
+IPVS_HINTS = {
+    "no_endpoints": ("no_endpoints", 0.95,
+                     "{service}'s IPVS virtual server {vs} has no real servers ({state}): IPVS "
+                     "itself answers the SYN with ICMP port unreachable and the client sees "
+                     "connection refused. Check the Deployment's replicas and readiness probes "
+                     "(kubectl get endpointslices -l kubernetes.io/service-name=<name>)"),
+    "no_local_endpoint": ("no_local_endpoint", 0.95,
+                          "{service} has externalTrafficPolicy: Local and its IPVS virtual "
+                          "server {vs} has no real server on this node ({state}). Let the load "
+                          "balancer use the Service's healthCheckNodePort so it skips this node, "
+                          "run the backend on every node (DaemonSet), or use "
+                          "externalTrafficPolicy: Cluster"),
+    "ipvs_nodest": ("proxy", 0.9,
+                    "IPVS dropped a packet of this established connection to virtual server {vs} "
+                    "of {service}: its real server {rs} was deleted from the virtual server while "
+                    "the connection was in flight (an endpoint removed by a rollout; now {state}), "
+                    "and with net.ipv4.vs.expire_nodest_conn=0 IPVS drops the connection's packets "
+                    "silently until its entry expires (ipvsadm -Lnc). Set "
+                    "net.ipv4.vs.expire_nodest_conn=1 (kube-proxy's own setting: the entry goes at "
+                    "the next packet and the client reconnects), and drain before deleting pods "
+                    "(graceful termination longer than the clients' idle time). "
+                    "net.ipv4.vs.conn_reuse_mode={reuse} decides whether a new SYN from the same "
+                    "client port reuses such an entry"),
+}
+
+
+def _ipvs_label(ev: Event, got: dict):
+    """A drop IPVS made itself (services/ipvs.py ipvs_cause): its virtual server, the real
+    servers it has, and for a deleted real server the one this connection is bound to (the
+    conntrack entry's reply source: IPVS rewrites it to the real server, net.ipv4.vs.conntrack=1)."""
+    tag = got["tag"]
+    cause, conf, hint = IPVS_HINTS.get(tag, IPVS_HINTS["no_endpoints"])
+    reals = got.get("real_servers") or []
+    state = "real servers " + ", ".join(reals) if reals else "no real servers"
+    c = ev.ct
+    # the map may be read just before kube-proxy's sync removed the real server: its list is
+    # shown, not used to overrule the kernel's drop
+    rs = hostport(c.reply_src, c.reply_sport) if c is not None and c.reply_src else "?"
+    return (cause, conf, hint.format(service=got.get("service") or "the Service", vs=got["virtual_server"],
+                                     state=state, rs=rs, reuse=got.get("conn_reuse_mode", "?")))
 
 
 @applies_to(T_DROP, T_ICMP, T_WIRE_ICMP)

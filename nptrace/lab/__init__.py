@@ -4,7 +4,7 @@ Scenarios are data (data/topology.toml + data/scenarios/*.toml); one runner appl
 Others call this API; the CLI is nptrace/lab/cli.py (click group ``lab``).
 
     scenarios() -> list[Scenario]
-    up(name, backend="iptables", prefix=None, variant=None) -> LabInfo
+    up(name, backend=None, prefix=None, variant=None) -> LabInfo   (None: the scenario's first backend)
     trigger(name, count=50, prefix=None) -> list[Attempt]
     lb_view(name, prefix=None) -> list[dict]
     down(name, prefix=None); down_all(prefix=None) -> list[str]; status(prefix=None) -> dict | None

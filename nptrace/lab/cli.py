@@ -17,6 +17,7 @@ Examples:
   nptrace lab list
   sudo nptrace lab up no-listener
   sudo nptrace lab up etp-local-no-endpoint --backend nft
+  sudo nptrace lab up ipvs-no-endpoints          # kube-proxy's IPVS mode (needs ip_vs)
   sudo nptrace lab trigger no-listener --count 100 --json
   sudo nptrace lab down no-listener
   sudo nptrace lab down --all          # after a crash
@@ -55,8 +56,9 @@ def list_(as_json):
 
 @lab.command()
 @click.argument("name")
-@click.option("--backend", type=click.Choice(BACKENDS), default="iptables", show_default=True,
-              help="kube-proxy mode: iptables (iptables-nft), iptables-legacy, or nft.")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
+              help="kube-proxy mode: iptables (iptables-nft), iptables-legacy, nft or ipvs "
+                   "[default: the scenario's first, iptables but for the ipvs-* scenarios].")
 @click.option("--variant", default=None, help="A variant of the scenario (see `lab list`).")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj

@@ -20,3 +20,8 @@ class NotUp(LabError):
 class HostBusy(LabError):
     """A scenario that changes a host-wide setting cannot come up safely now (the machine's own
     use of it, or another lab holding it)."""
+
+
+class NotRunnable(LabError):
+    """This machine cannot run the scenario at all (its kernel lacks what the scenario's
+    backend needs): the yardstick reports it in one line and skips it, not a failure."""

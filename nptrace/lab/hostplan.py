@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kuberules
+from . import ipvsrules, kuberules
 from .errors import UsageError
 from .model import Spec, compile_spec
 
@@ -96,6 +96,11 @@ def kube_proxy_steps(spec: Spec, node: str, backend: str, services=None, service
                      spec.service_cidr6, True))
     steps = []
     for svcs, cidr, svc_cidr, six in fams:
+        if backend == "ipvs":
+            if six:
+                raise UsageError("the lab's ipvs backend is IPv4 only")
+            steps += ipvs_steps(spec, node, svcs, cidr)
+            continue
         if backend == "nft":
             ips = [a.split("/")[0] for i in ("eth0", "eth1") for a in d["ifaces"].get(i, {}).get("addrs", [])
                    if (":" in a) == six]
@@ -110,13 +115,35 @@ def kube_proxy_steps(spec: Spec, node: str, backend: str, services=None, service
     return steps
 
 
+def node_ips(spec: Spec, node: str, six: bool = False) -> list[str]:
+    """The node's own addresses of one family: where its NodePorts answer (kube-proxy's
+    default nodePortAddresses: every local address but kube-ipvs0's)."""
+    return [a.split("/")[0] for i in spec.hosts[node]["ifaces"].values() for a in i.get("addrs", [])
+            if (":" in a) == six]
+
+
+def ipvs_steps(spec: Spec, node: str, services, cluster_cidr: str) -> list[Step]:
+    """kube-proxy's IPVS mode on one node (ipvsrules.py): the dummy device and its
+    addresses, the ipsets, the virtual and real servers, the iptables rules and its sysctls.
+    Loading ip_vs creates the net.ipv4.vs sysctls, so they come after the first ipvsadm."""
+    ips = node_ips(spec, node)
+    steps = [_ip("link", "add", ipvsrules.DUMMY, "type", "dummy")]
+    steps += [_ip("addr", "add", f"{a}/32", "dev", ipvsrules.DUMMY) for a in ipvsrules.bound_addresses(services)]
+    steps.append(Step("run", ("ipset", "-exist", "restore"), ipvsrules.render_ipset(services, node)))
+    steps.append(Step("run", ("ipvsadm", "-R"), ipvsrules.render_ipvsadm(services, node, ips)))
+    steps.append(Step("run", ("sysctl", "-q", "-w", *(f"{k}={v}" for k, v in ipvsrules.SYSCTLS.items()))))
+    steps.append(Step("run", ("iptables-restore", "-w", "--noflush"), ipvsrules.render_iptables(services, cluster_cidr)))
+    steps += [Step("run", tuple(argv)) for argv in ipvsrules.iptables_jumps("iptables", faults=spec.faults)]
+    return steps
+
+
 def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
     """Non-kube-proxy rules the scenario gives a host (NetworkPolicy, middlebox)."""
     d = spec.hosts[host]
     steps = []
     node = d["kind"] == "node"
     for key, tool in (("iptables_restore", "iptables"), ("ip6tables_restore", "ip6tables")):
-        if d.get(key) and (not node or backend != "nft"):
+        if d.get(key) and (not node or backend != "nft"):   # ipvs mode's nodes use iptables too
             binary = f"{tool}-legacy" if node and backend == "iptables-legacy" else tool
             steps.append(Step("run", (f"{binary}-restore", "-w", "--noflush"), d[key]))
     if d.get("nft") and (not node or backend == "nft"):

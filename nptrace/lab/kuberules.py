@@ -111,8 +111,12 @@ def _q(arg: str) -> str:
     return f'"{arg}"' if any(c.isspace() for c in arg) else arg
 
 
-def _line(*args: str) -> str:
+def restore_line(*args: str) -> str:
+    """One iptables-restore rule line, arguments with spaces quoted."""
     return " ".join(_q(str(a)) for a in args)
+
+
+_line = restore_line
 
 
 def _categorize(svc: Service, node: str):

@@ -38,7 +38,10 @@ CAUSES = ("no_local_endpoint", "no_endpoints", "rp_filter", "snat", "wrong_iface
           "netfilter_reject", "conntrack_invalid", "conntrack_full", "checksum", "no_listener",
           "proxy", "app_reset", "peer_reset", "unknown")
 OUTCOMES = ("ok", "refused", "reset", "timeout", "unreachable", "closed", "error")
-BACKENDS = ("iptables", "iptables-legacy", "nft")
+BACKENDS = ("iptables", "iptables-legacy", "nft", "ipvs")
+# the backends of a scenario without ``backends``: kube-proxy's rule-writing modes (ipvs
+# scenarios name it, their causes take IPVS's own shapes)
+DEFAULT_BACKENDS = ("iptables", "iptables-legacy", "nft")
 HOST_KINDS = ("client", "router", "node", "pod")
 STEP_KINDS = ("rules", "delete_pod", "add_pod", "run", "wait")
 
@@ -95,7 +98,7 @@ def _variants(raw: dict) -> list[str]:
 def _scenario(raw: dict, path: Path) -> Scenario:
     expect = tuple(dict.fromkeys(o for t in raw.get("trigger", []) for o in t.get("expect", [])))
     return Scenario(name=raw["name"], story=raw["story"], cause=raw.get("cause") or None,
-                    service=raw["service"], backends=tuple(raw.get("backends", BACKENDS)),
+                    service=raw["service"], backends=tuple(raw.get("backends", DEFAULT_BACKENDS)),
                     variants=tuple(_variants(raw)), expect=expect, path=path,
                     observe=float(raw.get("observe", 1.0)), hint=tuple(raw.get("hint", ())),
                     explain_gap=raw.get("explain_gap", ""))
@@ -185,7 +188,7 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
                              int(kp.get("scale", 0)), topo["service_cidr"]),
         trigger=trigger, lb_view=raw.get("lb_view", []),
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
-        backends=tuple(raw.get("backends", BACKENDS)), hint=tuple(raw.get("hint", ())),
+        backends=tuple(raw.get("backends", DEFAULT_BACKENDS)), hint=tuple(raw.get("hint", ())),
     )
     if ipv6:
         m = dualstack.Mapper(topo.get("ipv6", {}))

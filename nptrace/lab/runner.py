@@ -11,12 +11,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import model, netns
-from .errors import HostBusy, LabError, NotUp, UsageError
-from .hostplan import host_steps, kube_proxy_steps, pod_veth
+from .errors import HostBusy, LabError, NotRunnable, NotUp, UsageError
+from . import ipvsrules
+from .hostplan import host_steps, kube_proxy_steps, node_ips, pod_veth
+from nptrace.services import ipvs as ipvs_names
 from .model import BACKENDS, Spec
 
 PROBE = str(Path(__file__).with_name("probe.py"))
-_TOOLS = {"iptables": "iptables-restore", "iptables-legacy": "iptables-legacy-restore", "nft": "nft"}
+_TOOLS = {"iptables": "iptables-restore", "iptables-legacy": "iptables-legacy-restore", "nft": "nft",
+          "ipvs": "ipvsadm"}
+NO_IPVS = "not runnable here: no IPVS (ip_vs module)"
 # Order hosts are configured in: the fabric first, then nodes, then what hangs off them.
 _KIND_ORDER = {"router": 0, "node": 1, "pod": 2, "client": 3}
 
@@ -62,9 +66,11 @@ class LabInfo:
 
 
 def _check_tools(backend: str, spec: Spec | None = None) -> None:
-    missing = [t for t in ("ip", "sysctl", _TOOLS[backend]) if not shutil.which(t)]
+    need = ("ip", "sysctl", _TOOLS[backend]) + (("ipset", "iptables-restore") if backend == "ipvs" else ())
+    missing = [t for t in need if not shutil.which(t)]
     if missing:
-        raise LabError(f"missing tool(s) {', '.join(missing)}: install iproute2, procps, iptables and nftables")
+        raise LabError(f"missing tool(s) {', '.join(missing)}: install iproute2, procps, iptables, "
+                       f"nftables, ipvsadm and ipset")
     # what the scenario's own host keys run (ethtool for `offload`, conntrack for `conntrack_fill`)
     used = {st.argv[0] for h in (spec.hosts if spec else ()) for st in host_steps(spec, h, backend)
             if st.kind == "run" and not st.argv[0].startswith("/")}
@@ -103,14 +109,33 @@ def _info(spec: Spec, backend: str, prefix: str) -> LabInfo:
                    watch=watch, nodes=nodes, client=client, enter=enter, try_=try_, notes=spec.notes)
 
 
-def up(name: str, backend: str = "iptables", prefix: str | None = None, variant: str | None = None) -> LabInfo:
+def ipvs_available(proc: Path = Path("/proc"), load=None) -> bool:
+    """Whether this kernel has IPVS: /proc/net/ip_vs once ip_vs is loaded (``load``: a
+    callable that tries to load it, `modprobe ip_vs` by default)."""
+    if (proc / "net" / "ip_vs").exists():
+        return True
+    if load is None:
+        def load():
+            subprocess.run(["modprobe", "-q", "ip_vs"], capture_output=True, timeout=30)
+    try:
+        load()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return (proc / "net" / "ip_vs").exists()
+
+
+def up(name: str, backend: str | None = None, prefix: str | None = None, variant: str | None = None) -> LabInfo:
+    """Bring scenario ``name`` up with kube-proxy ``backend`` (None: the scenario's first)."""
     prefix = netns.resolve_prefix(prefix)
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
     spec = model.compile_spec(name, variant)
+    backend = backend or spec.backends[0]
     if backend not in spec.backends:
         raise UsageError(f"scenario {name!r} has no {backend} form (backends: {', '.join(spec.backends)})")
     netns.require_root()
+    if backend == "ipvs" and not ipvs_available():
+        raise NotRunnable(NO_IPVS)
     _check_tools(backend, spec)
     st = netns.load_state(prefix)
     if st:
@@ -144,6 +169,8 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
         netns.wait_ready(procs)
         # last: the lab's own tables are filled, and nothing of it is left half made
         netns.set_host_wide(wide, state, set(live.values()))
+        if backend == "ipvs":
+            _write_ipvs_names(spec, ns)
         for pod in [h for h, d in spec.hosts.items() if d.get("gone")]:
             # deleted after kube-proxy last synced. Its veth goes first: a deleted namespace is
             # torn down later by the kernel's cleanup work, and until then it still answers on
@@ -154,6 +181,36 @@ def up(name: str, backend: str = "iptables", prefix: str | None = None, variant:
         _teardown(prefix, state)
         raise
     return _info(spec, backend, prefix)
+
+
+def _write_ipvs_names(spec: Spec, ns: dict, services=None) -> None:
+    """What kube-proxy knows and IPVS does not: each node's virtual servers' Service names,
+    where nptrace's rules source reads them (services/ipvs.py names_path)."""
+    for node in spec.nodes():
+        path = ipvs_names.names_path(ns[node])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(ipvsrules.service_names(spec.services if services is None else services, node,
+                                                node_ips(spec, node)))
+
+
+def _drop_ipvs_names(namespaces) -> None:
+    for n in namespaces:
+        ipvs_names.names_path(n).unlink(missing_ok=True)
+
+
+def _ipvs_rules_step(spec: Spec, st: dict, ns: dict, before: list) -> None:
+    """kube-proxy's next IPVS sync: the ipsets refilled, the real servers that left deleted
+    and new ones added (ipvsadm -d/-a; the connection entries bound to a deleted one stay),
+    the addresses of new Services bound; the iptables rules do not depend on Services."""
+    after = st["compiled"]
+    for node in spec.nodes():
+        run = netns.ns_runner(ns[node])
+        run(["ipset", "-exist", "restore"], ipvsrules.render_ipset(after, node))
+        for a in ipvsrules.bound_addresses(after):
+            run(["ip", "addr", "replace", f"{a}/32", "dev", ipvsrules.DUMMY])
+        for argv in ipvsrules.sync_commands(before, after, node, node_ips(spec, node)):
+            run(argv)
+    _write_ipvs_names(spec, ns, after)
 
 
 def _rules_step(spec: Spec, st: dict, ns: dict, backend: str) -> None:
@@ -222,9 +279,13 @@ def _add_pod(spec: Spec, pod: str, ns: dict, backend: str, state: dict) -> None:
 def run_steps(spec: Spec, state: dict, prefix: str) -> None:
     """Apply the scenario's [[step]] entries to the lab that is up (see model.py)."""
     ns = netns.lab_namespaces(spec, prefix)
+    services = spec.services   # what the nodes' rules say now
     for st in spec.steps:
         kind = st["kind"]
-        if kind == "rules":
+        if kind == "rules" and state["backend"] == "ipvs":
+            _ipvs_rules_step(spec, st, ns, services)
+            services = st["compiled"]
+        elif kind == "rules":
             _rules_step(spec, st, ns, state["backend"])
         elif kind == "delete_pod":
             _delete_pod(spec, st["host"], ns, state)
@@ -240,6 +301,7 @@ def run_steps(spec: Spec, state: dict, prefix: str) -> None:
 def _teardown(prefix: str, state: dict) -> None:
     try:
         netns.restore_host_wide(state)
+        _drop_ipvs_names(state.get("namespaces", []))
     finally:
         netns.delete_namespaces(state.get("namespaces", []), state.get("pids", []))
     netns.drop_state(prefix)
@@ -275,6 +337,7 @@ def down_all(prefix: str | None = None) -> list[str]:
     present = sorted(names & netns.existing_namespaces())
     try:
         netns.restore_host_wide(st)
+        _drop_ipvs_names(names)
     finally:
         netns.delete_namespaces(present, st.get("pids", []))
     netns.drop_state(prefix)

@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from nptrace.lab.errors import NotRunnable
 from nptrace.lab.harness import scenario_events, trace_scenario
 
 HEALTHY = "none"          # the expected label of scenarios with no network fault
@@ -50,7 +51,8 @@ class Score:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = ()) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = (),
+          before_stop=None) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
     storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok). ``hint``:
     words each incident of the expected cause must name (the scenario's ``hint``)."""
@@ -58,7 +60,8 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
                                                  watch=watch, variant=variant, settle=observe,
-                                                 inode_sink=inodes, extra_args=extra)
+                                                 inode_sink=inodes, extra_args=extra,
+                                                 before_stop=before_stop)
     mine = scenario_events(attempts, events, set(inodes.values()))
     s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
               expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err,
@@ -78,9 +81,9 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
 
 def runs(sc) -> list[tuple[str, str | None]]:
     """(backend, variant) of every yardstick case of a scenario: each backend it has; each
-    variant on iptables; each dual-stack form also on a second rules family (nft, or
+    variant on its first backend (iptables but for the ipvs scenarios); each dual-stack form also on a second rules family (nft, or
     iptables-legacy where the scenario has no nft form)."""
-    out = [(b, None) for b in sc.backends] + [("iptables", v) for v in sc.variants]
+    out = [(b, None) for b in sc.backends] + [(sc.backends[0], v) for v in sc.variants]
     second = next((b for b in ("nft", "iptables-legacy") if b in sc.backends), None)
     if second:
         out += [(second, v) for v in sc.variants if v == "ipv6" or v.endswith("+ipv6")]
@@ -153,8 +156,12 @@ def main(argv=None) -> int:
     for sc, backend, variant in all_cases:
         if a.scenarios and sc.name not in a.scenarios:
             continue
-        s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
-                  observe=sc.observe, hint=compile_spec(sc.name, variant).hint)
+        try:
+            s = score(sc.name, sc.cause, a.count, backend=backend, variant=variant,
+                      observe=sc.observe, hint=compile_spec(sc.name, variant).hint)
+        except NotRunnable as e:   # this kernel lacks what the case needs: said, not scored
+            print(f"{row_name(sc.name, backend, variant):<32} {e}", file=sys.stderr)
+            continue
         scores.append(s)
         print(f"{s.scenario:<32} {dict(s.outcomes)} {dict(s.labels)}", file=sys.stderr)
     if a.merge:

@@ -108,7 +108,7 @@ class NodeKnowledge:
         digest. A rollout re-renders a Service's endpoints; until the map follows, a new pod
         on a removed endpoint's address would be taken for that endpoint. Returns how many
         maps were re-read."""
-        from nptrace.node.rules_source import legacy_digest, nft_generation
+        from nptrace.node.rules_source import ipvs_digest, legacy_digest, nft_generation
         n = 0
         for inode, (_, smap) in list(self._maps.items()):
             if not smap:
@@ -128,9 +128,10 @@ class NodeKnowledge:
                     self._legacy_next[inode] = self.clock() + max(1.0, 50 * (time.perf_counter() - t))
                 else:
                     dig = old[1]
+                ipvs = ipvs_digest(ns)   # a /proc read: kube-proxy's IPVS syncs move no generation
             except Exception:
                 continue
-            fp = (gen, dig)
+            fp = (gen, dig) if ipvs is None else (gen, dig, ipvs)
             self._checked[inode] = self.clock()
             if fp == self._prints.get(inode):
                 continue

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from nptrace.kernel.nsenter import path_of, run_in
 from nptrace.node.nlmsg import NFGENMSG_LEN, NLM_F_REQUEST, NLMSG, NLMSG_ERROR, attrs, error_of, messages, request
-from nptrace.services import ServiceMap, merge, parse_iptables_save, parse_nft
+from nptrace.services import ServiceMap, ipvs, merge, parse_iptables_save, parse_nft
 
 __all__ = [
     "BACKENDS",
@@ -324,8 +324,75 @@ def parse_dump(dump: RulesDump) -> ServiceMap:
 
 
 def load_service_map(netns: str | None = None) -> ServiceMap:
-    """Services and drop rules from every backend present in the namespace, merged."""
-    return merge(*(parse_dump(d) for d in read_all(netns)))
+    """Services and drop rules from every backend present in the namespace, merged (with
+    kube-proxy's IPVS state where the namespace has virtual servers)."""
+    st = read_ipvs(netns)
+    return merge(*(parse_dump(d) for d in read_all(netns)), *((ipvs.build_map(st),) if st else ()))
+
+
+# --------------------------------------------------------------------------------------------
+# IPVS (kube-proxy's ipvs mode): the kernel's table, kube-proxy's ipsets, the names beside them
+
+IPVS_SYSCTLS = ("expire_nodest_conn", "conn_reuse_mode", "conntrack", "expire_quiescent_template")
+
+
+def _ipvs_here() -> tuple[str, dict] | None:
+    """The calling thread's namespace's /proc/net/ip_vs and net.ipv4.vs sysctls; None
+    without IPVS (ip_vs not loaded: reading /proc loads no module)."""
+    try:
+        with open("/proc/thread-self/net/ip_vs") as f:
+            text = f.read()
+    except OSError:
+        return None
+    sysctl = {}
+    for k in IPVS_SYSCTLS:
+        try:
+            with open(f"/proc/sys/net/ipv4/vs/{k}") as f:
+                sysctl[k] = int(f.read())
+        except (OSError, ValueError):
+            pass
+    return text, sysctl
+
+
+def _ipvs_raw(netns: str | None) -> tuple[str, dict] | None:
+    try:
+        return in_netns(netns, _ipvs_here)
+    except OSError:
+        return None
+
+
+def ipvs_digest(netns: str | None = None) -> str | None:
+    """A digest of the namespace's virtual servers, real servers and weights (not their
+    connection counters), IPVS sysctls and names table; None without virtual servers."""
+    raw = _ipvs_raw(netns)
+    servers = ipvs.parse_ipvs(raw[0]) if raw else []
+    if not servers:
+        return None
+    reals = [(str(v), v.scheduler, [(str(r), r.weight) for r in v.reals]) for v in servers]
+    try:
+        names = ipvs.names_path(netns).read_text()
+    except OSError:
+        names = ""
+    return hashlib.sha256(repr((reals, sorted(raw[1].items()), names)).encode()).hexdigest()
+
+
+def read_ipvs(netns: str | None = None) -> "ipvs.IpvsState | None":
+    """The namespace's IPVS state (ipvs.IpvsState), None without virtual servers. The ipsets
+    come from ``ipset save`` when the tool is installed (eTP=Local ports, local endpoints)."""
+    raw = _ipvs_raw(netns)
+    if raw is None or not ipvs.parse_ipvs(raw[0]):
+        return None
+    sets = ""
+    if shutil.which("ipset"):
+        try:
+            sets = run_in_netns(netns, ["ipset", "save"], check=False).stdout
+        except RulesSourceError:
+            sets = ""
+    try:
+        names = ipvs.names_path(netns).read_text()
+    except OSError:
+        names = ""
+    return ipvs.state_of(raw[0], names_text=names, ipset_text=sets, sysctl=raw[1])
 
 
 def local_addresses(netns: str | None = None) -> tuple[str, ...]:
@@ -346,9 +413,12 @@ def local_addresses(netns: str | None = None) -> tuple[str, ...]:
 
 def fingerprint(netns: str | None = None) -> tuple:
     """Cheap value that changes when the namespace's rules change (not on counter updates):
-    the nf_tables generation id, plus a digest of the legacy dump when legacy tables exist."""
+    the nf_tables generation id, plus a digest of the legacy dump when legacy tables exist,
+    plus the IPVS digest where the namespace has virtual servers."""
     _check_netns(netns)
-    return (nft_generation(netns), legacy_digest(netns))
+    fp = (nft_generation(netns), legacy_digest(netns))
+    dig = ipvs_digest(netns)
+    return fp if dig is None else (*fp, dig)
 
 
 def legacy_digest(netns: str | None = None) -> str | None:
@@ -393,7 +463,8 @@ class ServiceMapCache:
                 fp = (None, tuple(d.digest for d in dumps))
                 if self._map is not None and fp == self._fp:
                     return self._map
-            self._map = merge(*(parse_dump(d) for d in dumps))
+            st = read_ipvs(self.netns)
+            self._map = merge(*(parse_dump(d) for d in dumps), *((ipvs.build_map(st),) if st else ()))
             self._fp = fp
             self.reloads += 1
             return self._map

@@ -41,15 +41,19 @@ Modules, each importing (at run time) only those listed before it:
   facts.py           Info/Scope per service port; Entry/Chain/Table for the rule walk
   nat.py             the nat walk: where kube-proxy DNATs a packet before filter sees it
   servicemap.py      ServiceMap (lookup, verdict_rules, matching_drop_rules) and merge
-  nfcause.py         nf_cause: the rule behind a netfilter drop and its cause tag
+  nfcause.py         nf_cause: the rule behind a netfilter drop and its cause tag (IPVS's
+                     own drops through ipvs.py, listed last although nfcause uses it)
   build.py           Builder, which a parse fills and finish()es into a ServiceMap
   iptables.py        parse_iptables_save / parse_iptables_restore
   nft_rules.py       NftTable, set elements, one nft rule -> Match, generic tables
   nft_trace.py       the packet walk of kube-proxy's nft table, for ServiceMap.trace
   nft_kube_proxy.py  kube-proxy's own nft table
   nft.py             parse_nft
+  ipvs.py            kube-proxy's IPVS mode: virtual/real servers, ipsets, names; IPVS's own
+                     drops for nf_cause (imports build.py)
 """
 
+from . import ipvs
 from .iptables import parse_iptables_restore, parse_iptables_save
 from .model import KINDS, REASONS, Rule, Service
 from .nfcause import nf_cause
@@ -62,6 +66,7 @@ __all__ = [
     "Rule",
     "Service",
     "ServiceMap",
+    "ipvs",
     "merge",
     "nf_cause",
     "parse_iptables_restore",

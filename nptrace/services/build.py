@@ -47,6 +47,7 @@ class Builder:
         self.nat: list = []  # iptables.LazyNat per dump, for nat.py
         self.traces: list = []  # nft_trace.NftTracer per kube-proxy nft table, for ServiceMap.trace
         self.families: dict[str, int] = {}   # table label -> 4 / 6 where the dump says it
+        self.ipvs: list = []  # ipvs.IpvsState of an IPVS read, for nf_cause
 
     def info(self, name: str, proto: str | None = None) -> Info:
         inf = self.infos.get(name)
@@ -70,4 +71,4 @@ class Builder:
                 r.cond.family = fam
         return ServiceMap(self.infos, kp_rules=self.kp, chains=self.chains, ignored=self.ignored,
                           backends=(self.backend,), vip_only=self.vip_only, nat=self.nat,
-                          traces=self.traces)
+                          traces=self.traces, ipvs=self.ipvs)

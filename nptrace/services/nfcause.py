@@ -4,12 +4,15 @@ and what kind of drop is it (its cause tag)?
 ``nf_cause`` is pure over a ServiceMap and answers plain data, so a recording keeps the answer
 and a replay needs no rules: None is for "no ruleset" and is the caller's to say (the map is
 None); ``{"tag": None}`` when the ruleset has no rule for the packet; else ``{"tag", "where",
-"text", "service", "to_pod"}``. Tags are ``model.REASONS``; classify/rules.py turns a tag into a
+"text", "service", "to_pod"}`` (an IPVS answer adds "virtual_server" and "real_servers").
+Tags are ``model.REASONS``, and "ipvs_nodest" for IPVS's drop of a deleted real server's
+connection; classify/rules.py turns a tag into a
 cause and its hint, and nothing else decides a netfilter cause.
 """
 
 from __future__ import annotations
 
+from .ipvs import ipvs_cause
 from .servicemap import ServiceMap
 
 
@@ -26,6 +29,12 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
     def out(r, tag=None, to_pod=False):
         return {"tag": tag or r.reason, "where": r.where(), "text": r.text,
                 "service": r.service, "to_pod": to_pod}
+    # IPVS takes a virtual server's packets at LOCAL_IN, after the filter rules let them in:
+    # what it drops itself is decided from its own table (ipvs.py)
+    for st in smap.ipvs:
+        got = ipvs_cause(st, odst, oport, syn, has_ct)
+        if got is not None:
+            return got
     for r in smap.verdict_rules(odst, oport, include_invalid=False, saddr=saddr):
         if r.reason != "other":
             return out(r)

@@ -45,7 +45,7 @@ class ServiceMap:
 
     def __init__(self, infos: dict[str, Info] | None = None, *, kp_rules=(), chains=(),
                  ignored: int = 0, backends: tuple[str, ...] = (),
-                 local_addrs: frozenset[str] | None = None, vip_only=(), nat=(), traces=()):
+                 local_addrs: frozenset[str] | None = None, vip_only=(), nat=(), traces=(), ipvs=()):
         self._infos: dict[str, Info] = dict(infos or {})
         self._kp_rules: list[tuple[str, object, Rule]] = list(kp_rules)
         self._chains: list[Chain] = list(chains)
@@ -56,6 +56,7 @@ class ServiceMap:
         self._vip_only = frozenset(vip_only)
         self._nat = tuple(nat)  # iptables.LazyNat per dump: kube-proxy's nat chains, for nat.py
         self._traces = tuple(traces)  # nft_trace.NftTracer per kube-proxy nft table, for trace()
+        self.ipvs = tuple(ipvs)  # ipvs.IpvsState per namespace read: IPVS's own drops (nf_cause)
         self._cache: dict[tuple[str, str], Service] = {}
         self._index()
 
@@ -132,13 +133,13 @@ class ServiceMap:
         local = frozenset(a for a in (canon(x) for x in addrs) if a)
         return ServiceMap(self._infos, kp_rules=self._kp_rules, chains=self._chains,
                           ignored=self.ignored, backends=self.backends, local_addrs=local,
-                          vip_only=self._vip_only, nat=self._nat, traces=self._traces)
+                          vip_only=self._vip_only, nat=self._nat, traces=self._traces, ipvs=self.ipvs)
 
     def __len__(self) -> int:
         return len(self._infos)
 
     def __bool__(self) -> bool:
-        return bool(self._infos or self._chains or self._kp_rules)
+        return bool(self._infos or self._chains or self._kp_rules or self.ipvs)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -452,6 +453,7 @@ def merge(*maps: ServiceMap) -> ServiceMap:
     vip_only: set = set()
     nat: list = []
     traces: list = []
+    ipvs: list = []
     for m in maps:
         for name, inf in m._infos.items():
             if name in infos:
@@ -464,8 +466,9 @@ def merge(*maps: ServiceMap) -> ServiceMap:
         vip_only |= m._vip_only
         nat.extend(m._nat)
         traces.extend(m._traces)
+        ipvs.extend(m.ipvs)
         if m.local_addrs is not None:
             local = (local or frozenset()) | m.local_addrs
     return ServiceMap(infos, kp_rules=kp, chains=chains, ignored=sum(m.ignored for m in maps),
                       backends=tuple(backends), local_addrs=local, vip_only=vip_only,
-                      nat=nat, traces=traces)
+                      nat=nat, traces=traces, ipvs=ipvs)

@@ -368,3 +368,24 @@ def test_cli_has_the_hot_path_row(no_trials):
     rows = [x for x in json.loads(r.stdout)["rows"] if x["check"] == "hot path"]
     assert len(rows) == 1 and rows[0]["status"] in ("ok", "warn")
     assert (rows[0]["status"] == "ok") == (doctor.hot_path() == "compiled")
+
+
+def test_plan_load_row_and_its_failure_make_the_verdict():
+    """doctor compiles and loads the plan `run` would use (attach.trial): a plan that does not
+    load makes tracing impossible, with the first compiler or verifier error as the reason."""
+    feats = features.probe(FIXTURES / "linux-6.18")
+    seen = []
+
+    def good(plan):
+        seen.append(plan)
+        return True, "compiled and loaded 5 tracepoint and 0 kprobe programs in 1.0 s"
+    r = doctor.build_report(feats, plan_load=good)
+    assert r.ok and seen and seen[0].tracepoints
+    row = next(x for x in r.rows if x.check == "plan load")
+    assert row.status == "ok" and "compiled and loaded" in row.detail
+    bad = doctor.build_report(feats, plan_load=lambda p: (
+        False, "BPF compile/load failed: error: no member named 'reason' in 'struct "
+               "tracepoint__tcp__tcp_send_reset'"))
+    assert not bad.ok and doctor.exit_code(bad) == 1
+    assert "plan `run` would use does not load" in bad.reason and "no member named" in bad.reason
+    assert next(x for x in bad.rows if x.check == "plan load").status == "fail"

@@ -41,3 +41,28 @@ def test_no_flags_where_kallsyms_hides_addresses_or_the_kernel_lacks_the_reason(
     p = tmp_path / "kallsyms"
     p.write_bytes(TEXT)
     assert kallsyms.neigh_cflags(old, p) == []
+
+
+def test_reasonless_kernels_name_drops_by_call_site(tmp_path):
+    """Before 5.17 (no kfree_skb reason, no skb_drop_reason enum in BTF): the legacy table,
+    nf_hook_slow's range for NETFILTER_DROP, and the reverse-path kprobe's IP_RPFILTER."""
+    from nptrace import reasons
+
+    class NoEnums:
+        def enum(self, name):
+            raise KeyError(name)
+    drops, rsts = reasons.load_tables(NoEnums())
+    assert drops.value("NETFILTER_DROP") and rsts.value("NO_SOCKET")
+    flags = reasons.bpf_flags(drops, rsts, kfree_reason=False)
+    assert f"-DNPT_DROP_NETFILTER_DROP={drops.value('NETFILTER_DROP')}" in flags
+    assert "-DNPT_KP_RPF_REASON=NPT_DROP_IP_RPFILTER" in flags
+    assert f"-DNPT_RST_NO_SOCKET={rsts.value('NO_SOCKET')}" in flags
+    # a kernel with the reason field: kfree_skb names its drops, the kprobe adds none
+    assert reasons.bpf_flags(drops, rsts, kfree_reason=True) == [
+        f"-DNPT_RST_NO_SOCKET={rsts.value('NO_SOCKET')}"]
+    p = tmp_path / "kallsyms"
+    p.write_bytes(b"ffffffff81a00000 T nf_hook_slow\nffffffff81a00100 T nf_hook_slow_list\n")
+    assert kallsyms.drop_site_cflags(p) == ["-DNPT_DROP_SITE_NF_LO=0xffffffff81a00000ULL",
+                                            "-DNPT_DROP_SITE_NF_HI=0xffffffff81a00100ULL"]
+    p.write_bytes(b"0000000000000000 T nf_hook_slow\n0000000000000000 T x\n")   # hidden
+    assert kallsyms.drop_site_cflags(p) == []

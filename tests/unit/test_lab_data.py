@@ -56,6 +56,8 @@ def test_causes_cover_the_issue_list():
         "conntrack-invalid": "conntrack_invalid", "app-reset": "app_reset", "healthy": None,
         "rollout-in-flight": "proxy", "container-restart": "app_reset",
         "offload-checksum": "checksum", "conntrack-table-full": "conntrack_full",
+        "ipvs-no-endpoints": "no_endpoints", "ipvs-etp-local-no-endpoint": "no_local_endpoint",
+        "ipvs-missing-snat": "snat", "ipvs-stale-endpoint": "proxy",
     }
 
 
@@ -90,7 +92,9 @@ def test_nft_backend_for_required_scenarios():
     by = {s.name: s.backends for s in model.load_scenarios()}
     for name in ("etp-local-no-endpoint", "no-endpoints", "missing-snat", "no-listener"):
         assert "nft" in by[name]
-    assert all("iptables" in b for b in by.values())
+    # every scenario has an iptables form but the ipvs-* ones, which are kube-proxy's IPVS mode
+    assert all("iptables" in b for n, b in by.items() if not n.startswith("ipvs-"))
+    assert all(b == ("ipvs",) for n, b in by.items() if n.startswith("ipvs-"))
 
 
 def test_deep_merge_tables_merge_and_lists_replace():

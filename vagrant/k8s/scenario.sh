@@ -16,7 +16,7 @@ export KUBECONFIG=${KUBECONFIG:-/etc/rancher/k3s/k3s.yaml}
 # connections): the namespace lab's runner does that in its steps; vm-trigger has no steps.
 # conntrack-table-full fills node1's table to a limit of 256: on a cluster, the node's own
 # connections (k3s, flannel, coredns) hold entries too, and kube-proxy owns nf_conntrack_max.
-UNSUPPORTED="missing-snat stale-endpoint rollout-in-flight container-restart conntrack-table-full"
+UNSUPPORTED="missing-snat stale-endpoint rollout-in-flight container-restart conntrack-table-full ipvs-no-endpoints ipvs-etp-local-no-endpoint ipvs-missing-snat ipvs-stale-endpoint"
 
 name=${1:?usage: scenario.sh SCENARIO [VARIANT]}
 variant=${2:-}
