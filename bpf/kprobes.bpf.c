@@ -97,17 +97,6 @@ static __always_inline u8 npt_kp_tcpflags(void *skb)
 	return fl;
 }
 
-static __always_inline void npt_kp_reverse(struct npt_event *e)
-{
-	u8 a[16];
-	__builtin_memcpy(a, e->saddr, 16);
-	__builtin_memcpy(e->saddr, e->daddr, 16);
-	__builtin_memcpy(e->daddr, a, 16);
-	u16 p = e->sport;
-	e->sport = e->dport;
-	e->dport = p;
-}
-
 /* ---- NAT ---------------------------------------------------------------------------- */
 /* The packet a NAT function was handed, if it is a SYN or RST: aux names the function,
  * aux2 its two small arguments. */
@@ -201,7 +190,7 @@ int npt_kp_nf_send_reset(struct pt_regs *ctx)
 	if (npt_read_skb(&e, oldskb) != NPT_IPPROTO_TCP)
 		return 0;
 	/* oldskb is the packet being rejected: its tuple reversed is the RST's own */
-	npt_kp_reverse(&e);
+	npt_reverse(&e);
 	e.tcpflags = NPT_TCP_RST;
 	e.seq = 0;
 	e.ack_seq = 0;

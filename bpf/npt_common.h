@@ -880,6 +880,18 @@ static __always_inline void npt_init(struct npt_event *e, u16 type, u8 hook)
 	e->hook = hook;
 }
 
+/* An event's tuple turned around: the reply's, or a reset's about the packet it answers. */
+static __always_inline void npt_reverse(struct npt_event *e)
+{
+	u8 a[16];
+	__builtin_memcpy(a, e->saddr, 16);
+	__builtin_memcpy(e->saddr, e->daddr, 16);
+	__builtin_memcpy(e->daddr, a, 16);
+	u16 p = e->sport;
+	e->sport = e->dport;
+	e->dport = p;
+}
+
 /* A reset the TCP stack sends about a packet, not from a connection: no socket (nothing
  * listens; since 6.10 tcp:tcp_send_reset fires for these, before only the kprobe on
  * tcp_v4_send_reset / tcp_v6_send_reset sees them, bpf/kprobes.bpf.c), or a LISTEN socket
@@ -896,13 +908,7 @@ static __always_inline int npt_emit_skb_reset(void *skb, void *sk, u8 state, u32
 		e.netns = npt_netns_of_sk(sk);
 	if (sk)
 		e.flags |= NPT_F_HAS_SOCK;
-	u8 a[16];
-	__builtin_memcpy(a, e.saddr, 16);
-	__builtin_memcpy(e.saddr, e.daddr, 16);
-	__builtin_memcpy(e.daddr, a, 16);
-	u16 sp = e.sport;
-	e.sport = e.dport;
-	e.dport = sp;
+	npt_reverse(&e);
 	e.l4proto = NPT_IPPROTO_TCP;
 	e.tcpflags = 0x04;
 	e.state = state;

@@ -248,10 +248,9 @@ def doctor_command(ctx, as_json, netns, trials, mount_tracefs, color, root):
         headers.select(hs)     # the trials compile as `run` does, against the same headers
     features = feat.probe(root, trials=trial_fn, mount_tracefs=mount_tracefs and real)
     node_checks = nodemod.check(root, netns=netns)   # NodeError: one line, exit 2
-    plan_load = None
-    if trial_fn is not None and hs is not None and hs.kind != "none":
-        def plan_load(plan):
-            return attach.trial(plan)
+    # the plan compiled and loaded for real: only with bcc, privileges and headers
+    plan_load = attach.trial if trial_fn is not None and hs is not None and hs.kind != "none" \
+        else None
     report = build_report(features, node_checks, header_source=hs, hot_path=hot_path(),
                           plan_load=plan_load)
     if as_json:

@@ -23,7 +23,8 @@ from nptrace.errors import FeatureMissing, LoadError
 from nptrace.kernel import hooks, loader
 
 __all__ = ["Choice", "Plan", "all_cflags", "attach_kprobes", "attach_netfilter", "attach_tc",
-           "load", "nf_cflags", "nf_namespaces", "plan", "reason_cflags", "tc_cflags"]
+           "kernel_flags", "load", "nf_cflags", "nf_namespaces", "plan", "reason_cflags",
+           "tc_cflags", "trial"]
 
 Log = Callable[[str], None]
 

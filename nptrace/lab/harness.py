@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -54,49 +55,92 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float | None = None,
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
                    inode_sink: dict | None = None, variant: str | None = None,
-                   rounds: int = 1, pause: float = 1.5, wrap: tuple = (), before_stop=None):
+                   rounds: int = 1, pause: float = 1.5, wrap: tuple = ()):
     """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down. ``wrap``: a
-    command prefix for nptrace (a mount namespace, ...); ``before_stop``: called while the
-    tracer is still attached, after the last trigger (the kernel matrix reads the programs'
-    run counts there). Returns (lab info, attempts, JSON events, stderr)."""
+    command prefix for nptrace (a mount namespace, ...). Returns (lab info, attempts, JSON
+    events, stderr)."""
+    [(info, attempts, inodes)], events, err = trace_labs(
+        [Case(name, backend, variant, prefix)], count, extra_args=extra_args, settle=settle,
+        watch=watch, rounds=rounds, pause=pause, wrap=wrap)
+    if inode_sink is not None:
+        inode_sink.update(inodes)
+    return info, attempts, events, err
+
+
+@dataclass(frozen=True)
+class Case:
+    """One lab to bring up: a scenario, its rules backend and variant, under a prefix."""
+    name: str
+    backend: str = "iptables"
+    variant: str | None = None
+    prefix: str | None = None
+
+
+def _own_ports(info, i: int) -> None:
+    """Labs up together share one address plan: their clients get disjoint ephemeral ports
+    (4000 each from 10000), so that a connection of one (a SYN-ACK still retransmitted) never
+    has the 4-tuple of another's and the tracer keeps them apart, as scenario_events does."""
+    lo = 10000 + 4000 * (i % 12)
+    for ns in info.namespaces.values():
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                        f"net.ipv4.ip_local_port_range={lo} {lo + 3999}"], check=False,
+                       capture_output=True)
+
+
+def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: bool = True,
+               rounds: int = 1, pause: float = 1.5, wrap: tuple = (), after=None):
+    """Several labs up at once (each under its own prefix), one `nptrace run` watching all
+    of them, each triggered in turn (``rounds`` times, ``pause`` s apart), then stop and down.
+    A traced run's compile is paid once for all the cases: a minute or two in a guest under
+    TCG (the kernel matrix). ``after(case)``: called while the tracer is still attached, after
+    each case's last trigger and ``settle``. Returns ([(lab info, attempts, netns inodes)] in
+    the cases' order, JSON events of all of them, stderr); nptrace/lab/harness.py
+    scenario_events() tells each case's incidents by its inodes and client ports."""
     from nptrace import lab
-    info = lab.up(name, backend=backend, prefix=prefix, variant=variant)
-    if inode_sink is not None:   # netns inodes exist only while the lab is up
-        for ns in info.namespaces.values():
-            inode_sink[ns] = os.stat(f"/run/netns/{ns}").st_ino
+    ups: list = []
     try:
+        for c in cases:
+            info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant)
+            # netns inodes exist only while the lab is up
+            ups.append((c, info, {ns: os.stat(f"/run/netns/{ns}").st_ino
+                                  for ns in info.namespaces.values()}))
+            if len(cases) > 1:
+                _own_ports(info, len(ups) - 1)
         with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
             ready = Path(tmp) / "ready"
             out = Path(tmp) / "events.json"
             err = Path(tmp) / "stderr"
-            ifaces = []
-            for w in (info.watch if watch else ()):
-                ifaces += ["--iface", w]
+            ifaces = [a for _, info, _ in ups for w in (info.watch if watch else ())
+                      for a in ("--iface", w)]
+            done = []
             with open(out, "w") as fo, open(err, "w") as fe:
                 proc = subprocess.Popen([*wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
                                                           *ifaces, *extra_args],
                                         stdout=fo, stderr=fe)
                 try:
                     wait_ready(ready, proc, stderr=err)
-                    attempts = lab.trigger(name, count=count, prefix=prefix)
-                    for _ in range(rounds - 1):
-                        time.sleep(pause)
-                        attempts += lab.trigger(name, count=count, prefix=prefix)
-                    time.sleep(settle)   # let the last records reach user space
-                    if before_stop is not None:
-                        before_stop()
-                    if inode_sink is not None:   # pods a scenario's steps (re)created
-                        for ns in (lab.status(prefix=prefix) or {}).get("namespaces", []):
+                    for c, info, inodes in ups:
+                        attempts = lab.trigger(c.name, count=count, prefix=c.prefix)
+                        for _ in range(rounds - 1):
+                            time.sleep(pause)
+                            attempts += lab.trigger(c.name, count=count, prefix=c.prefix)
+                        time.sleep(settle)   # let the last records reach user space
+                        if after is not None:
+                            after(c)
+                        # pods a scenario's steps (re)created
+                        for ns in (lab.status(prefix=c.prefix) or {}).get("namespaces", []):
                             try:
-                                inode_sink[f"{ns}@after"] = os.stat(f"/run/netns/{ns}").st_ino
+                                inodes[f"{ns}@after"] = os.stat(f"/run/netns/{ns}").st_ino
                             except OSError:
                                 pass
+                        done.append((info, attempts, inodes))
                 finally:
                     interrupt(proc)
             events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
-            return info, attempts, events, err.read_text()
+            return done, events, err.read_text()
     finally:
-        lab.down(name, prefix=prefix)
+        for c, _, _ in reversed(ups):     # an up that failed took its half-made lab down
+            lab.down(c.name, prefix=c.prefix)
 
 
 def _ports_of(detail: str) -> set[int]:

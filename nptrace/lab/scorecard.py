@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nptrace.lab.errors import NotRunnable
-from nptrace.lab.harness import scenario_events, trace_scenario
+from nptrace.lab.harness import Case, scenario_events, trace_labs, trace_scenario
 
 HEALTHY = "none"          # the expected label of scenarios with no network fault
 FAULTLESS = {"app_reset"}  # labels that do not blame the network
@@ -51,8 +51,7 @@ class Score:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = (),
-          before_stop=None) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = ()) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
     storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok). ``hint``:
     words each incident of the expected cause must name (the scenario's ``hint``)."""
@@ -60,11 +59,28 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
                                                  watch=watch, variant=variant, settle=observe,
-                                                 inode_sink=inodes, extra_args=extra,
-                                                 before_stop=before_stop)
+                                                 inode_sink=inodes, extra_args=extra)
+    return tally(Case(name, backend, variant, prefix), expected, attempts, events, inodes, err,
+                 hint)
+
+
+def score_labs(cases, count: int, observe: float = 1.0, after=None) -> list[Score]:
+    """The yardstick for several cases under one traced run (harness.trace_labs): ``cases``
+    are (Case, expected cause, hint words); ``after(case)`` runs after each case's trigger
+    while the tracer is attached. One Score per case, in order."""
+    done, events, err = trace_labs([c for c, _, _ in cases], count, settle=observe,
+                                   extra_args=("--max-rate", "0"), after=after)
+    return [tally(c, expected, attempts, events, inodes, err, hint)
+            for (c, expected, hint), (_, attempts, inodes) in zip(cases, done)]
+
+
+def tally(case: Case, expected: str | None, attempts, events, inodes: dict, err: str,
+          hint: tuple = ()) -> Score:
+    """The Score of one case: its own incidents (by its namespaces' inodes and client ports)
+    counted by label."""
     mine = scenario_events(attempts, events, set(inodes.values()))
-    s = Score(name + (f"/{variant}" if variant else "") + (f"@{backend}" if backend != "iptables" else ""),
-              expected or HEALTHY, len(attempts), Counter(a.outcome for a in attempts), stderr=err,
+    s = Score(row_name(case.name, case.backend, case.variant), expected or HEALTHY,
+              len(attempts), Counter(a.outcome for a in attempts), stderr=err,
               as_expected=sum(1 for a in attempts if getattr(a, "expected", True)))
     for e in mine:
         # an incident gathers several kernel events; each of them got this label

@@ -68,3 +68,10 @@ def test_vng_command_says_tcg_unless_kvm_works():
     cmd = kernels.vng_command(Path("/v/vng"), k, "true", Path("/out"), kvm=False)
     assert "--disable-kvm" in cmd and "--force-9p" in cmd and cmd[-2:] == ["-e", "true"]
     assert "--disable-kvm" not in kernels.vng_command(Path("/v/vng"), k, "true", Path("/o"), True)
+
+
+def test_batches_keep_host_wide_scenarios_alone():
+    items = ["a", "b", "FULL", "c", "d", "e"]
+    assert kernels.batches(items, 2, lambda s: s.isupper()) == \
+        [["a", "b"], ["FULL"], ["c", "d"], ["e"]]
+    assert kernels.batches([], 8, lambda s: False) == []
