@@ -18,7 +18,8 @@
  *     resets too, so the group attaches only where that tracepoint lacks `reason` (before
  *     6.10); the record is the tracepoint's (hook tcp_send_reset, reason NO_SOCKET)
  *   ip_vs_in_hook / ip_vs_out_hook(priv, skb, state)  IPVS, 6.2+ (before: ip_vs_remote_request4
- *     and ip_vs_reply4, same argument order); kretprobe gives the verdict
+ *     and ip_vs_reply4, same argument order); kretprobe gives the verdict and the conntrack
+ *     entry as IPVS left it
  * Needs CONFIG_KPROBES (kprobe PMU 4.17, kprobe_events since 4.1; absent on the development VM:
  * there these programs are compiled and verified by tests/privileged/test_enrichment_compile.py,
  * never attached). Gate: -DNPT_WITH_KPROBES, set by nptrace/kernel/attach.py where
@@ -56,9 +57,11 @@
 #define NPT_TCP_RST 0x04
 
 /* Entry state a kretprobe needs: slot 0 fib_validate_source (the skb), slots 1/2 the IPVS
- * in/out event read at entry (at return an NF_STOLEN skb may already be freed). */
+ * in/out event read at entry (at return an NF_STOLEN skb may already be freed) and its
+ * conntrack entry, read again at return. */
 struct npt_kp_slot {
 	u64 skb;
+	u64 ct;
 	u32 armed;
 	u32 _pad;
 	struct npt_event e;
@@ -216,6 +219,7 @@ static __always_inline int npt_kp_ipvs_entry(struct pt_regs *ctx, u32 slot, u32 
 		return 0;
 	s->e.aux = kf;
 	s->skb = (u64)skb;
+	s->ct = (u64)npt_ct_of(skb);
 	s->armed = 1;
 	return 0;
 }
@@ -227,6 +231,11 @@ static __always_inline int npt_kp_ipvs_ret(struct pt_regs *ctx, u32 slot)
 		return 0;
 	s->armed = 0;
 	s->e.aux2 = (u32)PT_REGS_RC(ctx);
+	/* IPVS binds the connection to its real server inside the hook (ip_vs_update_conntrack
+	 * with net.ipv4.vs.conntrack=1, as kube-proxy sets it): the entry's reply tuple now names
+	 * the real server, which links the client's tuple to the pod's as nf_nat's does. The
+	 * entry outlives a stolen skb: IPVS's connection holds it. */
+	npt_read_ct_of(&s->e, (void *)s->ct);
 	npt_emit(&s->e);
 	return 0;
 }

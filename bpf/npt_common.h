@@ -686,12 +686,22 @@ static __always_inline u32 npt_netns_of_sk(void *sk)
 }
 
 /* The skb's conntrack entry: skb->_nfct with the ctinfo bits (low 3) masked off. */
-static __always_inline void npt_read_ct(struct npt_event *e, void *skb)
+/* The skb's conntrack entry (skb->_nfct without its ctinfo bits), or 0. */
+static __always_inline void *npt_ct_of(void *skb)
 {
 #if NPT_HAVE_sk_buff___nfct
 	unsigned long nfct = 0;
 	NPT_READ(nfct, skb, NPT_OFF_sk_buff___nfct);
-	void *ct = (void *)(nfct & ~7UL);
+	return (void *)(nfct & ~7UL);
+#else
+	return 0;
+#endif
+}
+
+/* Both tuples and the status of conntrack entry ct (0: nothing). */
+static __always_inline void npt_read_ct_of(struct npt_event *e, void *ct)
+{
+#if NPT_HAVE_sk_buff___nfct
 	if (!ct)
 		return;
 	void *t0 = ct + NPT_OFF_nf_conn__tuplehash + NPT_OFF_nf_conntrack_tuple_hash__tuple;
@@ -710,6 +720,11 @@ static __always_inline void npt_read_ct(struct npt_event *e, void *skb)
 	e->ct_status = status;
 	e->flags |= NPT_F_HAS_CT;
 #endif
+}
+
+static __always_inline void npt_read_ct(struct npt_event *e, void *skb)
+{
+	npt_read_ct_of(e, npt_ct_of(skb));
 }
 
 /* Fill the tuple, interface, netns, mark and conntrack from an skb pointer.

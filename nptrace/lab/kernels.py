@@ -224,7 +224,7 @@ def _sh(cmd: list[str]) -> str:
 
 
 def prog_runs() -> dict[str, int]:
-    """BPF program name (15 characters: the kernel's BPF_OBJ_NAME_LEN) -> run count."""
+    """BPF program name, as bpftool shows it, -> run count (bpf_stats)."""
     try:
         progs = json.loads(_sh(["bpftool", "prog", "show", "-j"]) or "[]")
     except ValueError:
@@ -241,7 +241,9 @@ def kprobe_fired(runs: dict[str, int]) -> dict[str, int]:
     out = {}
     for h in hooks.HOOKS:
         if h.kind == "kprobe":
-            out[h.group] = sum(runs.get(p, 0) for p in {p[:15] for p in h.programs})
+            # bpftool names a program by its BTF function name where it has one, else by the
+            # kernel's 15 characters; an entry/return pair counts its calls once
+            out[h.group] = max(runs.get(p, runs.get(p[:15], 0)) for p in h.programs)
     return out
 
 

@@ -22,11 +22,15 @@ def test_debian_uri_is_the_machines_own_archive(tmp_path: Path):
 
 
 def test_kprobe_groups_fired_from_bpf_program_names():
-    # bpftool shows the kernel's 15-character names; a group's entry and return programs sum
+    # bpftool shows the BTF function name, or the kernel's 15 characters without BTF; an
+    # entry/return pair counts its calls once
     runs = {"npt_kp_fib_vali": 7, "npt_kp_tcp_rese": 3, "npt_kp_nat_mani": 0, "tracepoint__skb": 9}
     fired = kernels.kprobe_fired(runs)
     assert fired["rp_filter"] == 7 and fired["nat"] == 0
     assert fired["tcp_reset"] == 3 and fired["tcp_reset6"] == 3   # one program, two functions
+    full = kernels.kprobe_fired({"npt_kp_fib_validate_entry": 7, "npt_kp_fib_validate_ret": 7,
+                                 "npt_kp_ipvs_in_entry": 2})
+    assert full["rp_filter"] == 7 and full["ipvs_in"] == 2 and full["nat"] == 0
 
 
 def test_attached_groups_from_the_run_log():

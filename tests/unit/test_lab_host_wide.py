@@ -180,3 +180,16 @@ def test_overlay_checksums_the_vxlan_packets_and_rewrites_them_on_every_backend(
     # on a VM the netdev chain's device is the VM's NIC
     cmds = vm.role_commands(spec, "node2", "iptables", {"eth0": "eth1", "ul0": "eth2"})
     assert any(c.input and 'device "eth2"' in c.input for c in cmds)
+
+
+def test_sysctls_global_on_older_kernels_are_left_out_there(monkeypatch):
+    """5.10 has net.ipv4.icmp_msgs_burst/per_sec only in the root namespace: a node's step
+    that sets them keeps its other keys and drops those, where this kernel lacks them."""
+    from nptrace.lab.hostplan import Step
+    step = Step("run", ("sysctl", "-q", "-w", "net.ipv4.ip_forward=1",
+                        "net.ipv4.icmp_msgs_burst=10000", "net.ipv4.icmp_msgs_per_sec=10000"))
+    monkeypatch.setattr(netns, "namespaced", lambda key: False)
+    kept, wide = netns.split_host_wide([step])
+    assert kept == [Step("run", ("sysctl", "-q", "-w", "net.ipv4.ip_forward=1"))] and wide == {}
+    monkeypatch.setattr(netns, "namespaced", lambda key: True)
+    assert netns.split_host_wide([step]) == ([step], {})
