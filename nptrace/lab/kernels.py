@@ -12,10 +12,12 @@ the guest runs this checkout and its venv; only the results folder is shared wri
 
 In the guest (`guest` subcommand): the modules the lab needs are loaded, bpf_stats is turned
 on, `nptrace doctor --json` runs (it compiles and loads the plan `run` would use), then every
-scenario's first yardstick case (nptrace/lab/scorecard.py score(), the host's yardstick) with
-the kprobe programs' run counts read from bpftool while the tracer is still attached. The
-host prints one table: kernel, accelerator, plan, per scenario the label score and the kprobe
-groups that fired.
+scenario's first yardstick case (nptrace/lab/scorecard.py, the host's yardstick), BATCH labs
+under one traced run (score_labs), with each scenario's kprobe run counts read from bpftool
+after its trigger while the tracer is still attached. The host prints one table: kernel,
+accelerator, plan, per scenario the label score and the kprobe groups that fired. The guest
+loads the modules whose functions the kprobe groups probe before `run` starts (on a node a
+group whose module loads later stays skipped: `run` says so at start).
 
 KVM is used when a guest really boots under it (a short trial boot, remembered per host
 kernel); otherwise TCG, several times slower (on the development VM a KVM guest hangs after

@@ -97,8 +97,9 @@ def tally(case: Case, expected: str | None, attempts, events, inodes: dict, err:
 
 def runs(sc) -> list[tuple[str, str | None]]:
     """(backend, variant) of every yardstick case of a scenario: each backend it has; each
-    variant on its first backend (iptables but for the ipvs scenarios); each dual-stack form also on a second rules family (nft, or
-    iptables-legacy where the scenario has no nft form)."""
+    variant on its first backend (iptables but for the ipvs scenarios); each dual-stack form
+    also on a second rules family (nft, or iptables-legacy where the scenario has no nft
+    form)."""
     out = [(b, None) for b in sc.backends] + [(sc.backends[0], v) for v in sc.variants]
     second = next((b for b in ("nft", "iptables-legacy") if b in sc.backends), None)
     if second:

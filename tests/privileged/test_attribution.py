@@ -96,3 +96,22 @@ def test_default_sampling_keeps_each_flow_whole():
     s = score(sc.name, sc.cause, COUNT, prefix=PREFIX, observe=sc.observe, max_rate=None)
     assert s.total >= s.attempts, f"too few events seen: {dict(s.labels)}\n{s.stderr[-800:]}"
     assert s.hit_rate >= 0.99, dict(s.labels)
+
+
+def test_labs_under_one_traced_run_keep_their_causes_apart():
+    """The kernel matrix's form (scorecard.score_labs): several labs up at once under one
+    `nptrace run`, each scored by its own namespaces and client ports. missing-snat's SYN-ACKs
+    are still retransmitted while no-listener's client connects: with the same address plan,
+    only disjoint client ports keep their tuples apart."""
+    from nptrace.lab.harness import Case
+    from nptrace.lab.scorecard import score_labs
+    scs = {sc.name: sc for sc in lab.scenarios()}
+    names = ("missing-snat", "no-listener", "rp-filter-asymmetric")
+    seen = []
+    got = score_labs([(Case(n, "iptables", None, f"{PREFIX}b{i}-"), scs[n].cause,
+                       model.compile_spec(n).hint) for i, n in enumerate(names)], 20,
+                     observe=2.0, after=lambda c: seen.append(c.name))
+    assert seen == list(names)
+    for n, s in zip(names, got):
+        assert s.scenario == n and s.total >= s.attempts == 20, (n, dict(s.labels))
+        assert s.hit_rate == 1.0, (n, dict(s.labels))
