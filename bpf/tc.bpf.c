@@ -77,9 +77,12 @@
 #endif
 
 #define NPT_TC_PASS        (-1)          /* TC_ACT_UNSPEC: see the header comment */
-/* A SYN with the same ISN seen again sooner than this is the same packet on a stacked device;
- * later, a retransmission (Linux's first SYN RTO is 1 s, TCP_TIMEOUT_INIT). */
-#define NPT_SYN_SAME_NS    10000000ULL
+/* A SYN with the same ISN seen again sooner than this is the same packet on a stacked device
+ * (a VXLAN underlay, then its overlay: 10 ms was too short on a loaded TCG guest, which
+ * counted the decapsulated SYN a retransmission and its reply an asymmetric one); later, a
+ * retransmission (Linux's first SYN RTO is 1 s, TCP_TIMEOUT_INIT, and no RTO is below
+ * TCP_RTO_MIN, 200 ms, unless a route lowers rto_min). */
+#define NPT_SYN_SAME_NS    100000000ULL
 
 #define NPT_ETH_HLEN       14
 #define NPT_ETH_P_8021Q    0x8100

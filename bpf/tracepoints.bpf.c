@@ -82,7 +82,8 @@ static __always_inline u32 npt_neigh_failed(u32 reason, u64 at)
 /* Before 5.17 kfree_skb has no reason: a drop is named by the function that freed it, from
  * kallsyms ranges (-DNPT_DROP_SITE_*, nptrace/kernel/kallsyms.py) with the values of the
  * reason table nptrace uses on such kernels (nptrace/reasons.py LEGACY_DROPS). nf_hook_slow
- * frees what a netfilter rule dropped; anything else is NOT_SPECIFIED, which is not sent (the
+ * frees what a netfilter rule dropped; a failed neighbour's queued packets are then named as
+ * above (npt_neigh_failed); anything else is NOT_SPECIFIED, which is not sent (the
  * reverse-path check and the reset sender have their own kprobes there). */
 #ifndef NPT_DROP_NOT_SPECIFIED
 #define NPT_DROP_NOT_SPECIFIED 1
@@ -101,7 +102,8 @@ TRACEPOINT_PROBE(skb, kfree_skb)
 #if NPT_TPF_KFREE_SKB_REASON
 	u32 reason = npt_neigh_failed((u32)args->reason, (u64)args->location);
 #else
-	u32 reason = npt_drop_site((u64)args->location);   /* before 5.17: by call site */
+	/* before 5.17: by call site, the failed neighbour's frees among them */
+	u32 reason = npt_neigh_failed(npt_drop_site((u64)args->location), (u64)args->location);
 #endif
 	u32 kreason = reason;
 	u16 proto = args->protocol;   /* the tracepoint stores ntohs(skb->protocol) */

@@ -64,7 +64,8 @@ def interesting_drops(table: ReasonTable, limit: int) -> list[int]:
 # the reverse-path check's failure by its kprobe and a socket-less reset by the reset sender's
 # kprobe (bpf/kprobes.bpf.c). Their values are nptrace's own, used only on such kernels; the
 # names are the kernel's, so the rules are the same on every kernel.
-LEGACY_DROPS = {1: "NOT_SPECIFIED", 2: "NO_SOCKET", 3: "NETFILTER_DROP", 4: "IP_RPFILTER"}
+LEGACY_DROPS = {1: "NOT_SPECIFIED", 2: "NO_SOCKET", 3: "NETFILTER_DROP", 4: "IP_RPFILTER",
+                5: "NEIGH_FAILED"}
 LEGACY_RSTS = {1: "NOT_SPECIFIED", 2: "NO_SOCKET"}
 
 
