@@ -201,7 +201,7 @@ def boot(vng: Path, k: Kernel, args: list[str], out: Path, kvm: bool, timeout: f
     result = out / "result.json"
     result.unlink(missing_ok=True)
     top = Path(__file__).resolve().parents[2]
-    guest = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 {sys.executable} -m nptrace.lab.kernels guest --out {result} "
+    guest = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 NPT_LAB_SERVER_TIMEOUT=300 {sys.executable} -m nptrace.lab.kernels guest --out {result} "
              + " ".join(args) + f" > {out}/guest.log 2>&1")
     t0 = time.monotonic()
     try:

@@ -186,9 +186,14 @@ def spawn(netns: str, argv, log: Path) -> subprocess.Popen:
                                 stdout=subprocess.PIPE, stderr=err, start_new_session=True)
 
 
-def wait_ready(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+# How long a lab server may take to start: well under a second here, far more in a guest under
+# TCG whose root is a 9p share (the kernel matrix, nptrace/lab/kernels.py, sets it higher).
+SERVER_TIMEOUT = float(os.environ.get("NPT_LAB_SERVER_TIMEOUT", "10"))
+
+
+def wait_ready(procs: list[subprocess.Popen], timeout: float | None = None) -> None:
     """Each server prints "ready" once all its sockets listen."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (SERVER_TIMEOUT if timeout is None else timeout)
     for p in procs:
         left = deadline - time.monotonic()
         r, _, _ = select.select([p.stdout], [], [], max(left, 0))
