@@ -236,6 +236,14 @@ static __always_inline int npt_kp_ipvs_ret(struct pt_regs *ctx, u32 slot)
 	 * the real server, which links the client's tuple to the pod's as nf_nat's does. The
 	 * entry outlives a stolen skb: IPVS's connection holds it. */
 	npt_read_ct_of(&s->e, (void *)s->ct);
+	/* nf_conntrack_alter_reply sets none of nf_nat's status bits: an entry whose reply no
+	 * longer comes from the original destination had its destination translated, and is
+	 * recorded as DST_NAT so that every reader of the record (cause keys, correlation) sees
+	 * IPVS's NAT as it sees nf_nat's */
+	const u64 *rs = (const u64 *)s->e.ct_rsrc, *od = (const u64 *)s->e.ct_odst;
+	if ((s->e.flags & NPT_F_HAS_CT) &&
+	    (rs[0] != od[0] || rs[1] != od[1] || s->e.ct_rsport != s->e.ct_odport))
+		s->e.ct_status |= NPT_IPS_DST_NAT;
 	npt_emit(&s->e);
 	return 0;
 }
