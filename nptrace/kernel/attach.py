@@ -64,8 +64,21 @@ class Plan:
         for h, why in self.missing:
             raise FeatureMissing(f"{h.kind} {h.name}", h.min_kernel, why)
 
+    @property
+    def lost_causes(self) -> tuple[str, ...]:
+        """Causes this kernel cannot give at all: their tracepoint field is missing and no
+        other hook names them (hooks.Field.lost). A scenario of such a cause is not
+        attributable here; it must not be mislabeled either."""
+        if self.fields is None:
+            return ()
+        return tuple(dict.fromkeys(
+            c for h in hooks.HOOKS if h.tracepoint in self.fields for f in h.fields
+            if f.name not in self.fields[h.tracepoint] for c in f.lost))
+
     def lines(self) -> list[str]:
-        return [c.line for c in self.choices]
+        lost = self.lost_causes
+        return [c.line for c in self.choices] + (
+            [f"causes this kernel cannot give: {', '.join(lost)} (see doctor)"] if lost else [])
 
     def decision(self, row: str) -> str:
         """What `run` does about a features hook row, as doctor shows it ("" for a field row)."""

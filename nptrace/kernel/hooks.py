@@ -31,6 +31,7 @@ class Field:
     min_kernel: str
     cost: str          # what is lost on a kernel whose tracepoint lacks it
     until: str = ""    # the kernel that removed it ("" = still there)
+    lost: tuple[str, ...] = ()   # causes no other hook names where it is missing
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,10 @@ HOOKS: tuple[Hook, ...] = (
         ("skbaddr", "location", "protocol"), required=True,
         fields=(Field("reason", "skb:kfree_skb reason", "5.17",   # commit c504e5c2f964
                       "drops are told apart by where they were freed (nf_hook_slow: "
-                      "NETFILTER_DROP), rp_filter by kprobe:rp_filter, no_listener by "
-                      "kprobe:tcp_reset; other reasons are unknown"),),
+                      "NETFILTER_DROP, a failed neighbour), rp_filter by kprobe:rp_filter, "
+                      "no_listener by kprobe:tcp_reset; a bad TCP checksum is freed where "
+                      "other drops are (tcp_v4_rcv): the checksum cause is lost",
+                      lost=("checksum",)),),
         fail_reason="no drop hook: skb:kfree_skb is missing (no fallback)"),
     _tp("tcp:tcp_send_reset", "NPT_TP_TCP_SEND_RESET", "4.15",  # with the other tcp tracepoints
         "resets sent by the local TCP stack (no_listener) are not seen",

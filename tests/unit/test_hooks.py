@@ -168,3 +168,12 @@ def test_doctor_hook_rows_come_from_the_plan():
     assert rows["netfilter bpf"].detail.endswith("run: netfilter:post_routing off")
     assert rows["kprobes"].detail.endswith("run: kprobe:* on")
     assert "run:" not in rows["btf"].detail
+
+
+def test_plan_names_the_causes_a_kernel_cannot_give():
+    # before 5.17 kfree_skb has no reason: a bad checksum's drop looks like any other
+    old = plan_for("linux-5.4")
+    assert old.lost_causes == ("checksum",)
+    assert "causes this kernel cannot give: checksum (see doctor)" in old.lines()[-1]
+    assert plan_for("linux-6.18").lost_causes == ()
+    assert not any("cannot give" in ln for ln in plan_for("linux-6.18").lines())

@@ -79,3 +79,18 @@ def test_batches_keep_host_wide_scenarios_alone():
     assert kernels.batches(items, 2, lambda s: s.isupper()) == \
         [["a", "b"], ["FULL"], ["c", "d"], ["e"]]
     assert kernels.batches([], 8, lambda s: False) == []
+
+
+def test_a_cause_the_kernel_cannot_give_is_not_attributable_but_must_not_be_mislabeled():
+    doc = {"ok": True, "rows": {"skb:kfree_skb reason": ["missing", "no 'reason' field"]}}
+    assert kernels.lost_causes(doc) == {"checksum": "skb:kfree_skb reason"}
+    assert kernels.lost_causes({"rows": {"skb:kfree_skb reason": ["ok", ""]}}) == {}
+    row = {"scenario": "offload-checksum", "expected": "checksum", "hit": 0.0, "events": 20,
+           "labels": {"unknown": 20}, "attached": [], "fired": {}}
+    r = {"kernel": "5.10.0-32-amd64", "accel": "TCG", "doctor": doc, "scenarios": [row]}
+    assert kernels.failures([r]) == []
+    assert "not attributable here (skb:kfree_skb reason missing)" in kernels.table([r])
+    row["labels"] = {"unknown": 10, "peer_reset": 10}
+    assert kernels.failures([r]) == [
+        "5.10.0-32-amd64 offload-checksum: not attributable here (skb:kfree_skb reason "
+        "missing), mislabeled {'peer_reset': 10} {'unknown': 10, 'peer_reset': 10}"]
