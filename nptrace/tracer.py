@@ -264,14 +264,15 @@ class Tracer:
                 log(f"pods named from {self.pods.source}")
             lookups = dict(iface_name=names.iface, iface_peer=names.veth_peer,
                            service_of=kn.service_of,
-                           endpoint_of=kn.endpoint_of, nf_rule=self.nft.nf_rule,
+                           endpoint_of=kn.endpoint_of, etp_local=kn.etp_local,
+                           nf_rule=self.nft.nf_rule,
                            route_iface=kn.route_iface, nat_peer=self._nat_peer,
                            pod_of=self.pods.pod_of, pod_of_netns=self.pods.pod_of_netns)
             if self.recorder is not None:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "nf_rule", "route_iface", "nat_peer", "pod_of",
+                for name in ("endpoint_of", "etp_local", "nf_rule", "route_iface", "nat_peer", "pod_of",
                              "pod_of_netns", "iface_peer"):
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
@@ -395,7 +396,7 @@ class Tracer:
         if kn is not None:
             ctx = Context(drop_name=drops.name, rst_name=rsts.name, iface_name=names.iface,
                           service_of=kn.service_of, endpoint_of=kn.endpoint_of,
-                          nf_rule=kn.nf_rule)
+                          etp_local=kn.etp_local, nf_rule=kn.nf_rule)
         else:
             ctx = self.ctx
         self.exact = ExactCounts(KeyLabeler(ctx),

@@ -111,12 +111,41 @@ def rule_rp_filter(ev, rname, history, ctx):
     return None
 
 
+ETP_FALLBACK_HINT = (
+    "{service} has externalTrafficPolicy: Local, yet its endpoint {ep} answers a client whose "
+    "connection another node forwarded to it without SNAT: {where}. kube-proxy in IPVS mode "
+    "fills an eTP=Local NodePort of a node without a local endpoint with the cluster's "
+    "endpoints and does not masquerade them (to keep the client address), so the pod's reply "
+    "goes straight to the client, which never connected to it and resets it. Let the load "
+    "balancer use the Service's healthCheckNodePort so it skips nodes without an endpoint, run "
+    "the backend on every node (DaemonSet), or use externalTrafficPolicy: Cluster")
+
+
+def etp_local_fallback(ctx, addr: str, port: int):
+    """The label of a reply that left unmasqueraded because its pod's Service has
+    externalTrafficPolicy: Local: the node that forwarded it had no local endpoint (the
+    cause), not a missing masquerade rule; None for any other Service."""
+    got = ctx.etp_local(addr, port)
+    if not got:
+        return None
+    vs = got.get("no_local") or []
+    where = (f"the IPVS virtual server{'s' if len(vs) > 1 else ''} {', '.join(vs)} "
+             f"{'have' if len(vs) > 1 else 'has'} no real server on {'their' if len(vs) > 1 else 'its'} "
+             f"node and send{'' if len(vs) > 1 else 's'} to this one" if vs else
+             f"that node has no local endpoint of {got['service']}")
+    return ("no_local_endpoint", 0.85, ETP_FALLBACK_HINT.format(
+        service=got["service"], ep=hostport(addr, port), where=where))
+
+
 @applies_to(T_ASYM_SRC, T_RST_SENT, T_DROP)
 @for_reasons(T_RST_SENT, ("NO_SOCKET",))
 @for_reasons(T_DROP, ("NO_SOCKET",))
 def rule_unexpected_reply(ev, rname, history, ctx):
     """A SYN-ACK its receiver never asked for: the reply left with the pod's own source."""
     if ev.type == T_ASYM_SRC:
+        fallback = etp_local_fallback(ctx, ev.saddr, ev.sport)
+        if fallback:
+            return fallback
         return ("snat", 0.85,
                 "the reply from {saddr}:{sport} leaves without being translated back to the "
                 "address the client connected to: masquerade the forwarded traffic "
@@ -131,6 +160,9 @@ def rule_unexpected_reply(ev, rname, history, ctx):
             # by a middlebox, timed out), a consequence of the flow's earlier cause; saying
             # snat here outranks that cause when both land in one incident.
             return None
+        fallback = etp_local_fallback(ctx, *peer)
+        if fallback:
+            return fallback
         return ("snat", 0.9,
                 f"{peer[0]}:{peer[1]} answered a connection the client made to another address: "
                 "the reply was not un-NATed (it left by another node or path than the DNAT); "
@@ -148,6 +180,9 @@ def rule_wrong_iface(ev, rname, history, ctx):
     if ctx.endpoint_of(ev.saddr, ev.sport):
         # The reply comes from a pod's own address: nothing un-DNATs it here, so the request
         # was DNATed on another node and forwarded without masquerade.
+        fallback = etp_local_fallback(ctx, ev.saddr, ev.sport)
+        if fallback:
+            return fallback
         return ("snat", 0.85,
                 f"the pod {{saddr}}:{{sport}} answers a client whose request arrived on {back} "
                 "(from another node, not masqueraded) and its reply leaves by {iface} with the "

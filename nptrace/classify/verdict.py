@@ -149,6 +149,9 @@ class Context:
     service_of: Callable[[str, int], str | None] = lambda a, p: None
     # (addr, port) -> "ns/svc:port" when addr:port is a Service's endpoint (a pod).
     endpoint_of: Callable[[str, int], str | None] = lambda a, p: None
+    # (addr, port) -> {"service", "no_local": [IPVS virtual servers]} when addr:port is an
+    # endpoint of an externalTrafficPolicy: Local Service (NodeKnowledge.etp_local), else None.
+    etp_local: Callable[[str, int], dict | None] = lambda a, p: None
     # (netns, saddr, daddr, dport, odst, oport, syn, has_ct) -> services.nf_cause's answer on
     # that namespace's rules (live: NodeKnowledge.nf_rule; replay: the recorded answer), None
     # when no ruleset is readable.

@@ -195,11 +195,26 @@ def kvm_works(vng: Path, k: Kernel, cache: Path = CACHE) -> bool:
     return ok
 
 
+def merged(earlier: dict | None, now: dict) -> dict:
+    """A run of some scenarios over the kernel's earlier full result: the scenarios run now
+    replace theirs, the others are kept (marked with the commit they ran on)."""
+    if not earlier or "error" in now or "error" in earlier:
+        return now
+    ran = {s["scenario"] for s in now.get("scenarios", [])}
+    kept = [dict(s, earlier=s.get("earlier") or earlier.get("commit", "?"))
+            for s in earlier.get("scenarios", [])
+            if s["scenario"] not in ran]
+    order = {s["scenario"]: i for i, s in enumerate(earlier.get("scenarios", []))}
+    rows = sorted(kept + now.get("scenarios", []), key=lambda s: order.get(s["scenario"], len(order)))
+    return {**now, "scenarios": rows}
+
+
 def boot(vng: Path, k: Kernel, args: list[str], out: Path, kvm: bool, timeout: float) -> dict:
     """Run this module's `guest` in the kernel; its JSON result (or why it gave none)."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
-    result.unlink(missing_ok=True)
+    if result.exists():
+        result.rename(out / "result.previous.json")
     top = Path(__file__).resolve().parents[2]
     guest = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 NPT_LAB_SERVER_TIMEOUT=300 {sys.executable} -m nptrace.lab.kernels guest --out {result} "
              + " ".join(args) + f" > {out}/guest.log 2>&1")
@@ -216,6 +231,7 @@ def boot(vng: Path, k: Kernel, args: list[str], out: Path, kvm: bool, timeout: f
         return {"kernel": k.release, "error": "; ".join(err + log) or "no result", "wall_s": wall}
     data = json.loads(result.read_text())
     data["wall_s"] = wall
+    data["commit"] = _run(["git", "-C", str(top), "rev-parse", "--short", "HEAD"]).stdout.strip()
     return data
 
 
@@ -385,7 +401,7 @@ def table(results: list[dict]) -> str:
         lost = lost_causes(doc)
         for i, s in enumerate(r.get("scenarios", [])):
             cells = head if i == 0 else [""] * len(head)
-            score = verdict(s, lost)[1]
+            score = verdict(s, lost)[1] + (f" (commit {s['earlier']})" if s.get("earlier") else "")
             if "hit" not in s:
                 ev, att, fired = "", "", ""
             else:
@@ -439,6 +455,9 @@ def failures(results: list[dict]) -> list[str]:
     return out
 
 
+NOTES = "## Notes"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["guest"]:
@@ -464,21 +483,29 @@ def main(argv=None) -> int:
         kvm = kvm_works(vng, k)
         accel = "KVM" if kvm else "TCG"
         print(f"== {k.release} ({k.suite}) under {accel}", file=sys.stderr, flush=True)
-        r = boot(vng, k, ["--count", str(a.count), *scen], CACHE / "runs" / k.release, kvm, a.timeout)
+        out = CACHE / "runs" / k.release
+        r = boot(vng, k, ["--count", str(a.count), *scen], out, kvm, a.timeout)
         r["accel"] = accel
+        if a.scenarios and (out / "result.previous.json").exists():
+            r = merged(json.loads((out / "result.previous.json").read_text()), r)
+            (out / "result.json").write_text(json.dumps(r, indent=1))
         results.append(r)
         print(table([r]), file=sys.stderr, flush=True)
     md = table(results)
     print(md)
     if a.markdown:
         commit = _run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
-        Path(a.markdown).write_text(
+        md_path = Path(a.markdown)
+        # the measured notes below the table are kept across reruns
+        old = md_path.read_text() if md_path.exists() else ""
+        notes = old[old.index(NOTES):] if NOTES in old else ""
+        md_path.write_text(
             "# Kernel matrix\n\nEach kernel is Debian's `linux-image` of its suite, booted under "
             "qemu by `make test-kernels` (python -m nptrace.lab.kernels; virtme-ng); in it "
             "`nptrace doctor` and each lab scenario's first yardstick case "
             f"({a.count} attempts; nptrace/lab/scorecard.py), with the kprobe programs' run "
             "counts (bpf_stats) read while the tracer is attached.\n\n"
-            f"{time.strftime('%Y-%m-%d')}, commit {commit}.\n\n{md}\n")
+            f"{time.strftime('%Y-%m-%d')}, commit {commit}.\n\n{md}\n" + (f"\n{notes}" if notes else ""))
     bad = failures(results)
     for line in bad:
         print(f"FAIL {line}", file=sys.stderr)

@@ -246,6 +246,27 @@ class NodeKnowledge:
     def endpoint_of(self, addr: str, port: int) -> str | None:
         return self._lookup(addr, port, "endpoint")
 
+    def etp_local(self, addr: str, port: int) -> dict | None:
+        """When addr:port is an endpoint of an externalTrafficPolicy: Local Service:
+        {"service", "no_local": the IPVS virtual servers of it, in any namespace read, that hold
+        it as a real server and have no real server of their own node}, else None. kube-proxy's
+        IPVS mode fills such a node's eTP=Local NodePort with the cluster's endpoints and does
+        not masquerade it, which is how a Local Service's pod meets an unmasqueraded client."""
+        for smap in self._smaps:
+            try:
+                s = smap.lookup(addr, port)
+            except Exception:
+                continue
+            if s is None or s.kind != "endpoint":
+                continue
+            if not s.etp_local:
+                return None
+            from nptrace.services.ipvs import without_local
+            return {"service": s.name,
+                    "no_local": sorted({v for m in self._smaps for st in m.ipvs
+                                        for v in without_local(st, addr, port)})}
+        return None
+
     # -- routes ------------------------------------------------------------------------
     def route_iface(self, inode: int, addr: str) -> str | None:
         now = self.clock()

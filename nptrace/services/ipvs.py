@@ -240,6 +240,16 @@ def build_map(state: IpvsState):
     return b.finish()
 
 
+def without_local(state: IpvsState, addr: str, port: int, proto: str = "tcp") -> list[str]:
+    """The eTP=Local virtual servers of ``state`` that send to the real server addr:port
+    although none of their real servers is local (kube-proxy's fallback to the cluster's
+    endpoints, unmasqueraded), as ``TCP vip:port`` texts."""
+    a = canon(addr) if addr else None
+    return [str(vs) for vs in state.servers.values()
+            if vs.proto == proto and state.etp_local(vs) and not state.local_reals(vs)
+            and any(r.addr == a and r.port == int(port) for r in vs.reals)]
+
+
 def ipvs_cause(state: IpvsState, odst: str, oport: int, syn: bool, has_ct: bool,
                proto: str = "tcp") -> dict | None:
     """nf_cause's answer when IPVS itself dropped a packet to odst:oport, else None."""

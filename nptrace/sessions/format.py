@@ -257,6 +257,7 @@ def NF_RULE(v, where):
 # (key, value) of each Context lookup the recorder records, as Context calls and answers it.
 LOOKUPS = {
     "endpoint_of": (Tuple(ADDR, PORT), Opt(NAME)),
+    "etp_local": (Tuple(ADDR, PORT), Opt(Record({"service": NAME}, {"no_local": ListOf(NAME, 64)}))),
     "route_iface": (Tuple(NETNS, ADDR), Opt(NAME)),
     "iface_peer": (Tuple(NETNS, U32), Opt(NAME)),
     "nat_peer": (Tuple(ADDR, PORT, ADDR, PORT), Opt(Tuple(ADDR, PORT, ADDR, PORT))),

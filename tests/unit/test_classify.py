@@ -146,6 +146,31 @@ def test_asymmetric_reply_from_a_pod_is_missing_snat():
     assert v.cause == "snat"
 
 
+def test_unmasqueraded_reply_of_an_etp_local_pod_is_no_local_endpoint_of_the_forwarding_node():
+    # kube-proxy's IPVS mode sends an eTP=Local NodePort of a node without local endpoints to
+    # other nodes' pods unmasqueraded: the reply's cause is that node's missing endpoint
+    fb = {"service": "default/web:http", "no_local": ["TCP 192.168.10.11:30080"]}
+    ctx = Context(iface_name=CTX.iface_name, rst_name=CTX.rst_name,
+                  endpoint_of=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.10", 8080) else None,
+                  etp_local=lambda a, p: fb if (a, p) == ("10.244.1.10", 8080) else None)
+    asym = E(type=ev.EvType.ASYM_IFACE, hook=ev.Hook.TC_EGRESS, ifindex=2, aux=7,
+             saddr="10.244.1.10", sport=8080, daddr="192.168.10.100", dport=40000)
+    rst = E(type=ev.EvType.RST_SENT, hook=ev.Hook.TCP_SEND_RST, reason=1, aux=ev.TCP_SYN | ev.TCP_ACK,
+            saddr="192.168.10.100", sport=40001, daddr="10.244.1.10", dport=8080)
+    for e in (asym, rst):
+        [v] = classify([e], ctx)
+        assert v.cause == "no_local_endpoint", v
+        assert "TCP 192.168.10.11:30080" in v.hint and "externalTrafficPolicy: Local" in v.hint
+        assert "10.244.1.10:8080" in v.hint
+    # the same reply of a Cluster-policy Service stays a missing masquerade
+    [v] = classify([asym], Context(iface_name=CTX.iface_name, endpoint_of=ctx.endpoint_of))
+    assert v.cause == "snat"
+    # a Local Service whose forwarding node is not among the namespaces read
+    [v] = classify([asym], Context(iface_name=CTX.iface_name, endpoint_of=ctx.endpoint_of,
+                                   etp_local=lambda a, p: {"service": "default/web:http", "no_local": []}))
+    assert v.cause == "no_local_endpoint" and "no local endpoint of default/web:http" in v.hint
+
+
 def test_weak_drop_alone_is_not_reported():
     assert list(classify([E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=2)], CTX)) == []
 

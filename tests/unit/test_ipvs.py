@@ -214,3 +214,21 @@ def test_deleted_real_server_in_flight_is_proxy_naming_both_and_the_sysctl():
     assert v.cause == "proxy" and v.service == "default/web:http"
     for word in ("TCP 192.168.10.11:30080", "10.244.0.10:8080", "expire_nodest_conn=1", "conn_reuse_mode"):
         assert word in v.hint
+
+
+def test_etp_local_virtual_server_without_local_reals_is_the_fallback_named_by_knowledge():
+    from nptrace.node.knowledge import NodeKnowledge
+    node1 = _state((FIX / "ipvsadm_Ln.txt").read_text())     # KUBE-LOOP-BACK empty: no local pod
+    assert ipvs.without_local(node1, "10.244.1.10", 8080) == ["TCP 192.168.10.11:30080"]
+    assert ipvs.without_local(node1, "10.244.9.9", 8080) == []
+    loop = "create KUBE-LOOP-BACK hash:ip,port,ip\nadd KUBE-LOOP-BACK 10.244.1.10,tcp:8080,10.244.1.10\n"
+    node2 = ipvs.state_of((FIX / "ipvsadm_Ln.txt").read_text(), names_text=NAMES,
+                          ipset_text=(FIX / "ipset_save.txt").read_text() + loop)
+    assert ipvs.without_local(node2, "10.244.1.10", 8080) == []     # it has a local endpoint
+    kn = NodeKnowledge.__new__(NodeKnowledge)
+    kn._smaps = (ipvs.build_map(node2), ipvs.build_map(node1))
+    assert kn.etp_local("10.244.1.10", 8080) == {"service": "default/web:http",
+                                                  "no_local": ["TCP 192.168.10.11:30080"]}
+    kn._smaps = (ipvs.build_map(ipvs.state_of((FIX / "ipvsadm_Ln.txt").read_text(),
+                                              names_text=NAMES.replace(" local", ""))),)
+    assert kn.etp_local("10.244.1.10", 8080) is None                 # a Cluster-policy Service

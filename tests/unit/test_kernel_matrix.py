@@ -94,3 +94,19 @@ def test_a_cause_the_kernel_cannot_give_is_not_attributable_but_must_not_be_misl
     assert kernels.failures([r]) == [
         "5.10.0-32-amd64 offload-checksum: not attributable here (skb:kfree_skb reason "
         "missing), mislabeled {'peer_reset': 10} {'unknown': 10, 'peer_reset': 10}"]
+
+
+def test_a_run_of_some_scenarios_replaces_theirs_and_keeps_the_rest_with_their_commit():
+    row = dict(expected="proxy", hit=1.0, events=1, attached=[], fired={}, labels={})
+    earlier = {"kernel": "6.1", "commit": "aaa", "doctor": {"ok": True},
+               "scenarios": [dict(row, scenario="a"), dict(row, scenario="b", hit=0.0),
+                             dict(row, scenario="c")]}
+    now = {"kernel": "6.1", "commit": "bbb", "doctor": {"ok": True},
+           "scenarios": [dict(row, scenario="b")]}
+    got = kernels.merged(earlier, now)
+    assert [(s["scenario"], s.get("earlier"), s["hit"]) for s in got["scenarios"]] == \
+        [("a", "aaa", 1.0), ("b", None, 1.0), ("c", "aaa", 1.0)]
+    assert kernels.merged(got, dict(now, commit="ccc"))["scenarios"][0]["earlier"] == "aaa"
+    assert "100.0% (commit aaa)" in kernels.table([dict(got, accel="TCG", wall_s=1)])
+    assert not kernels.failures([got])
+    assert kernels.merged(earlier, {"kernel": "6.1", "error": "boot"}) == {"kernel": "6.1", "error": "boot"}
