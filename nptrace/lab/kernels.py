@@ -307,6 +307,8 @@ def guest(argv) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--report", action="store_true",
+                    help="the table of the kernels' last stored results, without booting")
     ap.add_argument("scenarios", nargs="*")
     a = ap.parse_args(argv)
     for m in GUEST_MODULES:
@@ -480,10 +482,15 @@ def main(argv=None) -> int:
         return 2
     results = []
     for k in got:
+        out = CACHE / "runs" / k.release
+        if a.report:
+            stored = out / "result.json"
+            results.append(json.loads(stored.read_text()) if stored.exists()
+                           else {"kernel": k.release, "error": "no stored result"})
+            continue
         kvm = kvm_works(vng, k)
         accel = "KVM" if kvm else "TCG"
         print(f"== {k.release} ({k.suite}) under {accel}", file=sys.stderr, flush=True)
-        out = CACHE / "runs" / k.release
         r = boot(vng, k, ["--count", str(a.count), *scen], out, kvm, a.timeout)
         r["accel"] = accel
         if a.scenarios and (out / "result.previous.json").exists():
@@ -494,7 +501,8 @@ def main(argv=None) -> int:
     md = table(results)
     print(md)
     if a.markdown:
-        commit = _run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        commit = ", ".join(sorted({r["commit"] for r in results if r.get("commit")})) or \
+            _run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
         md_path = Path(a.markdown)
         # the measured notes below the table are kept across reruns
         old = md_path.read_text() if md_path.exists() else ""
