@@ -307,8 +307,6 @@ def guest(argv) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--batch", type=int, default=BATCH)
-    ap.add_argument("--report", action="store_true",
-                    help="the table of the kernels' last stored results, without booting")
     ap.add_argument("scenarios", nargs="*")
     a = ap.parse_args(argv)
     for m in GUEST_MODULES:
@@ -470,6 +468,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short", action="store_true", help=f"doctor and {', '.join(SHORT[1])} on {SHORT[0]}")
     ap.add_argument("--markdown")
     ap.add_argument("--timeout", type=float, default=BOOT_TIMEOUT)
+    ap.add_argument("--report", action="store_true",
+                    help="the table of the kernels' last stored results, without booting")
     ap.add_argument("scenarios", nargs="*")
     a = ap.parse_args(argv)
     kernels = a.kernel or ([SHORT[0]] if a.short else list(DEFAULT_KERNELS))
