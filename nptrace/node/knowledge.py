@@ -36,6 +36,7 @@ class NodeKnowledge:
         self._ct: dict[int, tuple[float, dict | None]] = {}
         self._ct_drop: dict[int, int] = {}
         self._smaps: tuple = ()                  # the non-None maps, for _lookup
+        self._etp_memo: dict[tuple[str, int], tuple] = {}   # etp_local's answers
         self._checked: dict[int, float] = {}     # when check_changes last saw a map current
         self._prints: dict[int, tuple] = {}      # rules_source.fingerprint at the last read
         self._legacy_next: dict[int, float] = {}  # when a namespace's legacy dump is due again
@@ -251,7 +252,20 @@ class NodeKnowledge:
         {"service", "no_local": the IPVS virtual servers of it, in any namespace read, that hold
         it as a real server and have no real server of their own node}, else None. kube-proxy's
         IPVS mode fills such a node's eTP=Local NodePort with the cluster's endpoints and does
-        not masquerade it, which is how a Local Service's pod meets an unmasqueraded client."""
+        not masquerade it, which is how a Local Service's pod meets an unmasqueraded client.
+        Kept per endpoint until a map is re-read: a reset storm asks it per record, and the
+        answer walks every IPVS virtual server."""
+        memo = self._etp_memo
+        hit = memo.get((addr, port))
+        if hit is not None and hit[0] == self.generation and hit[1] is self._smaps:
+            return hit[2]
+        if len(memo) >= 4096:
+            memo.clear()
+        got = self._etp_local(addr, port)
+        memo[(addr, port)] = (self.generation, self._smaps, got)
+        return got
+
+    def _etp_local(self, addr: str, port: int) -> dict | None:
         for smap in self._smaps:
             try:
                 s = smap.lookup(addr, port)

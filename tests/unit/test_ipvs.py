@@ -225,7 +225,7 @@ def test_etp_local_virtual_server_without_local_reals_is_the_fallback_named_by_k
     node2 = ipvs.state_of((FIX / "ipvsadm_Ln.txt").read_text(), names_text=NAMES,
                           ipset_text=(FIX / "ipset_save.txt").read_text() + loop)
     assert ipvs.without_local(node2, "10.244.1.10", 8080) == []     # it has a local endpoint
-    kn = NodeKnowledge.__new__(NodeKnowledge)
+    kn = NodeKnowledge(names=None)
     kn._smaps = (ipvs.build_map(node2), ipvs.build_map(node1))
     assert kn.etp_local("10.244.1.10", 8080) == {"service": "default/web:http",
                                                   "no_local": ["TCP 192.168.10.11:30080"]}
