@@ -129,10 +129,8 @@ def etp_local_fallback(ctx, addr: str, port: int):
     if not got:
         return None
     vs = got.get("no_local") or []
-    where = (f"the IPVS virtual server{'s' if len(vs) > 1 else ''} {', '.join(vs)} "
-             f"{'have' if len(vs) > 1 else 'has'} no real server on {'their' if len(vs) > 1 else 'its'} "
-             f"node and send{'' if len(vs) > 1 else 's'} to this one" if vs else
-             f"that node has no local endpoint of {got['service']}")
+    where = (f"IPVS virtual servers without a real server on their own node send to it ({', '.join(vs)})"
+             if vs else f"that node has no local endpoint of {got['service']}")
     return ("no_local_endpoint", 0.85, ETP_FALLBACK_HINT.format(
         service=got["service"], ep=hostport(addr, port), where=where))
 

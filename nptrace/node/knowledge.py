@@ -17,6 +17,7 @@ import time
 from nptrace.kernel import nsenter
 from nptrace.node.netns import Names
 from nptrace.services import nf_cause
+from nptrace.services.ipvs import without_local
 
 
 ROUTE_LOOKUPS_PER_S = 20
@@ -253,16 +254,15 @@ class NodeKnowledge:
         it as a real server and have no real server of their own node}, else None. kube-proxy's
         IPVS mode fills such a node's eTP=Local NodePort with the cluster's endpoints and does
         not masquerade it, which is how a Local Service's pod meets an unmasqueraded client.
-        Kept per endpoint until a map is re-read: a reset storm asks it per record, and the
-        answer walks every IPVS virtual server."""
-        memo = self._etp_memo
-        hit = memo.get((addr, port))
-        if hit is not None and hit[0] == self.generation and hit[1] is self._smaps:
-            return hit[2]
-        if len(memo) >= 4096:
-            memo.clear()
+        Kept per endpoint while the maps stay the same (_snapshot rebuilds _smaps on every
+        change): a reset storm asks it per record, and the answer walks every IPVS virtual server."""
+        hit = self._etp_memo.get((addr, port))
+        if hit is not None and hit[0] is self._smaps:
+            return hit[1]
+        if len(self._etp_memo) >= 4096:
+            self._etp_memo.clear()
         got = self._etp_local(addr, port)
-        memo[(addr, port)] = (self.generation, self._smaps, got)
+        self._etp_memo[(addr, port)] = (self._smaps, got)
         return got
 
     def _etp_local(self, addr: str, port: int) -> dict | None:
@@ -275,7 +275,6 @@ class NodeKnowledge:
                 continue
             if not s.etp_local:
                 return None
-            from nptrace.services.ipvs import without_local
             return {"service": s.name,
                     "no_local": sorted({v for m in self._smaps for st in m.ipvs
                                         for v in without_local(st, addr, port)})}
