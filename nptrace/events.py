@@ -485,6 +485,9 @@ T_PACKET = 12                      # NPT_T_PACKET: a record type beside enum npt
 PL_ETHERNET, PL_IP = 1, 2          # enum npt_pkt_link
 PD_UNKNOWN, PD_INBOUND, PD_OUTBOUND = 0, 1, 2   # enum npt_pkt_dir (pcapng EPB flags bits 0-1)
 PACKET = struct.Struct(_struct_format(RawPacket))
+# No skb is this long (BIG TCP's GRO limit is 512 KiB): a packet record claiming more is
+# damaged, and its length would overflow the pcapng block's u32 once the link header is added.
+MAX_ORIG_LEN = 1 << 24
 _TYPE_AT = RawEvent.type.offset
 assert RawPacket.type.offset == _TYPE_AT
 
@@ -516,6 +519,9 @@ def decode_packet(buf) -> Packet:
     if PACKET.size + cap_len > len(buf) or link not in (PL_ETHERNET, PL_IP) or dir_ > 2:
         raise DecodeError(f"bad packet record: {cap_len} bytes in a {len(buf)}-byte record, "
                           f"link {link}, dir {dir_}")
+    if orig_len > MAX_ORIG_LEN:
+        raise DecodeError(f"bad packet record: a packet of {orig_len} bytes (at most "
+                          f"{MAX_ORIG_LEN})")
     data = bytes(buf[PACKET.size:PACKET.size + cap_len])
     return Packet(ts_ns, skb, ifindex, ev_type, hook, link, dir_, max(orig_len, cap_len), data)
 

@@ -272,8 +272,8 @@ class Tracer:
                 # every answer the classifier gets is recorded, so replay labels alike
                 lookups["iface_name"] = self.recorder.iface_name(lookups["iface_name"])
                 lookups["service_of"] = self.recorder.service_of(lookups["service_of"])
-                for name in ("endpoint_of", "etp_local", "nf_rule", "route_iface", "nat_peer", "pod_of",
-                             "pod_of_netns", "iface_peer"):
+                from nptrace.sessions.schema import LOOKUPS
+                for name in LOOKUPS:
                     lookups[name] = self.recorder.lookup(name, lookups[name])
             self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
         self._start_exact(names, drops, rsts)

@@ -29,20 +29,16 @@ and every payload is a map with a `rec` key:
               closed on purpose. A file without one lost its end (a crash, a cut copy, or it is
               still being written), even when the cut fell exactly between two frames.
 
-Each kind has one schema (SCHEMAS below); the reader checks every header and record against
-it, so what leaves this module has the types the readers expect: a record that fails is
-counted and skipped, never passed on. Only regular files are read (a FIFO or /dev/zero given
-as a session is refused, not waited on).
+Each kind has one schema (sessions/schema.py); the reader checks every header and record
+against it, so what leaves this module has the types the readers expect: a record that fails
+is counted and skipped, never passed on. Frames, their resync and the bounds of unpacking one
+are sessions/framing.py: a frame msgpack refuses within them is counted and skipped too, named
+by its index and byte offset. Only regular files are read (a FIFO or /dev/zero given as a
+session is refused, not waited on).
 
 Lookup answers are bounded (LOOKUP_CACHE per lookup, oldest written first out), so a scanner's
 ever-new client tuples cannot grow the recorder: an answer is written again when it was
 forgotten, and replay keeps twice as many, so it always holds what the recorder assumed.
-
-Why frames: a power loss can leave a partly written record or a tail of zeros (ext4 extends
-the size before the data lands). The reader stops at the first frame whose magic, length or
-crc is wrong. If no valid frame follows, that is a torn tail (expected after a crash: reported,
-not fatal); if one does, the file is corrupt in the middle (reported as an error, reading
-resumes at the next good frame).
 
 Files are mode 0600 and the directory 0700: events hold client addresses. Written as root
 into a directory others may reach, so: files are created with O_NOFOLLOW|O_EXCL relative to
@@ -63,7 +59,6 @@ import struct
 import sys
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +70,12 @@ from nptrace import __version__
 from nptrace import events as ev
 from nptrace.config import MAX_SNAPLEN
 from nptrace.errors import NptraceError
+from nptrace.sessions.framing import (FRAME, MAGIC, MAX_PAYLOAD, Refused, Resync, frame,
+                                      unpack, valid_frame)
+from nptrace.sessions.schema import Invalid, check_header, check_record
 
 FORMAT = "nptrace-session"
 FORMAT_VERSION = 2       # 2: packet records (format 1 is read alike)
-MAGIC = b"NPS1"
-FRAME = struct.Struct("<4sII")
-MAX_PAYLOAD = 64 << 20          # a header with every name of a big node is well below this
 SUFFIX = ".nps"
 PREFIX = "nptrace-"
 
@@ -109,221 +104,7 @@ class SessionError(NptraceError):
     """A session cannot be written or read at all (not a session, unreadable, bad limits)."""
 
 
-# --- record schemas -----------------------------------------------------------------------
-# One schema per record kind, checked where records leave the reader (read_header,
-# read_session): replay, report, merge, events.decode and the classifier see only these
-# types. A checker takes a decoded value and returns it (normalised: tuples for fixed-length
-# keys) or raises Invalid naming the field. Unknown keys of a record are dropped (a newer
-# writer may add some); missing optional ones are absent.
-
-class Invalid(ValueError):
-    pass
-
-
-_I64, _U64 = (-(1 << 63), (1 << 63) - 1), (0, (1 << 64) - 1)
-MAX_TEXT = 4096           # a name, a rule's text; nothing we write is longer
-MAX_ITEMS = 1 << 20       # rows of a table in one record (a header with every name of a node)
-
-
-def Int(lo: int = _I64[0], hi: int = _U64[1]):
-    def check(v, where):
-        if type(v) is not int or not lo <= v <= hi:
-            raise Invalid(f"{where}: {_show(v)} is not an integer in [{lo}, {hi}]")
-        return v
-    return check
-
-
-def Str(max_len: int = MAX_TEXT):
-    def check(v, where):
-        if type(v) is not str or len(v) > max_len:
-            raise Invalid(f"{where}: {_show(v)} is not a string of at most {max_len} characters")
-        return v
-    return check
-
-
-def Bytes(max_len: int):
-    def check(v, where):
-        if type(v) is not bytes or len(v) > max_len:
-            raise Invalid(f"{where}: {_show(v)} is not bytes (at most {max_len})")
-        return v
-    return check
-
-
-def _bool(v, where):
-    if type(v) is not bool:
-        raise Invalid(f"{where}: {_show(v)} is not true/false")
-    return v
-
-
-def Opt(inner):
-    return lambda v, where: None if v is None else inner(v, where)
-
-
-def OneOf(*inner):
-    def check(v, where):
-        for c in inner:
-            try:
-                return c(v, where)
-            except Invalid:
-                continue
-        raise Invalid(f"{where}: {_show(v)} has the wrong type")
-    return check
-
-
-def Tuple(*items):
-    def check(v, where):
-        if type(v) not in (list, tuple) or len(v) != len(items):
-            raise Invalid(f"{where}: {_show(v)} is not a list of {len(items)}")
-        return [c(x, f"{where}[{i}]") for i, (c, x) in enumerate(zip(items, v))]
-    return check
-
-
-def ListOf(item, max_len: int = MAX_ITEMS):
-    def check(v, where):
-        if type(v) is not list or len(v) > max_len:
-            raise Invalid(f"{where}: {_show(v)} is not a list (at most {max_len})")
-        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
-    return check
-
-
-def MapOf(key, value, max_len: int = MAX_ITEMS):
-    def check(v, where):
-        if type(v) is not dict or len(v) > max_len:
-            raise Invalid(f"{where}: {_show(v)} is not a map (at most {max_len})")
-        return {key(k, f"{where} key"): value(x, f"{where}[{_show(k)}]") for k, x in v.items()}
-    return check
-
-
-def Record(required: dict, optional: dict | None = None):
-    optional = optional or {}
-
-    def check(v, where):
-        if type(v) is not dict:
-            raise Invalid(f"{where}: {_show(v)} is not a map")
-        out = {}
-        for k, c in required.items():
-            if k not in v:
-                raise Invalid(f"{where}: {k} is missing")
-            out[k] = c(v[k], f"{where}.{k}")
-        for k, c in optional.items():
-            if k in v:
-                out[k] = c(v[k], f"{where}.{k}")
-        return out
-    return check
-
-
-def _plain(v, where, depth: int = 0):
-    """A msgpack value of bounded depth and size (features: shown, never computed with)."""
-    if v is None or type(v) in (bool, int, float):
-        return v
-    if type(v) in (str, bytes):
-        if len(v) > MAX_TEXT:
-            raise Invalid(f"{where}: too long")
-        return v
-    if depth < 4 and type(v) is list and len(v) <= 256:
-        return [_plain(x, where, depth + 1) for x in v]
-    if depth < 4 and type(v) is dict and len(v) <= 256:
-        return {_plain(k, where, 9): _plain(x, where, depth + 1) for k, x in v.items()}
-    raise Invalid(f"{where}: {_show(v)} is too deep or too big")
-
-
-def _show(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
-
-
-U32, U16, PORT = Int(0, (1 << 32) - 1), Int(0, 0xFFFF), Int(0, 0xFFFF)
-NETNS = Int(*_U64)
-# Wall-clock and monotonic nanoseconds: inside +-146 years, so time.gmtime never overflows.
-NS = Int(-(1 << 62), 1 << 62)
-COUNT = Int(0, _U64[1])
-ADDR = Str(64)
-NAME = Str()
-IFNAMES = MapOf(NETNS, MapOf(U32, Opt(NAME)))
-SERVICES = ListOf(Tuple(ADDR, PORT, Opt(NAME)))
-_NF_RULE_KNOWN = Record({}, {"tag": Opt(NAME), "where": Opt(NAME), "text": Opt(NAME),
-                             "service": Opt(NAME), "to_pod": Opt(_bool), "source": Opt(NAME),
-                             "note": Opt(NAME)})
-_SCALAR = OneOf(Opt(NAME), _bool, Int())
-
-
-def NF_RULE(v, where):
-    """knowledge.nf_rule's answer: the fields the classifier reads typed, others scalars."""
-    out = MapOf(Str(64), _SCALAR, 64)(v, where)
-    out.update(_NF_RULE_KNOWN(v, where))
-    return out
-
-
-# (key, value) of each Context lookup the recorder records, as Context calls and answers it.
-LOOKUPS = {
-    "endpoint_of": (Tuple(ADDR, PORT), Opt(NAME)),
-    "etp_local": (Tuple(ADDR, PORT), Opt(Record({"service": NAME}, {"no_local": ListOf(NAME, 64)}))),
-    "route_iface": (Tuple(NETNS, ADDR), Opt(NAME)),
-    "iface_peer": (Tuple(NETNS, U32), Opt(NAME)),
-    "nat_peer": (Tuple(ADDR, PORT, ADDR, PORT), Opt(Tuple(ADDR, PORT, ADDR, PORT))),
-    "nf_rule": (Tuple(NETNS, ADDR, ADDR, PORT, ADDR, PORT, _bool, _bool), Opt(NF_RULE)),
-}
-
-
-def lookup_row(name: str, key, value, where: str) -> tuple[tuple, object]:
-    """A lookup's (key, value) checked against its schema; an unknown lookup name (a newer
-    writer's) keeps plain scalars, and no reader of ours asks it."""
-    kc, vc = LOOKUPS.get(name, (ListOf(_SCALAR, 16), _plain))
-    return tuple(kc(key, f"{where} key")), vc(value, f"{where} value")
-
-
-def _lookup_tables(v, where):
-    tables = MapOf(Str(64), ListOf(Tuple(_any, _any)), 64)(v, where)
-    return {name: [lookup_row(name, k, x, f"{where}.{name}") for k, x in rows]
-            for name, rows in tables.items()}
-
-
-def _any(v, where):
-    return v
-
-
-HEADER = Record(
-    {"format": Str(64), "format_version": Int(0, 1 << 16)},
-    {"nptrace": Str(64), "abi": U16, "record_size": U32, "node": NAME, "kernel": NAME,
-     "features": MapOf(Str(256), _plain, 256), "epoch_offset_ns": NS,
-     "drop_reasons": MapOf(U32, Str(256)), "rst_reasons": MapOf(U32, Str(256)),
-     "ifnames": IFNAMES, "services": SERVICES, "lookups": _lookup_tables, "start_ns": NS,
-     "run_id": Str(64), "part": Int(0, 1 << 31), "run_start_ns": NS,
-     "lookup_cache": Int(1, 1 << 24), "stop_record": _bool})
-SCHEMAS = {
-    "event": Record({"raw": Bytes(1 << 16)}, {"abi": U16, "type": U16}),
-    "packet": Record({"raw": Bytes(ev.PACKET.size + MAX_SNAPLEN)}),
-    "names": Record({"ifnames": IFNAMES}),
-    "services": Record({"services": SERVICES}),
-    "lookup": Record({"name": Str(64), "key": _any, "value": _any}),
-    "counters": Record({}, {"ts_ns": NS, "counts": ListOf(Tuple(U16, U16, U32, U32, NETNS, COUNT)),
-                            "stats": MapOf(Str(64), COUNT, 64)}),
-    "stop": Record({}, {"why": Str(16), "ts_ns": NS, "records": COUNT, "dropped": COUNT}),
-    # records the kernel counted under a cause and did not send, as the live run labeled them
-    # (sinks/exact.py SummaryRow: the summary lines of `run`)
-    "summary": Record({"cause": NAME, "kind": Str(16), "repeat": COUNT},
-                      {"ts_ns": NS, "since_ns": NS, "direction": Opt(Str(16)),
-                       "hook": NAME, "reason": NAME, "service": Opt(NAME), "iface": Opt(NAME)}),
-}
-
-
-def check_record(kind: str, rec: dict) -> dict:
-    """The record normalised by its kind's schema; Invalid if it does not fit. KeyError for
-    a kind this nptrace does not know."""
-    out = SCHEMAS[kind](rec, kind)
-    if kind == "lookup":
-        out["key"], out["value"] = lookup_row(out["name"], out["key"], out["value"], "lookup")
-    return out
-
-
-def check_header(rec: dict) -> dict:
-    return HEADER(rec, "header")
-
-
 # --- writing ------------------------------------------------------------------------------
-
-def frame(payload: bytes) -> bytes:
-    return FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
 def _pack(rec: dict) -> bytes:
@@ -863,8 +644,11 @@ def _starts_with_header(dir_fd: int, name: str) -> bool:
         return False
     finally:
         os.close(fd)
-    got = _valid_frame(buf, 0, len(buf))
-    rec = _unpack(got[1]) if got else None
+    try:
+        got = valid_frame(buf, 0, len(buf))
+        rec = unpack(got[1]) if got else None
+    except Refused:
+        return False
     return rec is not None and rec.get("rec") == "header" and rec.get("format") == FORMAT
 
 
@@ -896,8 +680,8 @@ def check_session_dir(fd: int, path: Path) -> None:
 @dataclass(frozen=True)
 class Problem:
     path: str
-    kind: str           # torn_tail | no_stop | corrupt | invalid | unknown | not_session |
-    offset: int         # unreadable | abi | undecodable | recorder_dropped | ring_lost
+    kind: str           # torn_tail | no_stop | corrupt | invalid | refused | unknown | not_session
+    offset: int         # | unreadable | abi | undecodable | recorder_dropped | ring_lost
     dropped: int        # bytes (torn_tail, corrupt) or records (the others)
     message: str
 
@@ -920,68 +704,6 @@ class Record(NamedTuple):
     path: str
     offset: int
 
-
-def _frame_at(buf, off: int, end: int) -> tuple[int, int] | None:
-    """(payload length, crc) of a frame header at off whose payload fits before end."""
-    if end - off < FRAME.size or buf[off:off + 4] != MAGIC:
-        return None
-    _magic, n, crc = FRAME.unpack_from(buf, off)
-    if n > MAX_PAYLOAD or off + FRAME.size + n > end:
-        return None
-    return n, crc
-
-
-def _valid_frame(buf, off: int, end: int) -> tuple[int, bytes] | None:
-    got = _frame_at(buf, off, end)
-    if got is None:
-        return None
-    n, crc = got
-    payload = bytes(buf[off + FRAME.size: off + FRAME.size + n])
-    if zlib.crc32(payload) != crc:
-        return None
-    return FRAME.size + n, payload
-
-
-def _unpack(payload: bytes) -> dict | None:
-    try:
-        rec = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception:
-        return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("rec"), str) else None
-
-
-# What a payload of ours starts with: a msgpack map (fixmap, map16, map32).
-_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
-# A resync checks the crc of candidate frames (a magic, a length that fits, a map after it);
-# a file full of fake frame headers, each claiming most of the file, would make that
-# quadratic. So the crc work of one file's resyncs is budgeted linearly in its size; past the
-# budget only record-sized candidates are checked (events are ~250 bytes), which stays linear.
-RESYNC_BUDGET_FACTOR = 4
-RESYNC_SMALL = 4096
-
-
-class _Resync:
-    def __init__(self, size: int):
-        self.budget = RESYNC_BUDGET_FACTOR * size + (1 << 20)
-        self.gave_up = 0          # candidates not checked once the budget was spent
-
-    def next_valid(self, buf, start: int, end: int) -> int | None:
-        pos = start
-        while True:
-            pos = buf.find(MAGIC, pos, end)
-            if pos < 0:
-                return None
-            got = _frame_at(buf, pos, end)
-            if got is not None and got[0] and buf[pos + FRAME.size] in _MAP_FIRST:
-                n, crc = got
-                if n <= RESYNC_SMALL or self.budget >= n:
-                    if n > RESYNC_SMALL:
-                        self.budget -= n
-                    if zlib.crc32(buf[pos + FRAME.size:pos + FRAME.size + n]) == crc:
-                        return pos
-                else:
-                    self.gave_up += 1
-            pos += 1
 
 
 def _open_regular(path: Path) -> int:
@@ -1046,10 +768,14 @@ def read_header(path) -> dict:
         raise SessionError(f"cannot read {path}: {e.strerror}") from None
     finally:
         os.close(fd)
-    got = _valid_frame(buf, 0, len(buf))
+    got = valid_frame(buf, 0, len(buf))
     if got is None:
         raise SessionError(f"{path}: not an nptrace session file")
-    rec = _unpack(got[1])
+    try:
+        rec = unpack(got[1])
+    except Refused as e:
+        raise SessionError(f"{path}: its first frame (the header, {len(got[1])} bytes) "
+                           f"was refused: {e}") from None
     if rec is None or rec.get("rec") != "header" or rec.get("format") != FORMAT:
         raise SessionError(f"{path}: not an nptrace session file (bad first record)")
     version = rec.get("format_version")
@@ -1120,8 +846,9 @@ class _FileLoss:
         self.invalid = 0
         self.first_invalid = ""
         self.unknown: dict[str, int] = {}
+        self.refused = []          # (frame index, offset, why)
 
-    def problems(self, resync: _Resync) -> list[Problem]:
+    def problems(self, resync: Resync) -> list[Problem]:
         p, out = self.path, []
         if self.corrupt:
             off, n = self.corrupt[0]
@@ -1140,6 +867,12 @@ class _FileLoss:
             out.append(Problem(p, "invalid", 0, self.invalid,
                                f"{p}: {self.invalid} record{'s' if self.invalid > 1 else ''} "
                                f"invalid and skipped (the first: {self.first_invalid})"))
+        if self.refused:
+            i, off, why = self.refused[0]
+            n = len(self.refused)
+            first = f"frame {i} at byte {off}: {why}"
+            out.append(Problem(p, "refused", off, n, f"{p}: {first}: refused and skipped" if n == 1
+                               else f"{p}: {n} frames refused and skipped (the first: {first})"))
         if self.unknown:
             kinds = ", ".join(f"{k} ({n})" for k, n in sorted(self.unknown.items())[:5])
             out.append(Problem(p, "unknown", 0, sum(self.unknown.values()),
@@ -1156,16 +889,23 @@ def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
         return
     loss = _FileLoss(str(path))
     size = len(buf)
-    resync = _Resync(size)
+    resync = Resync(size)
     stopped: dict | None = None
     torn = False
     try:
         end = len(buf)
-        first = _valid_frame(buf, 0, end)
+        first = valid_frame(buf, 0, end)
         off = first[0] if first else end
+        index = 0                 # of the frame at off (the header is frame 0)
         while off < end:
-            got = _valid_frame(buf, off, end)
-            rec = _unpack(got[1]) if got else None
+            index += 1
+            got = valid_frame(buf, off, end)
+            try:
+                rec = unpack(got[1]) if got else None
+            except Refused as e:   # its crc is right: skip exactly this frame
+                loss.refused.append((index, off, e))
+                off += got[0]
+                continue
             if rec is None:
                 nxt = resync.next_valid(buf, off + 1, end)
                 if nxt is None:

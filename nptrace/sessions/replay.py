@@ -16,6 +16,7 @@ from nptrace.classify import Classifier, Context, Verdict
 from nptrace.reasons import ReasonTable
 from nptrace.sessions.format import (IFACE, REPLAY_FACTOR, SERVICE, LookupTables, Problem, Record,
                                      SessionError, ifnames_rows, read_session)
+from nptrace.sessions.schema import LOOKUPS
 
 
 class Item(NamedTuple):
@@ -68,11 +69,7 @@ def context_from_header(h: dict, known: LookupTables) -> Context:
     return Context(drop_name=drops.name, rst_name=rsts.name,
                    iface_name=lambda ns, i: get(IFACE, (ns, i)),
                    service_of=lambda a, p: get(SERVICE, (a, p)),
-                   endpoint_of=recorded("endpoint_of"), etp_local=recorded("etp_local"),
-                   nf_rule=recorded("nf_rule"),
-                   route_iface=recorded("route_iface"), nat_peer=recorded("nat_peer"),
-                   iface_peer=recorded("iface_peer"),
-                   pod_of=recorded("pod_of"), pod_of_netns=recorded("pod_of_netns"))
+                   **{name: recorded(name) for name in LOOKUPS})
 
 
 class Replay:

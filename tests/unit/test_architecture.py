@@ -20,7 +20,8 @@ PKG = Path(__file__).resolve().parents[2] / "nptrace"
 # readers read: a shared layout like events.py, so it sits in the core.
 LAYERS = (
     ("core", ("nptrace", "nptrace.errors", "nptrace.config", "nptrace.events", "nptrace.reasons",
-              "nptrace.names", "nptrace.counters", "nptrace.sdnotify", "nptrace.sessions.format")),
+              "nptrace.names", "nptrace.counters", "nptrace.sdnotify", "nptrace.sessions.schema",
+              "nptrace.sessions.framing", "nptrace.sessions.format")),
     ("kernel", ("nptrace.kernel",)),
     ("services", ("nptrace.services",)),
     ("node", ("nptrace.node",)),
