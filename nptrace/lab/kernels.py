@@ -315,6 +315,8 @@ def guest(argv) -> int:
     if not os.path.ismount("/sys/fs/bpf"):
         _run(["mount", "-t", "bpf", "bpf", "/sys/fs/bpf"])
     out = Path(a.out)
+    for old in out.parent.glob("batch*.log"):
+        old.unlink()
     res: dict = {"kernel": os.uname().release, "scenarios": []}
     t0 = time.monotonic()
     r = _run([sys.executable, "-m", "nptrace.cli", "doctor", "--json"])
@@ -354,9 +356,10 @@ def guest(argv) -> int:
             fired[case.name] = {g: n - last.get(g, 0) for g, n in now.items() if n > last.get(g, 0)}
             last.update(now)
         t1 = time.monotonic()
+        raw: list = []
         try:
             scores = score_labs(cases, a.count, observe=max(max(sc.observe for sc, _, _ in group), 2.0),
-                                after=sample)
+                                after=sample, raw=raw)
         except Exception as e:   # one batch's failure is its rows, not the matrix's end
             for sc, b, _ in group:
                 res["scenarios"].append({"scenario": sc.name, "backend": b, "expected": sc.cause or "none",
@@ -364,6 +367,11 @@ def guest(argv) -> int:
             out.write_text(json.dumps(res))
             continue
         took = round((time.monotonic() - t1) / len(group), 1)
+        # what the traced run said and printed, for a row whose events are not what it expected
+        log = out.parent / f"batch{i}.log"
+        log.write_text(f"{[sc.name for sc, _, _ in group]}\n{len(raw)} events printed\n"
+                       + "".join(json.dumps(e) + "\n" for e in raw[:50])
+                       + (scores[0].stderr if scores else ""))
         for (sc, b, _), s in zip(group, scores):
             on, skipped = _attached(s.stderr)
             res["scenarios"].append({

@@ -18,6 +18,7 @@ The classifier sees this only as Context.nf_rule answers (plain dicts), recorded
 """
 from __future__ import annotations
 
+import collections
 import errno
 import ipaddress
 import os
@@ -300,6 +301,11 @@ class TracedRules:
         self._arm_budget = ARMS_PER_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # destinations waiting for `nft add element`: the fork runs on the reader thread,
+        # never on the classifier's (a fork per destination stalled the whole pipeline where
+        # forks are slow: a busy node, an emulated guest)
+        self._pending: collections.deque = collections.deque(maxlen=SET_SIZE)
+        self._queued: set = set()
 
     # -- sessions ------------------------------------------------------------------------
     def _session(self, inode: int, smap) -> NsTrace | str:
@@ -367,11 +373,32 @@ class TracedRules:
                     continue
                 if self._arm_budget <= 0:
                     return f"not traced (nptrace arms at most {ARMS_PER_S} destinations a second)"
+                if (id(sess), a, p) in self._queued:
+                    continue
                 self._arm_budget -= 1
-                sess.arm(a, p, now)
+                self._queued.add((id(sess), a, p))
+                self._pending.append((sess, a, p, now))
         except RulesSourceError as e:
             return f"not traced ({str(e).splitlines()[0]})"
         return "nft trace is armed for the next packets to this destination"
+
+    arm_errors = 0
+
+    def arm_pending(self) -> int:
+        """Add the queued destinations to their namespaces' sets (the reader thread's work);
+        how many were added."""
+        n = 0
+        while self._pending:
+            sess, a, p, now = self._pending.popleft()
+            self._queued.discard((id(sess), a, p))
+            try:
+                n += sess.arm(a, p, now)
+            except RulesSourceError as e:
+                self.arm_errors += 1
+                if self.arm_errors == 1:
+                    self.log(f"warning: nft trace: {str(e).splitlines()[0]} (counted; the ruleset "
+                             "still names the rule)")
+        return n
 
     def _traced(self, sess, d, got, smap, daddr, dport, odst, oport, now) -> dict:
         text, pos = sess.rule_line(d, now)
@@ -423,6 +450,7 @@ class TracedRules:
     reader_errors = 0
 
     def _read_once(self) -> None:
+        self.arm_pending()
         socks = [s.sock for s in list(self._ns.values()) if not isinstance(s, str)]
         try:
             ready, _, _ = select.select(socks, [], [], 0.5)

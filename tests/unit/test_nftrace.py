@@ -130,6 +130,7 @@ class FakeSession:
 
     def arm(self, addr, port, now):
         self.armed[(addr, port)] = now
+        return True
 
     def drain(self, now):
         return 0
@@ -167,6 +168,8 @@ def test_first_drop_is_named_from_the_ruleset_and_arms_the_trace(fake_sessions):
     got = tr.nf_rule(1, "10.1.0.5", "10.2.0.9", 8080, "10.96.0.1", 80, True, True)
     assert got["source"] == "ruleset" and "armed" in got["note"] and got["where"] == answer["where"]
     sess = fake_sessions[0]
+    assert sess.armed == {}          # the classifier's thread never forks nft
+    assert tr.arm_pending() == 2 and tr.arm_pending() == 0
     assert set(sess.armed) == {("10.2.0.9", 8080), ("10.96.0.1", 80)}
     # the next packet is traced: the answer names the traced rule, with its iptables text
     sess.book.feed([_drop()], 5.5)
