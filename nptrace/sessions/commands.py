@@ -9,6 +9,7 @@ from collections import Counter
 import click
 
 from nptrace.errors import NptraceError, one_line_errors
+from nptrace.flagtypes import Int, Seconds
 from nptrace.sessions.filteropts import OnlyMatching, filter_from, filter_options
 from nptrace.sessions.format import Problem, SessionError
 from nptrace.sessions.merge import merge
@@ -101,11 +102,14 @@ _PATHS = click.argument("paths", nargs=-1, required=True, metavar="FILE|DIR...",
 
 class _TableRows:
     """replay -o table: the incidents as rows (sinks/fmt.py table_row), printed at the end
-    so the columns align; with --collapse a storm's summary row says `repeat`."""
+    so the columns align; `repeat` says how many incidents a row stands for, shown with
+    --collapse (a storm's summary row) or when the session holds summary rows (records the
+    kernel counted and did not send)."""
 
     def __init__(self, collapse, local: bool):
         self.collapse, self.local, self.offset = collapse, local, 0
         self.node, self.rows = "", []
+        self.counted = False       # a summary row was written
 
     def set_node(self, node: str) -> None:
         self.node = node
@@ -116,9 +120,13 @@ class _TableRows:
 
     def _row(self, v, repeat: int) -> None:
         row = fmt.table_row(v, v.event.ts_ns + self.offset, self.node, self.local)
-        if self.collapse is not None:
-            row["repeat"] = repeat
+        row["repeat"] = repeat
         self.rows.append(row)
+
+    def write_summary(self, rows) -> None:
+        for r in rows:
+            self.rows.append(fmt.summary_row(r, r.until_ns + self.offset, self.node, self.local))
+            self.counted = True
 
     def close(self) -> None:
         if self.collapse is not None:
@@ -128,7 +136,7 @@ class _TableRows:
     def text(self) -> str:
         if not self.rows:
             return "no resets or drops recorded"
-        cols = fmt.TABLE_COLS + (["repeat"] if self.collapse is not None else [])
+        cols = fmt.TABLE_COLS + (["repeat"] if self.collapse is not None or self.counted else [])
         return fmt.table(self.rows, cols)
 
 
@@ -139,7 +147,7 @@ class _TableRows:
               help="Also write the packets behind the incidents to a pcapng FILE: the bytes "
                    "the kernel had at the hook where the session recorded them (run with -w "
                    "or --record, format 2), else headers rebuilt from the event's fields.")
-@click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
+@click.option("--collapse", type=Int(0), default=None, metavar="N",
               help="As `run --collapse`: at most N alike incidents a second, the rest as one "
                    "line with `repeat` (default 20 on the console, 0 with --json).")
 @filter_options(offline=True)
@@ -215,7 +223,7 @@ def replay_command(paths, output, as_json, local, no_names, pcap, collapse, **fi
 
 @click.command("report")
 @_PATHS
-@click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True,
+@click.option("--top", type=Int(1, 1000), default=10, show_default=True,
               help="How many flows to list.")
 @_output_options(("text", "json"), "one JSON document with every number the text prints")
 @filter_options(offline=True)
@@ -247,7 +255,7 @@ def report_command(paths, top, output, as_json, local, no_names, **filters):
 @_PATHS
 @_output_options(fmt.OUTPUTS, "one JSON object per line, `run -o json`'s keys plus node "
                  "and story")
-@click.option("--window", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
+@click.option("--window", type=Seconds(least=0.001), default=30.0, show_default=True,
               metavar="SECONDS", help="How far apart two sightings of a tuple still join.")
 @filter_options(offline=True)
 @one_line_errors

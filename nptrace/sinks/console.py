@@ -132,5 +132,4 @@ class LiveTable(Console):
             self.by_service[lab.service or "-"] += r.repeat
             what = lab.kind + (f"/{lab.direction}" if lab.direction else "")
             self._row(fmt.ts(r.until_ns + self.offset, self.local), lab.cause, what,
-                      lab.iface or "-", lab.service or "-", r.repeat,
-                      f"(counted in the kernel, not sent) [{lab.hook} {lab.reason}]")
+                      lab.iface or "-", lab.service or "-", r.repeat, fmt.counted_flow(lab))

@@ -77,6 +77,21 @@ def table_row(v, epoch_ns: int, node: str | None, local: bool = False) -> dict:
             "iface": iface(v), "service": v.service}
 
 
+def summary_row(r, epoch_ns: int, node: str | None, local: bool = False) -> dict:
+    """One -o table row of a summary row (sinks/exact.py SummaryRow: records the kernel
+    counted under their cause and did not send): TABLE_COLS and `repeat`."""
+    lab = r.label
+    return {"time": ts(epoch_ns, local), "node": node or None, "cause": lab.cause,
+            "what": lab.kind + (f"/{lab.direction}" if lab.direction else ""),
+            "flow": counted_flow(lab), "iface": lab.iface, "service": lab.service,
+            "repeat": r.repeat}
+
+
+def counted_flow(lab) -> str:
+    """A summary row's place in a table's FLOW column: it has no packets, only a count."""
+    return f"(counted in the kernel, not sent) [{lab.hook} {lab.reason}]"
+
+
 def _no_iface(_netns: int, _ifindex: int):
     return None
 
