@@ -8,8 +8,10 @@ import sys
 import click
 
 from nptrace import __version__
-from nptrace.config import Config, ConfigError, IfaceSpec, PortRange, parse_hosts
+from nptrace.config import (MAX_RATE, MAX_RING_PAGES, Config, ConfigError, IfaceSpec, PortRange,
+                            parse_hosts)
 from nptrace.errors import EXIT_USAGE, error_line, one_line_errors
+from nptrace.flagtypes import Int, MetricsAddr, RingPages, Seconds
 from nptrace.sessions.filteropts import FilteredSink, StopAfter, filter_options, live_filter
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
@@ -43,9 +45,9 @@ def _run_options(fn):
                      help="No names the node resolved on the printed lines: addresses and "
                           "ifindexes, no Service, pod or interface names (causes are still "
                           "decided with them; metrics, -w and --record keep them)."),
-        click.option("-c", "--count", "count", type=click.IntRange(1), default=None,
+        click.option("-c", "--count", "count", type=Int(1), default=None,
                      metavar="N", help="Exit after N incidents (after the filters)."),
-        click.option("--duration", type=float, metavar="SECONDS",
+        click.option("--duration", type=Seconds(above=0), metavar="SECONDS",
                      help="Stop by itself after SECONDS."),
         click.option("-i", "--iface", "ifaces", multiple=True, metavar="[NETNS/]IFNAME",
                      help="Also watch this interface's packets with tc (repeatable)."),
@@ -53,19 +55,20 @@ def _run_options(fn):
                      help="Only flows with this port on either side (repeatable; default all)."),
         click.option("--host", "hosts", multiple=True, metavar="CIDR",
                      help="Only flows with an address in CIDR on either side (repeatable)."),
-        click.option("--ring-pages", type=int, default=1024, show_default=True,
-                     help="Ring buffer size in 4 KiB pages (power of two)."),
-        click.option("--max-rate", type=click.IntRange(0), default=100, show_default=True,
+        click.option("--ring-pages", type=RingPages(), default=1024, show_default=True,
+                     help=f"Ring buffer size in 4 KiB pages (a power of two, at most "
+                          f"{MAX_RING_PAGES})."),
+        click.option("--max-rate", type=Int(0, MAX_RATE), default=100, show_default=True,
                      metavar="N", help="Storm protection: per kind of record (type, hook, "
                      "reason, interface, namespace), send user space about N records a second "
                      "for the node (shared by its CPUs) after a burst of --max-burst (0 = send "
                      "all). Counts stay exact; records beyond it are reported as sampled, not "
                      "lost. A connection's records are sent all or none (its first decides)."),
-        click.option("--max-burst", type=click.IntRange(1, 1000000), default=400,
+        click.option("--max-burst", type=Int(1, 1000000), default=400,
                      show_default=True, metavar="N",
                      help="Records of one kind the node sends at once before --max-rate "
                      "applies (shared by its CPUs)."),
-        click.option("--collapse", type=click.IntRange(0), default=None, metavar="N",
+        click.option("--collapse", type=Int(0), default=None, metavar="N",
                      help="Print at most N alike incidents (same cause, Service, server end, "
                      "hook) per second; the rest become one line with `repeat` = how many. "
                      "0 prints every incident. Default: 20 on the console, 0 with --json. "
@@ -84,16 +87,16 @@ def _run_options(fn):
         click.option("--record", "record_dir", metavar="DIR",
                      help="Record raw kernel events to msgpack session files in DIR (0600) for "
                           "`nptrace replay` / `report` / `merge`."),
-        click.option("--record-max-file-mb", type=click.IntRange(1), default=64, show_default=True,
+        click.option("--record-max-file-mb", type=Int(1), default=64, show_default=True,
                      help="Start a new session file past this size."),
-        click.option("--record-max-age", type=click.IntRange(1), default=3600, show_default=True,
+        click.option("--record-max-age", type=Int(1), default=3600, show_default=True,
                      metavar="SECONDS", help="Start a new session file past this age."),
-        click.option("--record-max-total-mb", type=click.IntRange(1), default=1024,
+        click.option("--record-max-total-mb", type=Int(1), default=1024,
                      show_default=True, help="Delete the oldest session files past this total."),
-        click.option("--metrics-addr", metavar="[HOST:]PORT",
+        click.option("--metrics-addr", type=MetricsAddr(), metavar="[HOST:]PORT",
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
-        click.option("--metrics-final-scrape", type=click.FloatRange(0), default=0,
+        click.option("--metrics-final-scrape", type=Seconds(least=0), default=0,
                      metavar="SECONDS",
                      help="At stop, keep serving the final counts until one more scrape, at "
                           "most SECONDS (e.g. the scrape interval): the last incidents reach "
@@ -106,13 +109,13 @@ def _run_options(fn):
                      help="Write the packets behind labeled events as pcapng (0600): the bytes "
                           "the kernel had at the hook (see --snaplen), with cause, Service and "
                           "hint as packet comments."),
-        click.option("--snaplen", type=int, default=128, show_default=True, metavar="BYTES",
+        click.option("--snaplen", type=Int(), default=128, show_default=True, metavar="BYTES",
                      help="With -w or --record: bytes of each packet copied in the kernel (1-9216); "
                      "the session files keep them for `replay -w`."),
-        click.option("-C", "pcap_mb", type=click.IntRange(1), default=None, metavar="MB",
+        click.option("-C", "pcap_mb", type=Int(1), default=None, metavar="MB",
                      help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
                           "tcpdump -C)."),
-        click.option("-W", "pcap_files", type=click.IntRange(1), default=None, metavar="N",
+        click.option("-W", "pcap_files", type=Int(1), default=None, metavar="N",
                      help="With -C: keep N files, FILE0..FILE<N-1> reused in turn (tcpdump -W)."),
     ]
     for o in reversed(opts):
@@ -166,14 +169,10 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
     from nptrace.sinks.jsonl import JsonLines
     from nptrace.tracer import Outputs, Tracer, log
 
-    if duration is not None and duration <= 0:
-        raise ConfigError("--duration must be a positive number of seconds")
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
     from nptrace.node.identity import node_name as _node_name
     node, _how = _node_name(node_name)    # said in the tracer's "attached" line
-    if metrics_addr and ":" not in metrics_addr:
-        metrics_addr = f"127.0.0.1:{metrics_addr}"
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,

@@ -92,14 +92,84 @@ def check_snaplen(n: int) -> int:
     return n
 
 
+# The largest ring bcc sizes: BPF_RINGBUF_OUTPUT(events, pages) computes pages * 4096 as a C
+# int, and the kernel wants a power of two (kernel/bpf/ringbuf.c ringbuf_map_alloc).
+MAX_RING_PAGES = 1 << 18       # 1 GiB
+# The kernel's token bucket charges a record 1e9 / rate ns (bpf/npt_common.h NPT_RATE_COST):
+# past a billion a second the cost is 0 and the bucket never refills.
+MAX_RATE = 1_000_000_000
+
+
+def check_ring_pages(n: int) -> int:
+    if not 1 <= n <= MAX_RING_PAGES or n & (n - 1):
+        raise ConfigError(f"bad --ring-pages {n}: want a power of two from 1 to {MAX_RING_PAGES} "
+                          f"(4 KiB pages; {MAX_RING_PAGES} is 1 GiB, the largest ring bcc sizes)")
+    return n
+
+
+def parse_address(text: str, opt: str) -> str:
+    """One host address a user typed (explain --from, --to's host): what the ipaddress module
+    accepts and nothing else (not 999.1.1.1, not a trailing newline), an IPv4-mapped IPv6
+    address (::ffff:a.b.c.d) as its IPv4 address, in canonical text."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        raise ConfigError(f"bad {opt} {text!r}: want an IP address") from None
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def parse_network(text: str, opt: str, want: str = "an address or CIDR"):
+    """An address or CIDR a user typed (--host, --pod), as parse_address reads addresses: an
+    IPv4-mapped IPv6 network (::ffff:a.b.c.d/128) is the IPv4 network it maps."""
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise ConfigError(f"bad {opt} {text!r}: want {want}") from None
+    v4 = getattr(net.network_address, "ipv4_mapped", None)
+    if v4 is not None and net.prefixlen >= 96:
+        return ipaddress.ip_network(f"{v4}/{net.prefixlen - 96}", strict=False)
+    return net
+
+
+def parse_endpoint(text: str, opt: str) -> tuple[str, int]:
+    """ADDR:PORT or [V6ADDR]:PORT a user typed (explain --to)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = text.rpartition(":")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536 or not host:
+        raise ConfigError(f"bad {opt} {text!r}: want ADDR:PORT ([ADDR]:PORT for IPv6)")
+    return parse_address(host, opt), int(port)
+
+
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
+
+
+def parse_metrics_addr(addr: str) -> tuple[str, int]:
+    """"HOST:PORT", "[V6]:PORT" or "V6:PORT" -> (host, port). The host is required: binding
+    beyond loopback must be an explicit choice. A host that is an address is read as
+    parse_address reads it; a name is left to the resolver."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ConfigError(f"bad metrics address {addr!r}: use HOST:PORT, e.g. "
+                          f"{DEFAULT_METRICS_ADDR}")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ConfigError(f"bad metrics address {addr!r}: use [V6ADDR]:PORT for IPv6")
+        host = host[1:-1]
+    # An unbracketed IPv6 address takes the last ":N" as the port: the DaemonSet passes
+    # $(NODE_IP):9464, and status.hostIP is unbracketed on IPv6 nodes.
+    if ":" in host or host[-1:].isdigit():
+        host = parse_address(host, "metrics address")
+    elif not (host.isascii() and all(c.isalnum() or c in ".-" for c in host)):
+        raise ConfigError(f"bad metrics address {addr!r}: the host is neither an address "
+                          "nor a host name")
+    return host, int(port)
+
+
 def parse_hosts(values) -> tuple:
-    out = []
-    for v in values:
-        try:
-            out.append(ipaddress.ip_network(v, strict=False))
-        except ValueError:
-            raise ConfigError(f"bad --host {v!r}: want an address or CIDR") from None
-    return tuple(out)
+    return tuple(parse_network(v, "--host") for v in values)
 
 
 def per_cpu(budget: int, cpus: int) -> int:

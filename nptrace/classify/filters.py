@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
+from nptrace.config import ConfigError, parse_network
 from nptrace.errors import NptraceError
 
 from .verdict import CAUSES, Verdict
@@ -69,9 +70,9 @@ def parse_service(spec: str) -> tuple[str, str | None]:
 
 def _net(text: str, opt: str):
     try:
-        return ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        raise FilterError(f"bad {opt} {text!r}: want NAMESPACE/NAME, an address or a CIDR") from None
+        return parse_network(text, opt, "NAMESPACE/NAME, an address or a CIDR")
+    except ConfigError as e:
+        raise FilterError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ class Filter:
                     ip = ipaddress.ip_address(a)
                 except ValueError:
                     continue
+                ip = getattr(ip, "ipv4_mapped", None) or ip    # as config.parse_network reads --pod
                 if any(ip in n for n in self.pods):
                     return True
         return False

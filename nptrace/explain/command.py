@@ -6,8 +6,10 @@ import time
 
 import click
 
+from nptrace.config import parse_address, parse_endpoint
 from nptrace.errors import one_line_errors
-from nptrace.services.model import canon, fmt_ep, split_hostport
+from nptrace.flagtypes import Seconds
+from nptrace.services.model import fmt_ep
 
 from .gather import ExplainError
 
@@ -64,7 +66,7 @@ def render_text(pred, facts, observed=None) -> str:
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Alias of -o json.")
 @click.option("--ready-file", hidden=True, help="With --confirm: written once attached.")
-@click.option("--confirm", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+@click.option("--confirm", type=Seconds(above=0), metavar="SECONDS",
               help="Then trace the client's connections for SECONDS and print the observed "
                    "cause beside the prediction (loads BPF).")
 @one_line_errors
@@ -82,9 +84,7 @@ def explain_command(client, to, service, iface, netns, probe, output, as_json, r
     from .predict import predict, service_map
     from .facts import Facts
 
-    c = canon(client)
-    if c is None:
-        raise ExplainError(f"bad --from {client!r}: want an IP address")
+    c = parse_address(client, "--from")
     if bool(to) == bool(service):
         raise ExplainError("give exactly one of --to ADDR:PORT and --service NS/NAME")
     g.check_netns(netns)
@@ -97,10 +97,7 @@ def explain_command(client, to, service, iface, netns, probe, output, as_json, r
         if dst is None:
             raise ExplainError(f"no address on {dev} to reach the NodePort at: give --to")
     else:
-        hp = split_hostport(to)
-        if hp is None or not 0 < hp[1] < 65536:
-            raise ExplainError(f"bad --to {to!r}: want ADDR:PORT ([ADDR]:PORT for IPv6)")
-        dst, port = hp
+        dst, port = parse_endpoint(to, "--to")
     t0 = time.monotonic()
     facts = g.gather(c, dst, port, netns=netns, iif=iface, do_probe=probe)
     pred = predict(facts)

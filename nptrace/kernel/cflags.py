@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from nptrace.config import Config, ConfigError, per_cpu
+from nptrace.config import Config, ConfigError, check_ring_pages, per_cpu
 from nptrace.kernel.hooks import TRACEPOINT_FIELDS, TRACEPOINTS
 
 __all__ = ["build_cflags"]
@@ -21,9 +21,7 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
     """cflags for the one bcc object. `available_tracepoints`: what the kernel offers (None = all).
     `fields`: each tracepoint's format-file fields (features.probe()); None = the newest layout
     (every gated field on, the ones a later kernel removed off)."""
-    pages = cfg.ringbuf_pages
-    if pages <= 0 or pages & (pages - 1):
-        raise ConfigError(f"ring buffer pages must be a power of two, got {pages}")
+    pages = check_ring_pages(cfg.ringbuf_pages)
     cpus = cfg.cpus or os.cpu_count() or 1
     wake = cfg.wake_every
     if wake <= 0 or wake & (wake - 1):

@@ -26,8 +26,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from nptrace.config import parse_metrics_addr
 from nptrace.errors import NptraceError
-from nptrace.sinks.prometheus import parse_addr
 
 __all__ = ["Health", "HealthServer", "Scrapes", "build_info_collector", "probe_states", "serve"]
 
@@ -208,7 +208,7 @@ class HealthServer:
 def serve(addr: str, registry, health: Health | None = None) -> HealthServer:
     """Serve /metrics and the health paths on a daemon thread; port 0 picks a free port."""
     import socket
-    host, port = parse_addr(addr)
+    host, port = parse_metrics_addr(addr)
     scrapes = Scrapes()
     handler = type("Handler", (_Handler,), {"registry": registry, "health": health,
                                             "scrapes": scrapes})

@@ -35,9 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nptrace import names
 from nptrace.classify import Verdict
-from nptrace.errors import NptraceError
 
-DEFAULT_ADDR = "127.0.0.1:9464"
 MAX_IFACES = 256
 MAX_SERVICES = 512
 OTHER = "other"
@@ -260,17 +258,3 @@ class MetricsSink:
 
 # --- HTTP -----------------------------------------------------------------------------------
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    """"HOST:PORT", "[V6]:PORT" or "V6:PORT" -> (host, port). The host is required: binding
-    beyond loopback must be an explicit choice."""
-    text = addr.strip()
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise NptraceError(f"bad metrics address {addr!r}: use HOST:PORT, e.g. {DEFAULT_ADDR}")
-    if host.startswith("["):
-        if not host.endswith("]"):
-            raise NptraceError(f"bad metrics address {addr!r}: use [V6ADDR]:PORT for IPv6")
-        host = host[1:-1]
-    # An unbracketed IPv6 address takes the last ":N" as the port: the DaemonSet passes
-    # $(NODE_IP):9464, and status.hostIP is unbracketed on IPv6 nodes.
-    return host, int(port)

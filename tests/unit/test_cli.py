@@ -17,8 +17,8 @@ def run_main(args):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["run", "--duration", "abc"], "'abc' is not a valid float"),
-    (["run", "--duration", "-1"], "--duration must be a positive"),
+    (["run", "--duration", "abc"], "'abc' is not a finite number of seconds"),
+    (["run", "--duration", "-1"], "-1 is not above 0"),
     (["run", "--iface", "/eth0"], "bad interface"),
     (["run", "--port", "70000"], "bad port range"),
     (["run", "--host", "300.1.1.1"], "bad --host"),
@@ -31,6 +31,29 @@ def test_bad_input_is_one_line_exit_2(args, needle):
     assert needle in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert out == ""
+
+
+# Values `run` refuses before it loads anything; dump-bpf, which takes run's options to print
+# what run would compile, must refuse them alike.
+REFUSED = [["--metrics-addr", "host:abc"], ["--metrics-addr", "127.0.0.1:٩٤٦٤"],
+           ["--metrics-addr", "999.1.1.1:9464"], ["--duration", "nan"], ["--duration", "inf"],
+           ["--duration", "١٠"], ["--ring-pages", "١٠٢٤"], ["--ring-pages", str(2**40)],
+           ["--ring-pages", "1000"], ["--max-rate", str(10**19)], ["--max-rate", "٥"],
+           ["--count", "²"], ["--metrics-final-scrape", "nan"], ["--snaplen", "٨"]]
+
+
+def _error_line(args) -> tuple[int, str]:
+    r = CliRunner().invoke(cli.main_group, args)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r.exit_code, errors[0] if len(errors) == 1 else r.output
+
+
+@pytest.mark.parametrize("flag", REFUSED, ids=lambda f: f[0] + "=" + f[1])
+def test_run_and_dump_bpf_refuse_the_same_values_with_the_same_line(flag):
+    rc, line = _error_line(["run", *flag])
+    assert rc == 2 and flag[0] in line, line
+    assert _error_line(["dump-bpf", *flag]) == (rc, line)
 
 
 def test_not_root_is_one_line_exit_2(monkeypatch):

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nptrace import events as ev
 from nptrace.classify import Context, classify
+from nptrace.config import parse_metrics_addr
 from nptrace.errors import NptraceError
 from nptrace.sinks import prometheus as P
 from nptrace.sinks.health import serve
@@ -160,14 +161,15 @@ def test_metric_names_constant_matches_exposition():
     ("fd00::1:9464", ("fd00::1", 9464)),          # $(NODE_IP):9464 on an IPv6 node
 ])
 def test_parse_addr(addr, want):
-    assert P.parse_addr(addr) == want
+    assert parse_metrics_addr(addr) == want
 
 
 @pytest.mark.parametrize("addr", ["9464", ":9464", "127.0.0.1:", "127.0.0.1:99999",
-                                  "[::1:9464", "127.0.0.1:http"])
+                                  "[::1:9464", "127.0.0.1:http", "127.0.0.1:٩٤٦٤",
+                                  "999.1.1.1:80", "host name:80"])
 def test_parse_addr_rejects(addr):
     with pytest.raises(NptraceError, match="bad metrics address"):
-        P.parse_addr(addr)
+        parse_metrics_addr(addr)
 
 
 def test_serve_and_scrape_a_real_endpoint():
