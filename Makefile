@@ -24,12 +24,13 @@ test-privileged: setup
 
 ## The long fuzz (issue 18): hostile session files through replay/report/merge, and truncated
 ## netlink datagrams through the nf-trace and link decoders, with new seeds for FUZZ_SECONDS
-## each (make test runs their fixed-seed subset). A failure names its seed:
+## each (make test runs their fixed-seed subset), and the allocation bombs at the largest frame
+## a session may hold (64 MiB; make test: 2 MiB). A failure names its seed:
 ## NPTRACE_FUZZ_SEED=<seed> replays it.
 FUZZ_SECONDS ?= 300
 .PHONY: fuzz
 fuzz: setup
-	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PYTEST) -q -s -p no:cacheprovider \
+	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) NPTRACE_FUZZ_BOMB_MB=64 $(PYTEST) -q -s -p no:cacheprovider \
 		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py tests/unit/test_fuzz_rules.py
 
 ## The kernel matrix: Debian's 6.1 and 5.10 kernels booted under qemu (virtme-ng; KVM where a

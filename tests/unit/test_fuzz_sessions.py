@@ -9,8 +9,14 @@ record kind, the Context's lookups recorded) and damages it at three levels:
             field of the wrong type, a huge int, nested garbage, a missing or extra key
   files     FIFOs, /dev/zero, directories of mixed files, 1 MiB of fake frame headers
 
+and, crafted: every Context lookup answered with a value of the wrong type, values nested a
+thousand levels deep, packet records whose lengths overflow, frames built to make msgpack
+allocate far more than their bytes, and summary records, each through every output form.
+
 Every run must end with exit 0 (warnings allowed), or exit 2 with ONE error line; never a
-traceback, never past the time limit, and nothing but printable text on a terminal.
+traceback, never past the time limit, and nothing but printable text on a terminal. Runs in
+a process of their own also keep their peak RSS within RSS_MULTIPLE times the input's size
+plus RSS_SLACK_MB over an intact session's.
 
 `make test` runs a fixed few hundred cases (a few seconds); `make fuzz` sets
 NPTRACE_FUZZ_SECONDS and runs new seeds for that long.
@@ -36,6 +42,7 @@ from nptrace import events as ev
 from nptrace.classify import Classifier, Context
 from nptrace.reasons import ReasonTable
 from nptrace.sessions import format as S
+from nptrace.sessions.schema import LOOKUPS, show
 from nptrace.sessions.commands import merge_command, replay_command, report_command
 from nptrace.sinks.jsonl import JsonLines
 from nptrace.sinks.recorder import Recorder
@@ -83,6 +90,16 @@ def seed_events():
     return out
 
 
+def _summary_rows():
+    from nptrace.classify.keylabel import KeyLabel
+    from nptrace.sinks.exact import SummaryRow
+    return [SummaryRow(KeyLabel("drop", "rp_filter", None, "eth1", "default/web:http",
+                                "skb:kfree_skb", "IP_RPFILTER"), 5000, 10**9, 2 * 10**9),
+            SummaryRow(KeyLabel("rst", "no_listener", "sent", None, None, "tcp:tcp_send_reset",
+                                "NO_SOCKET"), 70, 10**9, 2 * 10**9)]
+
+
+SUMMARY_ROWS = _summary_rows()
 SEED_PACKET = bytes(12) + b"\x08\x00" + bytes.fromhex(
     "4500003c2be640003f0683aec0a80a64ac10150b83357580b055abe800000000a002faf08c5600000204")
 
@@ -121,6 +138,7 @@ def write_seed(d: Path, node: str = "node-a") -> None:
         rec.snapshot_counters()
     for v in c.flush():
         sink.write(v)
+    w.write_summary(SUMMARY_ROWS)
     rec.close()
 
 
@@ -173,7 +191,17 @@ def hostile(rng: random.Random, depth: int = 0):
         return msgpack.ExtType(5, b"xx")
     if pick == 15:
         return {1: 2, "a": None}
+    if pick == 16:
+        return deep(rng.choice([50, 1000, 1020]))
     return rng.choice([0, "eth1", 3, "nptrace-session", 1, -5])
+
+
+def deep(n: int, leaf=None):
+    """A list nested n levels deep (msgpack unpacks up to about 1023)."""
+    v = [] if leaf is None else leaf
+    for _ in range(n):
+        v = [v]
+    return v
 
 
 def hostile_key(rng: random.Random):
@@ -229,7 +257,7 @@ def pack(obj) -> bytes:
     try:
         return msgpack.packb(obj, use_bin_type=True)
     except (OverflowError, TypeError, ValueError):
-        return msgpack.packb(str(obj), use_bin_type=True)
+        return msgpack.packb(show(obj), use_bin_type=True)
 
 
 def fake_frame(n: int, crc: int = 0) -> bytes:
@@ -288,8 +316,10 @@ def _alarm(_sig, _frm):
 
 
 PCAP_OUT = Path(__import__("tempfile").mkdtemp(prefix="npt-fuzz-")) / "out.pcapng"
-COMMANDS = [(replay_command, []), (replay_command, ["--json"]), (report_command, []),
-            (merge_command, []), (merge_command, ["--json"]),
+COMMANDS = [(replay_command, []), (replay_command, ["--json"]), (replay_command, ["-o", "table"]),
+            (replay_command, ["--collapse", "1"]), (report_command, []),
+            (report_command, ["-o", "json"]), (merge_command, []), (merge_command, ["--json"]),
+            (merge_command, ["-o", "table"]),
             (replay_command, ["-w", PCAP_OUT])]     # the recorded packet bytes (format 2)
 
 
@@ -567,3 +597,207 @@ def test_damaged_packet_bytes_are_counted_not_fatal_to_the_rest(tmp_path, seed_d
     from test_pcapng import read_pcapng
     _ifaces, packets = read_pcapng(out)
     assert sum(1 for p in packets if p[2][14:] == SEED_PACKET[14:]) >= 4    # the real bytes
+
+
+# --- lookup type confusion, depth, lengths, allocation bombs -----------------------------------
+
+def _insert_after_header(data: bytes, *frames: bytes) -> bytes:
+    end = frames_of(data)[0][1]
+    return data[:end] + b"".join(frames) + data[end:]
+
+
+def _lookup_keys(name: str) -> list[list]:
+    """Keys of `name` that the seed's events ask, so a hostile answer reaches the classifier."""
+    evs = [ev.decode(r) for r in seed_events()]
+    addrs = sorted({a for e in evs for a in (e.saddr, e.daddr)} | {"192.0.2.10"})
+    ports = sorted({p for e in evs for p in (e.sport, e.dport)} | {50000})
+    return {"pod_of": [[a] for a in addrs], "pod_of_netns": [[HOST_NS]],
+            "endpoint_of": [[a, p] for a in addrs for p in ports],
+            "etp_local": [[a, p] for a in addrs for p in ports],
+            "route_iface": [[HOST_NS, a] for a in addrs],
+            "iface_peer": [[HOST_NS, i] for i in (2, 3, 5)],
+            "nat_peer": [[e.saddr, e.sport, e.daddr, e.dport] for e in evs]
+            + [[e.daddr, e.dport, e.saddr, e.sport] for e in evs],
+            "nf_rule": [[HOST_NS, e.saddr, e.daddr, e.dport, e.daddr, e.dport, True, False]
+                        for e in evs]}[name]
+
+
+WRONG = [5, -1, 2**64 - 1, 1.5, float("nan"), True, b"eth0", [1, 2], ["eth0"], {"a": 1},
+         {"service": 5}, {"service": "x", "no_local": [1]}, {"tag": ["x"]}, "x" * 5000,
+         ["1.2.3.4", "x", "y", "z"], ["999.1.1.1", 1, "2", 3], deep(1000)]
+
+
+def _lookup_cases():
+    for name in sorted(LOOKUPS):
+        for i, value in enumerate(WRONG):
+            yield name, i, value
+
+
+def test_every_lookup_of_the_wrong_type_is_skipped_and_counted(tmp_path, seed_dir):
+    """Every Context lookup answered with a value of each wrong type, in a lookup record and
+    in the header's table, and as interface and Service names: counted (exit 2, one line) or
+    refused with the file, never a traceback in a formatter."""
+    _f, data = _seed_file(seed_dir)
+    head_end = frames_of(data)[0][1]
+    header = msgpack.unpackb(data[S.FRAME.size:head_end], raw=False, strict_map_key=False)
+    failures: dict[str, list] = {}
+    n = 0
+    for name, i, value in _lookup_cases():
+        keys = _lookup_keys(name)
+        records = _insert_after_header(data, *(S.frame(pack({"rec": "lookup", "name": name,
+                                                             "key": k, "value": value}))
+                                               for k in keys))
+        in_header = S.frame(pack({**header, "lookups": {name: [[k, value] for k in keys]}})) \
+            + data[head_end:]
+        names = _insert_after_header(data, S.frame(pack(
+            {"rec": "names", "ifnames": {HOST_NS: {3: value, 5: value}}})), S.frame(pack(
+                {"rec": "services", "services": [[k[0], 30080, value] for k in keys[:4]]})))
+        for where, blob in (("record", records), ("header", in_header), ("names", names)):
+            f = tmp_path / f"nptrace-{name}-{i}-{where}.nps"
+            f.write_bytes(blob)
+            for why in check_case([f]):
+                failures.setdefault(why, []).append((name, show(value), where))
+            f.unlink()
+            n += 1
+    assert n == len(LOOKUPS) * len(WRONG) * 3
+    assert not failures, "\n".join(f"{k}: {v[:3]}" for k, v in failures.items())
+
+
+@pytest.mark.parametrize("where", ["event", "lookup value", "lookup key", "summary", "unknown",
+                                   "header features", "nf_rule field"])
+def test_a_thousand_levels_of_lists_are_one_line(tmp_path, seed_dir, where):
+    _f, data = _seed_file(seed_dir)
+    d = deep(1000)
+    rec = {"event": {"rec": "event", "raw": d},
+           "lookup value": {"rec": "lookup", "name": "pod_of", "key": ["10.0.0.2"], "value": d},
+           "lookup key": {"rec": "lookup", "name": "nf_rule", "key": d, "value": None},
+           "summary": {"rec": "summary", "cause": d, "kind": "rst", "repeat": 1},
+           "unknown": {"rec": "newer", "x": d},
+           "nf_rule field": {"rec": "lookup", "name": "nf_rule", "key": _lookup_keys("nf_rule")[0],
+                             "value": {"tag": d}}}.get(where)
+    f = tmp_path / "nptrace-deep.nps"
+    if rec is None:
+        head_end = frames_of(data)[0][1]
+        h = msgpack.unpackb(data[S.FRAME.size:head_end], raw=False, strict_map_key=False)
+        f.write_bytes(S.frame(pack({**h, "features": {"x": d}})) + data[head_end:])
+    else:
+        f.write_bytes(_insert_after_header(data, S.frame(pack(rec))))
+    assert check_case([f]) == []
+    # deeper than msgpack unpacks: the frame is refused by itself, named
+    f.write_bytes(_insert_after_header(data, S.frame(b"\x82\xa3rec\xa5event\xa3raw"
+                                                     + b"\x91" * 100_000 + b"\x90")))
+    r = run(replay_command, [f, "--json"])
+    assert verdict_of(r) is None and r.exit_code == 2 and "frame 1 at byte" in r.stderr
+
+
+@pytest.mark.parametrize("orig_len", [0xFFFFFFFF, 0xFFFFFFF2, (1 << 24) + 1])
+def test_a_packet_longer_than_any_skb_is_counted_not_an_overflow(tmp_path, seed_dir, orig_len):
+    _f, data = _seed_file(seed_dir)
+    e = ev.decode(seed_events()[0])
+    raw = ev.encode_packet(SEED_PACKET, ts_ns=e.ts_ns, skb=e.skb, ifindex=e.ifindex,
+                           ev_type=e.type, hook=e.hook, orig_len=orig_len)
+    f = tmp_path / "nptrace-len.nps"
+    f.write_bytes(_insert_after_header(data, S.frame(pack({"rec": "packet", "raw": raw}))))
+    assert check_case([f]) == []
+    r = run(replay_command, [f, "-w", tmp_path / "o.pcapng"])
+    assert r.exit_code == 2 and "could not be decoded" in r.stderr and "bytes (at most" in r.stderr
+
+
+# Frames built so that msgpack allocates far more than their bytes: before the limits, a
+# 64 MiB frame of empty arrays took 5 GB. Python objects cost up to ~25 times the msgpack
+# bytes they come from (a 2-character string: 3 bytes, 56 as an object plus its pointer),
+# so that is the bound: RSS_MULTIPLE is generous over it, RSS_SLACK_MB covers the process.
+RSS_MULTIPLE = 32
+RSS_SLACK_MB = 100
+BOMB_BYTES = int(os.environ.get("NPTRACE_FUZZ_BOMB_MB", "2")) << 20   # make fuzz: 64
+_HEAD = b"\x82\xa3rec\xa5event\xa3raw"
+
+
+def _arrays(elem: bytes, per: int = 1 << 16) -> bytes:
+    """An array of arrays of `elem`, each under every per-container limit, BOMB_BYTES long."""
+    inner = b"\xdd" + struct.pack(">I", per) + elem * per
+    k = BOMB_BYTES // len(inner)
+    return b"\xdd" + struct.pack(">I", k) + inner * k
+
+
+def _bombs(header: dict) -> dict[str, tuple[bytes, bool]]:
+    """name -> (payload, is a header)."""
+    flat = BOMB_BYTES - 64
+    rows = [[[f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"], f"ns/p{i}"]
+            for i in range(min(BOMB_BYTES // 24, 1 << 20))]
+    return {
+        "one array of empty arrays": (_HEAD + b"\xdd" + struct.pack(">I", flat) + b"\x90" * flat,
+                                      False),
+        "arrays of empty arrays": (_HEAD + _arrays(b"\x90"), False),
+        "arrays of empty maps": (_HEAD + _arrays(b"\x80"), False),
+        "arrays of short strings": (_HEAD + _arrays(b"\xa2ab"), False),
+        "arrays of nil triples": (_HEAD + _arrays(b"\x93\xc0\xc0\xc0"), False),
+        "header lookups table of empty rows": (
+            msgpack.packb({**header, "lookups": None}, use_bin_type=True)[:-1]
+            + _arrays(b"\x92\x90\x90", 1 << 14), True),
+        "header lookups table of answers": (
+            msgpack.packb({**header, "lookups": {"pod_of": rows}}, use_bin_type=True), True),
+    }
+
+
+_RSS_RUN = ("import resource, sys\n"
+            "from nptrace.cli import main\n"
+            "try:\n"
+            "    main(sys.argv[1:])\n"
+            "finally:\n"
+            "    print(f'rss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}',"
+            " file=sys.stderr)\n")
+
+
+def run_measured(args) -> tuple[int, str, int]:
+    """(exit code, stderr without the RSS line, peak RSS in bytes) of a CLI run in a process
+    of its own."""
+    p = subprocess.run(["timeout", "120", sys.executable, "-c", _RSS_RUN, *map(str, args)],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    lines = p.stderr.splitlines()
+    rss = [int(x.split("=")[1]) for x in lines if x.startswith("rss_kb=")]
+    assert rss, p.stderr
+    return p.returncode, "\n".join(x for x in lines if not x.startswith("rss_kb=")), rss[-1] << 10
+
+
+BOMB_COMMANDS = [["replay", "-o", "table"], ["report", "-o", "json"], ["merge", "-o", "json"]]
+
+
+def test_allocation_bombs_are_bounded_by_their_size(tmp_path, seed_dir):
+    f0, data = _seed_file(seed_dir)
+    head_end = frames_of(data)[0][1]
+    header = msgpack.unpackb(data[S.FRAME.size:head_end], raw=False, strict_map_key=False)
+    _rc, _err, base = run_measured(["replay", "-o", "json", f0])
+    over = []
+    for name, (payload, is_header) in _bombs(header).items():
+        f = tmp_path / "nptrace-bomb.nps"
+        f.write_bytes(S.frame(payload) + data[head_end:] if is_header
+                      else _insert_after_header(data, S.frame(payload)))
+        size = f.stat().st_size
+        for cmd in BOMB_COMMANDS:
+            rc, err, rss = run_measured([*cmd, f])
+            errors = [x for x in err.splitlines() if "error:" in x]
+            assert rc in (0, 2) and "Traceback" not in err, (name, cmd, err)
+            assert rc == 0 or len(errors) == 1, (name, cmd, err)
+            if rss - base > RSS_MULTIPLE * size + (RSS_SLACK_MB << 20):
+                over.append(f"{name} {' '.join(cmd)}: +{(rss - base) >> 20} MB for "
+                            f"{size >> 20} MiB")
+    assert not over, "\n".join(over)
+
+
+def test_random_cases_stay_within_the_rss_bound(tmp_path, seed_dir):
+    """A few of the seeded cases again, each in a process of its own."""
+    f0, data = _seed_file(seed_dir)
+    _rc, _err, base = run_measured(["replay", "-o", "json", f0])
+    for s in range(4):
+        rng = random.Random(s)
+        blob = data
+        for _ in range(rng.choice([1, 2, 3])):
+            blob = mutate_file(rng, blob)
+        f = tmp_path / f0.name
+        f.write_bytes(blob)
+        for cmd in (["replay", "-o", "table"], ["merge", "-o", "json"]):
+            rc, err, rss = run_measured([*cmd, f])
+            assert rc in (0, 2) and "Traceback" not in err, (s, cmd, err)
+            assert rss - base < RSS_MULTIPLE * len(blob) + (RSS_SLACK_MB << 20), (s, cmd)
