@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nptrace.sinks.prometheus import DEFAULT_ADDR, METRIC_NAMES
+from nptrace.config import DEFAULT_METRICS_ADDR as DEFAULT_ADDR
+from nptrace.sinks.prometheus import METRIC_NAMES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CAPS = {"BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN", "SYS_RESOURCE"}
