@@ -466,6 +466,23 @@ def failures(results: list[dict]) -> list[str]:
 NOTES = "## Notes"
 
 
+def stored_results(cache: Path = CACHE) -> list[dict]:
+    """Every kernel's last stored result, newest kernel first: the page shows all kernels
+    ever run here, whichever of them this run booted."""
+    out = []
+    for f in (cache / "runs").glob("*/result.json"):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda r: release_key(r.get("kernel", "")), reverse=True)
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    """5.10.0-32-amd64 -> (5, 10, 0, 32): kernels in version order."""
+    return tuple(int(n) for n in re.findall(r"\d+", release)[:4])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["guest"]:
@@ -506,10 +523,13 @@ def main(argv=None) -> int:
             (out / "result.json").write_text(json.dumps(r, indent=1))
         results.append(r)
         print(table([r]), file=sys.stderr, flush=True)
-    md = table(results)
-    print(md)
+    print(table(results))
     if a.markdown:
-        commit = ", ".join(sorted({r["commit"] for r in results if r.get("commit")})) or \
+        ran = {r.get("kernel") for r in results}
+        page = sorted(results + [r for r in stored_results() if r.get("kernel") not in ran],
+                      key=lambda r: release_key(r.get("kernel", "")), reverse=True)
+        md = table(page)
+        commit = ", ".join(sorted({r["commit"] for r in page if r.get("commit")})) or \
             _run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
         md_path = Path(a.markdown)
         # the measured notes below the table are kept across reruns

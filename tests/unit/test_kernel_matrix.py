@@ -110,3 +110,13 @@ def test_a_run_of_some_scenarios_replaces_theirs_and_keeps_the_rest_with_their_c
     assert "100.0% (commit aaa)" in kernels.table([dict(got, accel="TCG", wall_s=1)])
     assert not kernels.failures([got])
     assert kernels.merged(earlier, {"kernel": "6.1", "error": "boot"}) == {"kernel": "6.1", "error": "boot"}
+
+
+def test_the_page_keeps_every_stored_kernel_newest_first(tmp_path: Path):
+    for release in ("5.10.0-32-amd64", "6.12.0-1-amd64", "6.1.0-50-amd64"):
+        (tmp_path / "runs" / release).mkdir(parents=True)
+        (tmp_path / "runs" / release / "result.json").write_text(f'{{"kernel": "{release}"}}')
+    (tmp_path / "runs" / "broken").mkdir()
+    (tmp_path / "runs" / "broken" / "result.json").write_text("{")
+    assert [r["kernel"] for r in kernels.stored_results(tmp_path)] == \
+        ["6.12.0-1-amd64", "6.1.0-50-amd64", "5.10.0-32-amd64"]
