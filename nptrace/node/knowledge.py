@@ -271,10 +271,12 @@ class NodeKnowledge:
                 s = smap.lookup(addr, port)
             except Exception:
                 continue
-            if s is None or s.kind != "endpoint":
+            # Any namespace's view that knows it as a Local Service's endpoint answers: another
+            # view may hold the address as an endpoint of some other Service (a pod address
+            # reused, a namespace not yet pruned), and the walk's order is the order reads
+            # happened in.
+            if s is None or s.kind != "endpoint" or not s.etp_local:
                 continue
-            if not s.etp_local:
-                return None
             return {"service": s.name,
                     "no_local": sorted({v for m in self._smaps for st in m.ipvs
                                         for v in without_local(st, addr, port)})}

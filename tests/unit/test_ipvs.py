@@ -232,3 +232,17 @@ def test_etp_local_virtual_server_without_local_reals_is_the_fallback_named_by_k
     kn._smaps = (ipvs.build_map(ipvs.state_of((FIX / "ipvsadm_Ln.txt").read_text(),
                                               names_text=NAMES.replace(" local", ""))),)
     assert kn.etp_local("10.244.1.10", 8080) is None                 # a Cluster-policy Service
+
+
+def test_etp_local_is_found_whichever_view_is_read_first():
+    """Another namespace's view may hold the same pod address as an endpoint of a Cluster-policy
+    Service (an address reused by a later pod, a namespace not yet pruned): the Local
+    Service's view still answers, in either order."""
+    from nptrace.node.knowledge import NodeKnowledge
+    proc = (FIX / "ipvsadm_Ln.txt").read_text()
+    local = ipvs.build_map(_state(proc))
+    cluster = ipvs.build_map(ipvs.state_of(proc, names_text=NAMES.replace(" local", "")))
+    for order in ((cluster, local), (local, cluster)):
+        kn = NodeKnowledge(names=None)
+        kn._smaps = order
+        assert kn.etp_local("10.244.1.10", 8080)["service"] == "default/web:http"
