@@ -22,7 +22,7 @@ test-unit: setup
 test-privileged: setup
 	$(PYTEST) -ra tests/privileged
 
-## The long fuzz (issue 18): hostile session files through replay/report/merge, and truncated
+## The long fuzz: hostile session files through replay/report/merge, and truncated
 ## netlink datagrams through the nf-trace and link decoders, with new seeds for FUZZ_SECONDS
 ## each (make test runs their fixed-seed subset), and the allocation bombs at the largest frame
 ## a session may hold (64 MiB; make test: 2 MiB). A failure names its seed:

@@ -1,23 +1,33 @@
-"""The compiled helpers of the hot path (issue #16 item 3): optional C extensions.
+"""The hot path compiled: the modules nptrace/compiled.py lists, compiled by Cython from their
+own .py sources (no second implementation) into extension modules beside them.
 
 pyproject.toml holds the project's metadata; setuptools reads the extensions from here (its
 pyproject table for them is newer than Debian 12's setuptools, which the image builds with).
-`optional=True`: without a C compiler or Python's headers the install still succeeds and
-nptrace runs its pure-Python paths (events.NATIVE, jsonl.NATIVE say which; `nptrace doctor`
-reports it)."""
+`optional=True`, and no extensions without Cython: without it, a C compiler or Python's
+headers the install still succeeds and nptrace runs the same modules as Python (`nptrace
+doctor`'s `hot path` row says which)."""
+import importlib.util
+
 from setuptools import Extension, setup
 
-setup(ext_modules=[
-    Extension("nptrace.events_fast", ["nptrace/events_fast.c"], optional=True,
-              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
-    Extension("nptrace.classify.correlate_fast",
-              ["nptrace/classify/correlate_fast.c", "nptrace/classify/feed_fast.c"],
-              depends=["nptrace/classify/correlate_fast.h", "nptrace/slots.h"],
-              optional=True,
-              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
-    Extension("nptrace.sinks.jsonl_fast",
-              ["nptrace/sinks/jsonl_fast.c", "nptrace/sinks/jsonl_multi.c",
-               "nptrace/sinks/jsonl_seconds.c"],
-              depends=["nptrace/sinks/jsonl_fast.h", "nptrace/slots.h"], optional=True,
-              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"]),
-])
+# nptrace/compiled.py imports nothing of nptrace: loaded by path, not as the package
+_spec = importlib.util.spec_from_file_location("_nptrace_compiled", "nptrace/compiled.py")
+compiled = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compiled)
+
+try:
+    from Cython.Build import cythonize
+except ImportError:
+    ext_modules = []
+else:
+    ext_modules = cythonize(
+        [Extension(m, [m.replace(".", "/") + ".py"], optional=True,
+                   extra_compile_args=["-O2", "-Wno-unused-function"]) for m in compiled.MODULES],
+        # annotations are documentation here, not C types: the modules must behave exactly as
+        # they do uncompiled (an `x: list` argument given a tuple still works)
+        compiler_directives={"language_level": 3, "annotation_typing": False,
+                             "binding": True, "embedsignature": False},
+        # the generated C goes under build/, not beside the sources: nptrace/ holds no C
+        build_dir="build/cython", quiet=True)
+
+setup(ext_modules=ext_modules)

@@ -167,7 +167,7 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
     """
     from nptrace.sinks.console import Console, LiveTable
     from nptrace.sinks.jsonl import JsonLines
-    from nptrace.tracer import Outputs, Tracer, log
+    from nptrace.daemon.tracer import Outputs, Tracer, log
 
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
@@ -223,7 +223,7 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
     readable the -DNPT_OFF_* offsets are left out, said in the output)."""
     from nptrace import reasons
     from nptrace.kernel import attach, btf, features, loader
-    from nptrace.tracer import WAKE_EVERY
+    from nptrace.daemon.tracer import WAKE_EVERY
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
     # as Tracer() sets it; --service: the gate run compiles in when the Service has addresses

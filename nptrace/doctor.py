@@ -7,13 +7,11 @@ nptrace/kernel/hooks.py) carry what `nptrace run` does about them, from the same
 uses (nptrace/kernel/attach.py), so doctor and run cannot disagree. Exit 0 when tracing is possible, 1 when it is not (a required probe failed),
 with a one-line reason on stderr. Trial loads (fentry, ...) go through nptrace.kernel.loader and bcc,
 imported only inside the command and only on the real root. The `hot path` row says whether
-this install runs the compiled helpers (setup.py) or the pure-Python paths, and why;
-`nptrace run` says the same once at start when it runs the pure ones.
+this install runs the hot path compiled (setup.py, nptrace/compiled.py) or as Python, and why;
+`nptrace run` says the same once at start when it runs as Python.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -64,52 +62,21 @@ class Report:
                 "kernel": self.kernel, "rows": [r.to_dict() for r in self.rows]}
 
 
-# The hot path's compiled helpers (setup.py, issue #16 item 3): the module, and what runs in
-# pure Python without it (the speed-ups are those events.py and sinks/jsonl.py measured).
-HELPERS = (("nptrace.events_fast", "decode_many"),
-           ("nptrace.classify.correlate_fast", "the correlation loop"),
-           ("nptrace.sinks.jsonl_fast", "--json lines"))
-HOT_PATH_COST = "a storm's records are labeled 1.5-1.6x slower: the ring fills sooner"
-HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, then "
-                   "pip install -e . again in nptrace's venv")
+# The hot path compiled by Cython from its own sources (setup.py, nptrace/compiled.py), and
+# what running it as Python costs (make bench's pipeline figures).
+HOT_PATH_COST = "a storm's records are labeled more slowly: the ring fills sooner"
+HOT_PATH_REMEDY = ("make setup; or apt-get install gcc libc6-dev python3-dev, pip install Cython, "
+                   "then pip install -e . again in nptrace's venv")
 
 
-def _why_not(module: str) -> str:
-    """Why a helper's module is not in use: not built, or built but not importable."""
-    from nptrace import native
-    try:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} not built"
-        lacks = native.missing(importlib.import_module(module))
-    except ImportError as e:
-        return f"{module} does not import ({e})"
-    if lacks:
-        return f"{module} built from older sources (no {', '.join(lacks)})"
-    return f"{module} not in use"
-
-
-def hot_path(native: dict[str, str] | None = None, env=None) -> str:
-    """"compiled" when decode, the correlation loop and the JSON lines run the compiled
-    helpers, else "python: <why>" (NPTRACE_PURE=1, or which module was not built or does not
-    import). `native`: module -> its path's NATIVE ("compiled" / "python"), default
-    events.NATIVE, correlate.NATIVE and jsonl.NATIVE."""
-    if native is None:
-        from nptrace import events
-        from nptrace.classify import correlate
-        from nptrace.sinks import jsonl
-        native = {"nptrace.events_fast": events.NATIVE,
-                  "nptrace.classify.correlate_fast": correlate.NATIVE,
-                  "nptrace.sinks.jsonl_fast": jsonl.NATIVE}
-    slow = [m for m, _ in HELPERS if native.get(m) != "compiled"]
-    if not slow:
-        return "compiled"
-    if (os.environ if env is None else env).get("NPTRACE_PURE") == "1":
-        return "python: NPTRACE_PURE=1"
-    return "python: " + "; ".join(_why_not(m) for m in slow)
+def hot_path() -> str:
+    """"compiled" when the hot path's modules run compiled, else "python: <module>: <why>"."""
+    from nptrace import compiled
+    return compiled.hot_path()
 
 
 def _hot_path_remedy(state: str) -> str:
-    return "unset NPTRACE_PURE" if state.endswith("NPTRACE_PURE=1") else HOT_PATH_REMEDY
+    return "unset NPTRACE_PURE" if "NPTRACE_PURE=1" in state else HOT_PATH_REMEDY
 
 
 def hot_path_line(state: str) -> str | None:
@@ -141,8 +108,8 @@ def build_report(features: feat.Features, node_checks: nodemod.NodeChecks | None
                         hs.kind == "none" else ""))
     if hot_path is not None:
         pure = hot_path != "compiled"
-        detail = hot_path if pure else "compiled (" + ", ".join(m.rsplit(".", 1)[1] + ".c"
-                                                               for m, _ in HELPERS) + ")"
+        from nptrace.compiled import MODULES
+        detail = hot_path if pure else "compiled (" + ", ".join(m.split(".", 1)[1] for m in MODULES) + ")"
         rows.append(Row("nptrace", "hot path", "warn" if pure else "ok", detail,
                         HOT_PATH_COST if pure else "", _hot_path_remedy(hot_path) if pure else ""))
     if loaded is not None:

@@ -20,7 +20,6 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nptrace import native
 
 ABI_VERSION = 1
 
@@ -381,11 +380,10 @@ def from_tuple(t: tuple, raw: bytes = b"") -> Event:
                               ctt, osrc, odst, vni, raw))
 
 
-def decode_many_py(bufs) -> tuple[list[Event], int]:
+def decode_many(bufs) -> tuple[list[Event], int]:
     """Decode a batch of records: (the events, how many records were bad). The same Events
     `decode` gives one by one, without its per-call overhead: the common record (no conntrack,
-    no outer header, a known family) is built inline; any other goes through from_tuple.
-    `decode_many` is this, or the same loop compiled (events_fast.c) where it is built."""
+    no outer header, a known family) is built inline; any other goes through from_tuple."""
     out: list[Event] = []
     append = out.append
     bad = 0
@@ -444,39 +442,6 @@ def _addr_miss(cache: dict, family: int, raw: bytes) -> str:
         cache.clear()
     cache[raw] = s
     return s
-
-
-def _decode_rare(buf) -> Event | None:
-    """events_fast.c's way back for a record its common path does not take: the Event, or
-    None for a bad record (the rare cases keep one implementation, decode_many_py's)."""
-    got, _bad = decode_many_py((buf,))
-    return got[0] if got else None
-
-
-def _native():
-    """decode_many compiled (nptrace/events_fast.c): the pure loop's Events at about twice its
-    speed; None where it is not in use (nptrace/native.py)."""
-    fast = native.load("nptrace.events_fast")
-    if fast is None:
-        return None
-    layout = tuple((getattr(RawEvent, name).offset, getattr(RawEvent, name).size)
-                   for name in FIELDS)
-    fast.configure(layout, SIZE, ABI_VERSION, F_HAS_CT | F_ENCAP | F_ICMP_QUOTE, _ASYM_SRC,
-                   _AF_INET, _AF_INET6, Event, _TYPES, _HOOKS, _DIRS)
-    return fast
-
-
-_FAST = _native()
-# which decode_many runs: "compiled" (events_fast.c) or "python"
-NATIVE = "compiled" if _FAST is not None else "python"
-if _FAST is not None:
-    _decode_fast, _rare = _FAST.decode_many, _decode_rare
-
-    def decode_many(bufs) -> tuple[list[Event], int]:
-        """decode_many_py's (events, bad), compiled."""
-        return _decode_fast(bufs, _rare)
-else:
-    decode_many = decode_many_py
 
 
 # --- packet-bytes records (bpf/npt_packet.h): not events; the tracer hands them to the pcapng

@@ -81,8 +81,8 @@ read -r -a node_args <<<"$(scripts/podman-args.sh "$base")"
 
 # Rebuild only when an input changed: the files the Containerfile copies, and the base.
 # (.so files: a `make setup` of this tree; .containerignore keeps them out of the image)
-files=$(find deploy/Containerfile deploy/requirements.txt pyproject.toml README.md setup.py bpf nptrace \
-        -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' | LC_ALL=C sort)
+files=$(find deploy/Containerfile deploy/requirements.txt deploy/requirements-build.txt pyproject.toml README.md setup.py bpf nptrace \
+        -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' ! -path 'nptrace/*.c' | LC_ALL=C sort)
 ctx=$( { podman image inspect --format '{{.Id}}' "$base"; sha256sum $files; } | sha256sum | cut -c1-16)
 have=$(podman image inspect --format '{{index .Labels "org.nptrace.context"}}' "$IMAGE" 2>/dev/null || true)
 if [ "$have" = "$ctx" ]; then

@@ -20,7 +20,7 @@ pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftab
       nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib hping3
       podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
       strace                             # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test
-      gcc libc6-dev python3-dev          # setup.py: the hot path's compiled helpers (issue #16)
+      gcc libc6-dev python3-dev          # setup.py: the hot path compiled by Cython
       prometheus)                        # tests/privileged/test_fleet_metrics.py runs the server binary
 missing=()
 for p in "${pkgs[@]}"; do
@@ -58,8 +58,8 @@ fi
 # py-spy is a binary, not a module: checked by its path, so an older venv picks it up
 if ! .venv/bin/python -c 'import nptrace, pytest, pyroute2, msgpack, click, prometheus_client' 2>/dev/null \
    || [ ! -x .venv/bin/py-spy ] || [ pyproject.toml -nt .venv/.installed ] \
-   || [ -n "$(find setup.py nptrace \( -name '*.[ch]' -o -name setup.py \) -newer .venv/.installed 2>/dev/null | head -n1)" ] \
-   || ! .venv/bin/python -c 'import nptrace.events_fast, nptrace.classify.correlate_fast, nptrace.sinks.jsonl_fast' 2>/dev/null; then
+   || [ setup.py -nt .venv/.installed ] \
+   || ! .venv/bin/python -c 'from nptrace import compiled; assert compiled.hot_path() == "compiled"' 2>/dev/null; then
     log "installing nptrace into .venv"
     .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch .venv/.installed

@@ -6,7 +6,7 @@ new source, nf_rule for every new client of a rejecting rule), recorded by the R
 
 `--rev REV` runs the recorder and session format of a commit (git show REV:...) instead of
 the work tree, for the before/after figure: 21405f6 is the last one with unbounded tables.
-Not a test: a measurement (issue 18 item 1). Measured (500k tuples, Python 3.11):
+Not a test: a measurement. Measured (500k tuples, Python 3.11):
 21405f6 +67/+138/+177/+259/+300 MB at 100k..500k, 24 s; bounded +5..+7 MB, flat, 7 s.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 def has_bpf_caps() -> bool:
     try:
-        from nptrace.kernel.features import has_bpf_caps as probe
+        from nptrace.kernel.evidence import has_bpf_caps as probe
         return probe()
     except ImportError:
         return os.geteuid() == 0

@@ -10,7 +10,7 @@ Sections, one module each, in the order they run:
   pipeline     decoder and decode+classify+JSON throughput on synthetic records (no kernel)
   startup      time to probes attached, RSS after start and over a churn of distinct flows
   soak         10 min of 3000 new failing flows/s + a pod a second with --record and metrics:
-               RSS within 10% after warm-up, fds flat (issue 18)
+               RSS within 10% after warm-up, fds flat
 
 `nptrace run` is driven as a subprocess everywhere (a black box, as an SRE runs it); the
 namespaces are `npt-bn<pid>-*` and are removed, with every process started, even on failure.

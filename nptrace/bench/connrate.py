@@ -16,8 +16,8 @@ server's FIN reaches the client. So the client keeps the TIME_WAITs and the serv
 connect() takes a port whose TIME_WAIT is over a second old (net.ipv4.tcp_tw_reuse=1 in the
 client namespace: the SYN's timestamp tells the server it is new). The server's default route
 has `quickack 1`. Why, measured on one path without nptrace (nstat in its three namespaces):
-- The earlier workload closed the other way round (server first, client second, no TIME_WAIT
-  at the client) and reset 0.0001-0.04 of its connections, more the longer it ran: once the
+- A workload closing the other way round (server first, client second, no TIME_WAIT at the
+  client) reset 0.0001-0.04 of its connections, more the longer it ran: once the
   client's 64k ports wrapped, SYNs met the server's minute-long TIME_WAITs with an older
   timestamp (TcpExtPAWSTimewait), answered with an ACK that the client reset. In a bench run
   that was 0.03-0.1 resets per connection, and nptrace's process spent 2.5-8 us per
@@ -34,11 +34,11 @@ has `quickack 1`. Why, measured on one path without nptrace (nstat in its three 
 - A server that peeked for the FIN and waited for it in epoll, instead of TCP_DEFER_ACCEPT,
   made no drops at all but ran 11% slower (median of 30 alternated 1-s pairs on two paths).
   TCP_DEFER_ACCEPT drops each handshake's bare ACK (TcpExtTCPDeferAcceptDrop: one kfree_skb
-  per connection, as many as the earlier workload freed).
-- All of it: 0 resets in each bench run (1.5-2.9 million connections). Untraced rate beside the
-  earlier workload, alternated on two paths, 30-40 rounds of 1 s: 94-105% of it while the VM
-  ran slow (15k/s), 84% while it ran fast (27k/s) (probably the client's shutdown() and its
-  extra epoll events, which weigh more when the kernel's share shrinks). The rounds count
+  per connection, as many as the reverse-close workload freed).
+- All of it: 0 resets in each bench run (1.5-2.9 million connections). Untraced rate beside
+  the reverse-close workload, alternated on two paths, 30-40 rounds of 1 s: 94-105% of it while
+  the VM ran slow (15k/s), 84% while it ran fast (27k/s) (probably the client's shutdown() and
+  its extra epoll events, which weigh more when the kernel's share shrinks). The rounds count
   TcpOutRsts in every namespace of the paths: the resets-per-connection info row shows a
   workload that resets.
 

@@ -10,55 +10,16 @@ pipeline  what `nptrace run --json` does per record after the ring walk (the dec
           One tcp_send_reset NO_SOCKET record per reset, every reset a flow of its own (a
           storm). A second run feeds the storm's real mix (4 records per reset: kfree_skb of
           the SYN, tcp_send_reset, the RST on tc egress, kfree_skb of the RST at the client).
-          Both report labeled records/s against the target, >= 200,000/s (issue #16), and
+          Both report labeled records/s against the target, >= 200,000/s, and
           resets/s beside it, in CPU time (process_time: the loop is one thread, and the VM's
           neighbours move wall time by a third from one minute to the next). Both run the live
           loop's code: the label memo (classify/labelmemo.py: a record's own label kept by the
-          values its rules read), the one-event line template (sinks/jsonl.py), and where
-          setup.py built them the compiled helpers: decode_many's common record
-          (events_fast.c), Classifier.feed_many's loop (classify/feed_fast.c) and _one, the
-          Verdict of a one-record incident (classify/correlate_fast.c), the one-event line
-          (sinks/jsonl_fast.c) and the line of several events (sinks/jsonl_multi.c). Each is
-          exact (the pure-Python path is the reference: tests/unit/test_native_paths.py,
-          test_native_feed.py) and the section says which ran ("paths").
-native    the same loops in child processes, alternating with NPTRACE_PURE=1 (the pure paths),
-          CPU time: the compiled helpers' gain as a ratio of pairs, beside the pure rate.
-          Session 9, 2026-12-01, callgrind (instructions a record, deterministic, the loop's
-          marginal cost between 10k and 50k resets): single 94.5k (session 8's tree) ->
-          67.3k, mix 70.6k -> 62.1k. What is left is the correlation loop itself
-          (Classifier.feed_many, _evict, _horizon: ~17k instructions a record in the
-          interpreter's own frame loop, the rest the dict, queue and allocation calls it
-          makes) and the Context's Python lookups (8 calls a one-record incident). 200k/s
-          needs ~50k instructions a record: feed_many's storm path compiled too.
-          Session 10, 2026-12-01: feed_many's loop (feed_fast.c) and the line of several
-          events (jsonl_multi.c) compiled. Callgrind, marginal: single 64.4k -> 45.8k
-          instructions a record (30k to 60k resets), mix 61.6k -> 41.7k (20k to 40k). CPU
-          time, 6 runs alternating with session 9's tree: single 101-153k -> 142-200k/s, mix
-          119-158k -> 174-234k/s. Left a record: 10 Python Context calls (~14k instructions
-          of interpreter), dict and attribute look-ups (~11k), the time's float repr (~6k),
-          the collector (~2-5k).
-          Session 11, 2026-12-02: the JSON sink runs with the live epoch offset (it ran with
-          0, whose small floats dtoa writes cheaper than epoch seconds), a line's `ts` is
-          written without dtoa (sinks/jsonl_seconds.c, exact against repr), Verdict has
-          __slots__ (correlate_fast.c stores its fields, jsonl_fast.c reads them at their
-          offsets) and one() reuses the last line's template while the cache is unchanged.
-          Callgrind, the same marginal: single 47.5k -> 38.7k, mix 43.5k -> 39.0k (of which
-          the test's own record generation is 11.5k and 9.3k: the loop 36.0k -> 27.2k and
-          34.2k -> 29.8k). This section, three runs: single 223k / 226k / 173k/s, mix
-          233k / 224k / 188k/s.
-          Session 12, 2026-12-02: feed_many's evictions read the Context's five lookups once a
-          call, KIND/_DIRECTIONS/HOOKS are indexed by small int, eviction takes the oldest flow
-          without popitem's method call; _report's incidents of several records build their
-          Verdict (make_verdict) and ask _service (an event without conntrack) in C. Callgrind,
-          the same marginal: single 38.3k -> 37.1k, mix 39.0k -> 36.0k (the loop 26.8k ->
-          25.6k and 29.7k -> 26.7k). The rows are now the median of three alternated runs;
-          two sections, 6 runs each: single 219-244k/s, mix 231-261k/s.
-          Session 8, CPU time of 3 runs alternating with main's tree: single 90k/s before,
-          108k/s after the label memo and template; mix 142k/s before, 161k/s after. A
-          stripped loop that keeps only what correlation needs per reset (one Flow in the key
-          map and the two time queues, eviction past 16384 flows with the incident's lookups,
-          a line from a template; no rules, no Event, Labeled or Verdict objects) ran at
-          ~207k/s in CPython.
+          values its rules read), the one-event line template (sinks/jsonl.py), and the hot
+          path's modules compiled by Cython from their own sources where setup.py compiled
+          them (nptrace/compiled.py); the section says which ran ("paths").
+compiled  the same loops in child processes, alternating with NPTRACE_PURE=1 (the same
+          sources run as Python), CPU time: what compiling gains, as a ratio of pairs.
+          The measured history of these rows is docs/benchmarks.md.
 Both run for a bounded time (the classifier may be slow on many flows), then report the rate
 reached. A cProfile pass of the pipeline lists its hot spots in the JSON; a py-spy pass
 (sampling, without cProfile's per-call cost) splits a reset's time by stage in one info row:
@@ -249,9 +210,9 @@ def median_run(runs: list[dict]) -> dict:
             "runs_records_per_s": [r["records_per_s"] for r in runs]}
 
 
-def native_vs_pure(n_resets: int, mix: bool, budget_s: float, rounds: int = 3) -> dict:
-    """The compiled helpers (events_fast.c, correlate_fast.c, jsonl_fast.c) against the pure
-    Python paths, side by side: `rounds` alternating pairs of children, one with NPTRACE_PURE=1,
+def compiled_vs_python(n_resets: int, mix: bool, budget_s: float, rounds: int = 3) -> dict:
+    """The hot path compiled (nptrace/compiled.py) against the same sources run as Python,
+    side by side: `rounds` alternating pairs of children, one with NPTRACE_PURE=1,
     each timing its loop in CPU time (process_time: the VM's neighbours move wall time by a
     third from one minute to the next, and the other helpers' benches share its two CPUs).
     The ratio is the median of the pairs' ratios."""
@@ -280,10 +241,10 @@ def native_vs_pure(n_resets: int, mix: bool, budget_s: float, rounds: int = 3) -
 
 
 def paths_in_use() -> dict:
-    """Which of the hot path's functions run compiled ("compiled") or as Python ("python")."""
-    from nptrace.classify import correlate
-    from nptrace.sinks import jsonl
-    return {"decode": ev.NATIVE, "one-record verdict": correlate.NATIVE, "line": jsonl.NATIVE}
+    """Which of the hot path's modules run compiled ("compiled") or as Python ("python: why")."""
+    from nptrace import compiled
+    compiled.hot_path()     # imports every one
+    return dict(compiled.STATE)
 
 
 def profile_pipeline(n_resets: int, budget_s: float, top: int = 15) -> list[dict]:
@@ -364,7 +325,7 @@ def run(b) -> Section:
     budget = b.scale(10, 2)
     # CPU time: the loop is one thread, and the VM's neighbours move wall time (see above).
     # Three runs of each, alternated: a slow minute of the VM (which lowered one run of three
-    # by a fifth in session 11, the pure path's with it) moves one run, not the median.
+    # by a fifth once, the pure path's with it) moves one run, not the median.
     singles, mixes = [], []
     for _ in range(b.scale(3, 1)):
         singles.append(run_pipeline(n, False, budget, clock=time.process_time))
@@ -376,11 +337,11 @@ def run(b) -> Section:
     spy = pyspy_pipeline(n, b.scale(8, 2), b.logdir / "pipeline.pyspy.txt",
                          rate=b.scale(250, 500))
     keys = bench_keys(b.scale(10_000, 2_000))
-    side = {m: native_vs_pure(b.scale(200_000, 40_000) // (4 if m else 1), m, budget,
+    side = {m: compiled_vs_python(b.scale(200_000, 40_000) // (4 if m else 1), m, budget,
                               rounds=b.scale(3, 1)) for m in (False, True)}
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
                 "paths": paths_in_use(),
-                "native_vs_pure": {"single": side[False], "mix": side[True]},
+                "compiled_vs_python": {"single": side[False], "mix": side[True]},
                 "pyspy": spy, "keys": keys,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
                 "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET,
@@ -396,7 +357,7 @@ def run(b) -> Section:
             si(dec["raw_decode_eps"], "/s"), "", "info", None, dec["raw_decode_eps"]),
         _pipe_row("pipeline: decode+classify+JSON, 1 record/reset, labeled records/s", single),
         _pipe_row("pipeline: storm mix, 4 records/reset, labeled records/s", mix),
-        *(_side_row(f"pipeline: compiled helpers vs pure Python, {name}, records/s (CPU time, "
+        *(_side_row(f"pipeline: compiled (Cython) vs the same source as Python, {name}, records/s (CPU time, "
                     "median of pairs)", side[m]) for m, name in ((False, "1 record/reset"),
                                                                  (True, "storm mix"))),
         _pyspy_row(spy),
@@ -417,8 +378,8 @@ def _side_row(metric: str, r: dict) -> Row:
 
 
 def _pipe_row(metric: str, r: dict) -> Row:
-    """records/s against the target (issue #16: >= 200k labeled records/s, the single-kind storm
-    and the mix alike); resets/s beside it."""
+    """records/s against the target (>= 200k labeled records/s, the single-kind storm and the
+    mix alike); resets/s beside it."""
     rps = r["records_per_s"]
     note = "" if r["complete"] else f" (stopped after {r['budget_s']:g}s: {r['resets']} resets)"
     runs = r.get("runs_records_per_s") or []

@@ -188,7 +188,7 @@ def run_nptrace(b: Bench, t: Topology, storm: Storm, server: str, count: int,
         n.stop()
     exact = {"rst_sent": prom_sum(metrics, "nptrace_kernel_events_total", type="RST_SENT",
                                   iface=server),
-             # the per-cause counter (issue 16): every reset under its cause, not a sample
+             # the per-cause counter: every reset under its cause, not a sample
              "no_listener": prom_sum(metrics, "nptrace_resets_total", cause="no_listener",
                                      direction="sent"),
              "emitted": prom_sum(metrics, "nptrace_events_emitted_total"),

@@ -1,4 +1,4 @@
-"""Soak: bounded memory and file descriptors on a hostile node (issue 18 item 1).
+"""Soak: bounded memory and file descriptors on a hostile node.
 
 One `nptrace run` with everything that keeps state on: --record (session files, rotated and
 capped), --metrics-addr (scraped every few seconds), tc on a veth, --max-rate 0 (every

@@ -1,6 +1,6 @@
-"""A storm of three causes at once, and the truth of each counted without nptrace (issue 16's
-check). Shared by tests/privileged/test_exact_causes.py (the exactness test) and the
-reset_storm bench section (its per-cause counting error rows).
+"""A storm of three causes at once, and the truth of each counted without nptrace. Shared by
+tests/privileged/test_exact_causes.py (the exactness test) and the reset_storm bench section
+(its per-cause counting error rows).
 
 A client namespace floods a server namespace over a veth (xc0 10.77.0.1 -- xs0 10.77.0.2)
 with hping3, three floods side by side:

@@ -15,17 +15,19 @@ event is evidence. Add a cause by adding a rule function to RULES and its name t
 
 `feed_many(events)` is the live loop's batch entry (the same verdicts as `feed` on each event,
 concatenated): a reset storm is ~all new one-record flows, and per event it skips the `tick`
-that cannot report anything (see Classifier). Its loop is compiled where setup.py built
-correlate_fast (feed_fast.c); `_feed_many_py` is the reference it is tested against.
+that cannot report anything (see Classifier). This module is one of those setup.py compiles
+with Cython where a compiler is present (nptrace/compiled.py); the source is the same.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
-from nptrace import names, native
+from nptrace import names
 from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
 
+from .flowkey import flow_key, flow_keys, nat_mapping, nat_peer_tuple  # noqa: F401 (flow_keys: the package's)
+from .incident import DIRECTIONS, fill_hint, make_verdict, one_verdict, pods_of, service_of, set_natmap
 from .labelmemo import LabelMemo
 from .rules import rules_for, run_rules
 from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
@@ -33,58 +35,7 @@ from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RE
                       Verdict, reason_name)
 
 
-def _pair(a, b):
-    return (a, b) if a <= b else (b, a)
-
-
-def _key(saddr, sport, daddr, dport) -> tuple:
-    """The classifier's own flow key: _pair's order, one flat tuple (no nested tuples to
-    build and hash per event)."""
-    if saddr < daddr or (saddr == daddr and sport <= dport):
-        return (saddr, sport, daddr, dport)
-    return (daddr, dport, saddr, sport)
-
-
-def flow_keys(ev: Event) -> list:
-    """Direction-free tuples of the event, so a request, its reply and both sides of a NAT
-    share a flow."""
-    keys = [_pair((ev.saddr, ev.sport), (ev.daddr, ev.dport))]
-    if ev.ct is not None and ev.ct.orig_dport:
-        c = ev.ct
-        keys.append(_pair((c.orig_src, c.orig_sport), (c.orig_dst, c.orig_dport)))
-        keys.append(_pair((c.reply_src, c.reply_sport), (c.reply_dst, c.reply_dport)))
-    return keys
-
-
 _NAT = IPS_DST_NAT | IPS_SRC_NAT
-
-
-def _mapping(s: tuple, a: tuple) -> CtTuples | None:
-    """A DNAT mapping (client -> frontend -> endpoint) from the two tuples of a NAT-map slot
-    (`s`, the one an event's tuple matched, and `a`, the other; each in its packet direction,
-    neither saying which is conntrack's original). The original is the tuple whose source
-    port is the reply's destination port (no SNAT, or a masquerade that kept the client's
-    port, as it does unless two clients collide) and whose destination DNAT changed; None when
-    not exactly one order fits (a masquerade that moved the port: the client is not known)."""
-    fits = [(o, r) for o, r in ((s, a), (a, s)) if o[1] == r[3] and (o[2], o[3]) != (r[0], r[1])]
-    if len(fits) == 2:   # ports alike both ways (port == targetPort): no SNAT decides it
-        fits = [(o, r) for o, r in fits if o[0] == r[2]]
-    if len(fits) != 1:
-        return None
-    o, r = fits[0]
-    return CtTuples(o[0], o[1], o[2], o[3], r[0], r[1], r[2], r[3],
-                    IPS_DST_NAT | (IPS_SRC_NAT if o[0] != r[2] else 0))
-
-
-def _peer(got) -> tuple | None:
-    """A Context.nat_peer answer as (saddr, sport, daddr, dport), or None. Replayed sessions
-    give back whatever the file holds: anything but two (str, int) pairs is no answer."""
-    if not got or not isinstance(got, (tuple, list)) or len(got) < 4:
-        return None
-    a, ap, b, bp = got[0], got[1], got[2], got[3]
-    if type(a) is str and type(b) is str and type(ap) is int and type(bp) is int:
-        return (a, ap, b, bp)
-    return None
 
 
 _tuple_new = tuple.__new__
@@ -103,7 +54,7 @@ class Flow:
         self.last_ns = 0
         self.root: Labeled | None = None   # the cause an earlier incident named
         self.strong = False           # the open incident has a non-weak label
-        self.nat: CtTuples | None = None   # the NAT mapping the kernel's NAT map gave (_mapping)
+        self.nat: CtTuples | None = None   # the NAT mapping the kernel's NAT map gave (nat_mapping)
 
 
 # Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
@@ -237,13 +188,7 @@ class Classifier:
 
     def feed_many(self, events: Iterable[Event]) -> list[Verdict]:
         """Take events in order; return the incidents due along the way, exactly what
-        `feed` on each of them would return, concatenated. The loop is compiled where
-        correlate_fast is built (feed_fast.c); _feed_many_py is the reference."""
-        if _FAST is not None:
-            return _FAST.feed_many(self, events)
-        return self._feed_many_py(events)
-
-    def _feed_many_py(self, events: Iterable[Event]) -> list[Verdict]:
+        `feed` on each of them would return, concatenated."""
         out: list[Verdict] = []
         ctx = self.ctx
         kmap, flows, strong, weak = self.keys, self.flows, self.strong, self.weak
@@ -279,24 +224,24 @@ class Classifier:
                     # new flow, one that did no NAT here (a pod's node, when another node
                     # DNATed to it: one daemon traces both): ask the kernel's NAT map for the
                     # connection's other tuple, either direction.
-                    # (_peer only on an answer: a storm's records have none, two calls fewer)
+                    # (nat_peer_tuple only on an answer: a storm's records have none, two calls fewer)
                     s = (saddr, sport, daddr, dport)
                     got = nat(saddr, sport, daddr, dport)
-                    peer = _peer(got) if got else None
+                    peer = nat_peer_tuple(got) if got else None
                     if peer is None:
                         s = (daddr, dport, saddr, sport)
                         got = nat(daddr, dport, saddr, sport)
-                        peer = _peer(got) if got else None
+                        peer = nat_peer_tuple(got) if got else None
                     if peer:
-                        keys = [k0, _key(*peer)]
+                        keys = [k0, flow_key(*peer)]
                         if known is None or known.nat is None:
-                            mapped = _mapping(s, peer)
+                            mapped = nat_mapping(s, peer)
                 # An entry without NAT names no other tuple: its own are the event's, or it is
                 # another connection's (a VXLAN packet's outer UDP entry, which every flow
                 # over that tunnel shares), whose tuples must not join flows.
             elif c.orig_dport:
-                keys = [k0, _key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
-                        _key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
+                keys = [k0, flow_key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
+                        flow_key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
             if keys is not None:
                 flow, existed = self._flow_of(keys)
                 known = flow if existed else None
@@ -427,7 +372,7 @@ class Classifier:
             if pending:
                 if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
                     if pending[0][2] is not None:
-                        out.append(_one(pending[0], 1 + flow.extra, ctx, flow.nat))
+                        out.append(one_verdict(pending[0], 1 + flow.extra, ctx, flow.nat))
                 else:
                     v = self._report(flow, False)
                     if v is not None:
@@ -504,7 +449,7 @@ class Classifier:
             if flow.root is None:
                 if keep_root and primary.cause not in WEAK_CAUSES:
                     flow.root = _rootless(primary)
-                return _one(primary, 1 + extra, self.ctx, flow.nat)
+                return one_verdict(primary, 1 + extra, self.ctx, flow.nat)
         else:
             # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
             # the first of equals), in one pass without a key call per event
@@ -532,7 +477,7 @@ class Classifier:
         ctx = self.ctx
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
         if len(pending) == 1 or ev.ct is not None and ev.ct.dnat:
-            service = _service(ev, ctx)
+            service = service_of(ev, ctx)
         else:
             # the connection's NAT mapping names the Service by its frontend, whichever event
             # of the incident carried it, before any port of this event is matched
@@ -540,17 +485,17 @@ class Classifier:
             for l in pending:
                 c = l.ev.ct
                 if c is not None and c.dnat:
-                    service = _service(l.ev, ctx)
+                    service = service_of(l.ev, ctx)
                     break
             if not service:
-                service = _service(ev, ctx)
+                service = service_of(ev, ctx)
         if len(pending) == 1:
             ordered = (primary,) if root is None or root == primary else (root, primary)
         else:
             if not service:
                 for l in pending:
                     if l.ev is not ev:
-                        service = _service(l.ev, ctx)
+                        service = service_of(l.ev, ctx)
                         if service:
                             break
             # sorted(pending, key=_ts_key); pending is mostly in time order already
@@ -568,14 +513,14 @@ class Classifier:
             else:
                 ordered = tuple(ordered)
         if "{" in hint:
-            hint = _fill_hint(hint, ev, iface, service)
+            hint = fill_hint(hint, ev, iface, service)
         t = ev.type
         nat = flow.nat
-        v = _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev.hook],
+        v = make_verdict(ev, KIND.get(t, "drop"), DIRECTIONS.get(t), HOOKS[ev.hook],
                           primary.rname, cause, conf, hint, iface, service, ordered,
-                          len(pending) + extra, ctx, _pods(ev, ordered, ctx, nat))
+                          len(pending) + extra, ctx, pods_of(ev, ordered, ctx, nat))
         if nat is not None:
-            _SET_NATMAP(v, nat)
+            set_natmap(v, nat)
         return v
 
 
@@ -587,47 +532,11 @@ def _rules_of(cache: dict, t: int, rname: str) -> list:
     return got
 
 
-def _rootless_py(primary: Labeled) -> Labeled:
-    """A root cause kept for window_ns: without its raw record (an incident never prints it).
-    `_rootless` is this, or the same function compiled (correlate_fast.c) where it is built."""
+def _rootless(primary: Labeled) -> Labeled:
+    """A root cause kept for window_ns: without its raw record (an incident never prints it)."""
     pev = primary.ev
     return primary if not pev.raw else \
         _tuple_new(Labeled, (_tuple_new(type(pev), pev[:-1] + (b"",)),) + primary[1:])
-
-
-def _one_py(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None) -> "Verdict":
-    """Classifier._report of a one-record incident without an earlier root cause (most of a
-    storm): the same Verdict and the same lookups in the same order, _service and _pods
-    inlined where the event has no conntrack entry. `_one` is this, or the same function
-    compiled (correlate_fast.c) where it is built."""
-    ev = primary[0]
-    iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
-    ct = ev[23]
-    if ct is None:
-        so = ctx.service_of
-        service = so(ev[10], ev[11])                              # daddr, dport
-        if service:
-            service = ctx.endpoint_of(ev[8], ev[9]) or service
-        else:
-            service = so(ev[8], ev[9]) or None
-    else:
-        service = _service(ev, ctx)
-    hint = primary[4]
-    if "{" in hint:
-        hint = _fill_hint(hint, ev, iface, service)
-    t = ev[1]
-    ordered = (primary,)
-    if ct is None and nat is None:
-        pod_of = ctx.pod_of
-        pod = pod_of(ev[10]) or pod_of(ev[8]) or (ctx.pod_of_netns(ev[6]) if ev[6] else None)
-        pods = {"pod": pod} if pod is not None else None
-    else:
-        pods = _pods(ev, ordered, ctx, nat)
-    v = _make_verdict(ev, KIND.get(t, "drop"), _DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
-                      primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
-    if nat is not None:
-        _SET_NATMAP(v, nat)
-    return v
 
 
 def _ts_key(l: Labeled) -> int:
@@ -640,158 +549,8 @@ _TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
 _NO_ROOTS: dict = {}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
-_DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
+DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
-
-
-def _pods(ev: Event, labeled, ctx: Context, natmap: CtTuples | None = None) -> dict | None:
-    """The incident's pods, asked once when it is made (the lookups a session records): the
-    pod at either end of the packet, else the pod whose namespace the event is in; with a DNAT
-    mapping (an event's, else the flow's from the NAT map: `natmap`), the client's and the
-    endpoint's."""
-    pod_of = ctx.pod_of
-    out = None
-    pod = pod_of(ev.daddr) or pod_of(ev.saddr) or (ctx.pod_of_netns(ev.netns) if ev.netns else None)
-    if pod is not None:
-        out = {"pod": pod}
-    nat = ev.ct if ev.ct is not None and ev.ct.dnat else None
-    snat = ev.ct if ev.ct is not None and ev.ct.snat and nat is None else None
-    if nat is None:
-        for l in labeled:
-            c = l.ev.ct
-            if c is not None and c.dnat:
-                nat = c
-                break
-            if snat is None and c is not None and c.snat:
-                snat = c
-        if nat is None and natmap is not None:
-            nat, snat = natmap, None
-    if nat is None and snat is not None:   # masquerade only: the client's pod, no endpoint
-        p = pod_of(snat.orig_src)
-        if p is not None:
-            out = {**(out or {}), "client_pod": p}
-    if nat is not None:
-        for key, addr in (("client_pod", nat.orig_src), ("endpoint_pod", nat.reply_src)):
-            p = pod_of(addr)
-            if p is not None:
-                if out is None:
-                    out = {}
-                out[key] = p
-    return out
-
-
-_VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
-                   "hint", "iface", "service", "labeled", "events", "ctx", "pods", "natmap")
-# Verdict's slots' setters (member descriptors): frozen, its own __setattr__ refuses
-(_SET_EVENT, _SET_KIND, _SET_DIRECTION, _SET_HOOK, _SET_REASON, _SET_CAUSE, _SET_CONFIDENCE,
- _SET_HINT, _SET_IFACE, _SET_SERVICE, _SET_LABELED, _SET_EVENTS, _SET_CTX, _SET_PODS,
- _SET_NATMAP) = (Verdict.__dict__[f].__set__ for f in _VERDICT_FIELDS)
-
-
-def _make_verdict_py(event, kind, direction, hook, reason, cause, confidence, hint, iface,
-                     service, labeled, events, ctx, pods=None) -> "Verdict":
-    """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
-    storm's per-incident budget): the same instance, each slot set by its descriptor (natmap
-    None: the caller sets a NAT map). `_make_verdict` is this, or the same compiled
-    (correlate_fast.c: one call, not 15 descriptor calls) where it is built."""
-    v = _object_new(Verdict)
-    _SET_EVENT(v, event)
-    _SET_KIND(v, kind)
-    _SET_DIRECTION(v, direction)
-    _SET_HOOK(v, hook)
-    _SET_REASON(v, reason)
-    _SET_CAUSE(v, cause)
-    _SET_CONFIDENCE(v, confidence)
-    _SET_HINT(v, hint)
-    _SET_IFACE(v, iface)
-    _SET_SERVICE(v, service)
-    _SET_LABELED(v, labeled)
-    _SET_EVENTS(v, events)
-    _SET_CTX(v, ctx)
-    _SET_PODS(v, pods)
-    _SET_NATMAP(v, None)
-    return v
-
-
-def _native():
-    """_one (classify/correlate_fast.c) and Classifier.feed_many's loop (feed_fast.c)
-    compiled; None where they are not in use (nptrace/native.py)."""
-    fast = native.load("nptrace.classify.correlate_fast")
-    if fast is None:
-        return None
-    fast.configure(Verdict, KIND, _DIRECTIONS, HOOKS, _service, _pods, _VERDICT_FIELDS,
-                   _HINT_USES, _FILLED, _FILLED_MAX, _uses, _fill_text)
-    fast.configure_feed(Flow, Labeled, T_DROP, T_RST_SENT, MAX_KEPT, EVIDENCE_ONLY,
-                        _TYPE_RNAMES, reason_name, _NAT, WEAK_CAUSES, RANK, _rules_of, run_rules,
-                        _peer, _key, _mapping, _NEVER, _NEVER_VALID)
-    return fast
-
-
-# Which event values a hint's placeholders read (by hint text), and filled hints by those
-# values: a storm's incidents fill one hint with one Service name over and over. Bounded.
-_HINT_USES: dict[str, tuple] = {}
-_FILLED: dict[tuple, str] = {}
-_FILLED_MAX = 4096
-
-
-def _uses(hint: str) -> tuple:
-    """The Event indexes _fill_text reads for this text: ifindex with {iface} (its fallback),
-    saddr with {saddr} or {daddr} (the IPv6 test decides how both are written)."""
-    got = []
-    if "{iface}" in hint:
-        got.append(5)
-    if "{saddr}" in hint or "{daddr}" in hint:     # saddr: also the IPv6 test
-        got.append(8)
-    if "{sport}" in hint:
-        got.append(9)
-    if "{daddr}" in hint:
-        got.append(10)
-    if "{port}" in hint:
-        got.append(11)
-    if len(_HINT_USES) >= _FILLED_MAX:
-        _HINT_USES.clear()
-    got = _HINT_USES[hint] = tuple(got)
-    return got
-
-
-def _fill_hint(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
-    """_fill_text, remembered by the values the text reads (exactly those: the same text)."""
-    uses = _HINT_USES.get(hint)
-    if uses is None:
-        uses = _uses(hint)
-    key = (hint, iface, service, *[ev[i] for i in uses]) if uses else (hint, iface, service)
-    try:
-        got = _FILLED.get(key)
-    except TypeError:                    # a replayed lookup's answer that is not hashable
-        return _fill_text(hint, ev, iface, service)
-    if got is None:
-        if len(_FILLED) >= _FILLED_MAX:
-            _FILLED.clear()
-        got = _FILLED[key] = _fill_text(hint, ev, iface, service)
-    return got
-
-
-def _fill_text(hint: str, ev: Event, iface: str | None, service: str | None) -> str:
-    """Fill the {name} placeholders of a rule's hint, in this order, computing only the values
-    the text asks for; rule texts quoted in hints keep their own braces (nft sets)."""
-    if "{iface}" in hint:
-        hint = hint.replace("{iface}", iface if isinstance(iface, str) and iface
-                            else f"ifindex {ev.ifindex}")
-    if ":" in ev.saddr:     # IPv6: [addr]:port wherever the text joins the two
-        hint = hint.replace("{saddr}:{sport}", f"[{ev.saddr}]:{ev.sport}").replace(
-            "{daddr}:{port}", f"[{ev.daddr}]:{ev.dport}")
-    if "{port}" in hint:
-        hint = hint.replace("{port}", str(ev.dport))
-    if "{sport}" in hint:
-        hint = hint.replace("{sport}", str(ev.sport))
-    if "{daddr}" in hint:
-        hint = hint.replace("{daddr}", ev.daddr)
-    if "{saddr}" in hint:
-        hint = hint.replace("{saddr}", ev.saddr)
-    if "{service}" in hint:
-        hint = hint.replace("{service}", service if isinstance(service, str) and service
-                            else "the Service")
-    return hint
 
 
 def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Verdict]:
@@ -801,44 +560,3 @@ def classify(events: Iterable[Event], ctx: Context | None = None) -> Iterator[Ve
         yield from c.feed(ev)
     yield from c.flush()
 
-
-def _service_py(ev: Event, ctx: Context) -> str | None:
-    """The Service of one event's connection (`_service`: this, or the same compiled where
-    correlate_fast.c is built, which calls this for an event with a conntrack entry).
-
-    With a conntrack entry: its original destination (the frontend the client used), then its
-    reply source (the endpoint); the masqueraded side (reply destination, whose port the
-    masquerade picks, possibly inside the NodePort range) and the client's own port are never
-    matched. Without one: the packet's destination, unless its source is a Service's endpoint
-    (exact address and port), which is more specific than a port the destination answers on:
-    a pod's reset to the masquerade address:port is named after the pod's Service.
-    """
-    so = ctx.service_of
-    c = ev.ct
-    if c is not None and c.orig_dport:
-        s = so(c.orig_dst, c.orig_dport) or ctx.endpoint_of(c.reply_src, c.reply_sport)
-        if s:
-            return s
-        masq = ((c.reply_dst, c.reply_dport), (c.orig_src, c.orig_sport))
-        for addr, port in ((ev.daddr, ev.dport), (ev.saddr, ev.sport)):
-            if (addr, port) not in masq:
-                s = so(addr, port)
-                if s:
-                    return s
-        return None
-    s = so(ev.daddr, ev.dport)
-    if s:
-        return ctx.endpoint_of(ev.saddr, ev.sport) or s
-    return so(ev.saddr, ev.sport) or None
-
-
-_service = _service_py
-# after _service, _fill_hint and _pods, which the compiled _one falls back on
-_FAST = _native()
-# which loop and _one make a storm's Verdicts: "compiled" (correlate_fast.c, feed_fast.c) or
-# "python"
-NATIVE = "compiled" if _FAST is not None else "python"
-_one = _FAST.one if _FAST is not None else _one_py
-_rootless = _FAST.rootless if _FAST is not None else _rootless_py
-_make_verdict = _FAST.make_verdict if _FAST is not None else _make_verdict_py
-_service = _FAST.service if _FAST is not None else _service_py

@@ -1,5 +1,5 @@
 """An event's own label (the first RULES match, correlate.Classifier.feed_many), remembered by
-the values the rules read for it (issue #16: caching per key).
+the values the rules read for it (caching per key).
 
 A reset storm repeats one label: every record has the same type, reason, flags and server end,
 and only the client's address and port, the time and the skb differ. The rules read a handful

@@ -28,7 +28,7 @@ class _Count:
 
 
 def observe(facts, seconds: float, ready_file: str | None = None) -> dict:
-    from nptrace.tracer import Tracer, log
+    from nptrace.daemon.tracer import Tracer, log
     ifaces = (IfaceSpec(facts.netns, facts.iif),) if facts.iif else ()
     cfg = Config(ifaces=ifaces, hosts=parse_hosts([facts.client]))
     sink = _Count()

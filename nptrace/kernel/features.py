@@ -12,20 +12,21 @@ tracepoint and tracepoint field, and the kprobes / tc clsact / netfilter bpf fac
 derived from the hook table, nptrace/kernel/hooks.py; kernel/attach.py plan() turns this
 module's answer into what `nptrace run` attaches, and `nptrace doctor` prints that plan.
 
-Evidence used, besides the paths named per probe: the kernel config (/proc/config.gz, or
-/boot/config-<release>), and module lists (/proc/modules, /sys/module/<m>,
-/lib/modules/<release>/modules.builtin and modules.dep). A kernel built without module support
-has no /proc/modules, so built-in code without parameters (sch_ingress, nf_tables) is visible
-only in the config.
+The files read, and the readers, are nptrace/kernel/evidence.py's; this module turns their
+answers into probe results.
 """
 from __future__ import annotations
 
-import gzip
-import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
+
+# The readers: kernel_version, tracepoint_fields, has_bpf_caps, read_text, parse_int and
+# kernel_config stay importable from here (re-exported).
+from nptrace.kernel.evidence import (  # noqa: F401
+    TRACEFS_MOUNT, caps_detail, caps_ok, config_on, exists, find_ipvs, find_kprobes,
+    find_netfilter_backend, find_tracefs, has_bpf_caps, kernel_config, kernel_version,
+    module_evidence, parse_int, read_cap_eff, read_text, tracepoint_fields)
 
 __all__ = [
     "FeatureMissing",
@@ -43,13 +44,7 @@ __all__ = [
     "tracepoint_fields",
 ]
 
-# uapi/linux/capability.h. CAP_PERFMON and CAP_BPF exist from 5.8 (commit a17b53c4a4b5).
-CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 12, 21, 38, 39
-_CAP_NAMES = {CAP_NET_ADMIN: "CAP_NET_ADMIN", CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
-              CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
-
 PRIVILEGE_HINT = "needs root or CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN: run with sudo"
-TRACEFS_MOUNT = "mount -t tracefs nodev /sys/kernel/tracing"
 
 
 from nptrace.errors import FeatureMissing, PrivilegeError  # noqa: E402,F401 (re-exported)
@@ -163,165 +158,11 @@ HOOK_ROWS: tuple[str, ...] = hooks.probe_rows()
 assert set(HOOK_ROWS) <= set(PROBES), set(HOOK_ROWS) - set(PROBES)
 
 
-# --- small readers ------------------------------------------------------------------------
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(errors="replace")
-    except (OSError, ValueError):
-        return None
-
-
-def _exists(path: Path) -> bool | None:
-    """None when a parent is unreadable (tracefs is mode 0700: non-root cannot look)."""
-    try:
-        path.stat()
-    except PermissionError:
-        return None
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def parse_int(text: str | None) -> int | None:
-    try:
-        return int(text.strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
-def kernel_version(release: str) -> tuple[int, int, int] | None:
-    """'6.18.44-fc-v857' -> (6, 18, 44); '5.4.0-150-generic' -> (5, 4, 0)."""
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release.strip())
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
 def _vt(version: str) -> tuple[int, int, int]:
     v = kernel_version(version)
     assert v is not None, version
     return v
 
-
-def kernel_config(root: Path, release: str) -> dict[str, str]:
-    """CONFIG_* -> 'y'/'m'/value/'n'; empty when the kernel publishes no config."""
-    candidates = [root / "proc/config.gz"]
-    if release:
-        candidates.append(root / "boot" / f"config-{release}")
-    for path in candidates:
-        try:
-            data = path.read_bytes()
-            if path.suffix == ".gz":
-                data = gzip.decompress(data)
-        except (OSError, EOFError, gzip.BadGzipFile):
-            continue
-        cfg: dict[str, str] = {}
-        for line in data.decode(errors="replace").splitlines():
-            if line.startswith("CONFIG_"):
-                key, _, value = line.partition("=")
-                cfg[key] = value.strip('"')
-            elif line.startswith("# CONFIG_") and line.endswith(" is not set"):
-                cfg[line[2:-len(" is not set")]] = "n"
-        return cfg
-    return {}
-
-
-def _config_on(cfg: dict[str, str], sym: str) -> bool | None:
-    if not cfg:
-        return None
-    return cfg.get(sym, "n") in ("y", "m")
-
-
-def _module(root: Path, release: str, name: str) -> tuple[bool | None, str]:
-    """Is module `name` loaded, built in or installed? (evidence, where it was seen)."""
-    looked = False
-    mods = read_text(root / "proc/modules")
-    if mods is not None:
-        looked = True
-        if any(line.split(" ", 1)[0] == name for line in mods.splitlines()):
-            return True, "loaded"
-    if _exists(root / "sys/module" / name):
-        return True, f"/sys/module/{name}"
-    if release:
-        pattern = re.compile(rf"(^|/){re.escape(name)}\.ko(\.[a-z]+)?(:|$)", re.M)
-        for fname, how in (("modules.builtin", "built in"), ("modules.dep", "module available")):
-            text = read_text(root / "lib/modules" / release / fname)
-            if text is not None:
-                looked = True
-                if pattern.search(text):
-                    return True, how
-    return (False if looked else None), ""
-
-
-def _cap_eff(root: Path) -> int | None:
-    text = read_text(root / "proc/self/status")
-    if text is None:
-        return None
-    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)\s*$", text, re.M)
-    return int(m.group(1), 16) if m else None
-
-
-def _caps_ok(cap_eff: int | None, version: tuple[int, int, int] | None) -> bool:
-    if cap_eff is None:
-        return False
-    if cap_eff >> CAP_SYS_ADMIN & 1:
-        return True
-    # Before 5.8 there is no CAP_BPF/CAP_PERFMON: only CAP_SYS_ADMIN loads tracing programs.
-    if version is not None and version < (5, 8, 0):
-        return False
-    return all(cap_eff >> c & 1 for c in (CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN))
-
-
-def has_bpf_caps(root: Path = Path("/")) -> bool:
-    """CapEff of this process allows loading and attaching our programs."""
-    root = Path(root)
-    return _caps_ok(_cap_eff(root), kernel_version(read_text(root / "proc/sys/kernel/osrelease") or ""))
-
-
-def _caps_detail(cap_eff: int | None) -> str:
-    if cap_eff is None:
-        return "CapEff unreadable in /proc/self/status"
-    have = [n.removeprefix("CAP_") for c, n in sorted(_CAP_NAMES.items()) if cap_eff >> c & 1]
-    return f"CapEff {cap_eff:#x}: " + (" ".join(have) if have else "none of SYS_ADMIN BPF PERFMON NET_ADMIN")
-
-
-def tracepoint_fields(tracefs: Path, tp: str) -> tuple[str, ...]:
-    """Field names of tracepoint 'cat/name' from its format file, without common_* fields."""
-    text = read_text(Path(tracefs) / "events" / tp / "format")
-    if text is None:
-        return ()
-    names = []
-    for m in re.finditer(r"field:([^;]*);", text):
-        decl = m.group(1).strip()
-        name = re.sub(r"\[.*?\]", "", decl.split()[-1]) if decl else ""
-        if name and not name.startswith("common_"):
-            names.append(name)
-    return tuple(names)
-
-
-def _find_tracefs(root: Path, mount: bool) -> tuple[Path | None, str]:
-    # /sys/kernel/tracing since 4.1; older systems only have it inside debugfs (retis
-    # core/inspect/kernel.rs looks in the same order).
-    candidates = [root / "sys/kernel/tracing", root / "sys/kernel/debug/tracing"]
-    unreadable = None
-    for path in candidates:
-        seen = _exists(path / "events")
-        if seen:
-            return path, str(Path("/") / path.relative_to(root))
-        if seen is None:
-            unreadable = path
-    if unreadable is not None:
-        return unreadable, "unreadable (mode 0700: not root)"
-    if mount and root == Path("/"):
-        target = candidates[0]
-        r = subprocess.run(["mount", "-t", "tracefs", "nodev", str(target)],
-                           capture_output=True, text=True)
-        if r.returncode == 0 and _exists(target / "events"):
-            return target, f"{target} (mounted by nptrace)"
-        err = (r.stderr or r.stdout).strip().splitlines()
-        return None, f"not mounted, and `{TRACEFS_MOUNT}` failed: {err[-1] if err else r.returncode}"
-    return None, f"not mounted: {TRACEFS_MOUNT}"
 
 
 # --- the result -----------------------------------------------------------------------------
@@ -353,7 +194,7 @@ class Features:
         if r.present:
             return
         if name == "capabilities":
-            raise PrivilegeError(f"{PRIVILEGE_HINT} ({_caps_detail(self.cap_eff)})")
+            raise PrivilegeError(f"{PRIVILEGE_HINT} ({caps_detail(self.cap_eff)})")
         raise FeatureMissing(r.name, r.min_kernel, r.detail)
 
     def tracepoint_fields(self, tp: str) -> tuple[str, ...]:
@@ -481,35 +322,35 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     ver = f"kernel {_fmt(version)}" if version else "kernel version unknown"
 
     # Capabilities, checked before anything slow (STYLE.md §5).
-    cap_eff = _cap_eff(root)
-    b.add("capabilities", _caps_ok(cap_eff, version), _caps_detail(cap_eff))
+    cap_eff = read_cap_eff(root)
+    b.add("capabilities", caps_ok(cap_eff, version), caps_detail(cap_eff))
 
     # unprivileged_bpf_disabled exists only when the bpf() syscall is built in (4.4+).
-    if _exists(root / "proc/sys/kernel/unprivileged_bpf_disabled"):
+    if exists(root / "proc/sys/kernel/unprivileged_bpf_disabled"):
         b.add("bpf syscall", True, "/proc/sys/kernel/unprivileged_bpf_disabled")
     else:
-        on = _config_on(cfg, "CONFIG_BPF_SYSCALL")
+        on = config_on(cfg, "CONFIG_BPF_SYSCALL")
         b.add("bpf syscall", bool(on),
               "CONFIG_BPF_SYSCALL=y" if on else "no /proc/sys/kernel/unprivileged_bpf_disabled")
 
     vmlinux = root / "sys/kernel/btf/vmlinux"
-    has_btf = bool(_exists(vmlinux))
+    has_btf = bool(exists(vmlinux))
     b.add("btf", has_btf, "/sys/kernel/btf/vmlinux" if has_btf else
           "no /sys/kernel/btf/vmlinux (kernel needs CONFIG_DEBUG_INFO_BTF=y)")
 
-    tracefs, where = _find_tracefs(root, mount_tracefs)
-    readable = tracefs is not None and bool(_exists(tracefs / "events"))
+    tracefs, where = find_tracefs(root, mount_tracefs)
+    readable = tracefs is not None and bool(exists(tracefs / "events"))
     b.add("tracefs", True if readable else (None if tracefs else False), where)
 
     # Tracepoints: the format file exists exactly when the event does.
     tracepoints: dict[str, bool] = {}
     fields: dict[str, tuple[str, ...]] = {}
     for tp in TRACEPOINTS:
-        tracepoints[tp] = bool(readable and _exists(tracefs / "events" / tp / "format"))
+        tracepoints[tp] = bool(readable and exists(tracefs / "events" / tp / "format"))
         if tracepoints[tp]:
             fields[tp] = tracepoint_fields(tracefs, tp)
 
-    kprobes, kdetail = _kprobes(root, tracefs if readable else None, cfg)
+    kprobes, kdetail = find_kprobes(root, tracefs if readable else None, cfg)
 
     unseen = "tracefs not readable" if tracefs is not None else "no tracefs"
 
@@ -555,9 +396,9 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
 
     b.add("ring buffer", *_ringbuf(root, b, has_btf))
 
-    clsact, where = _module(root, release, "sch_ingress")   # clsact lives in sch_ingress.c
+    clsact, where = module_evidence(root, release, "sch_ingress")   # clsact lives in sch_ingress.c
     if not clsact:
-        on = _config_on(cfg, "CONFIG_NET_SCH_INGRESS")
+        on = config_on(cfg, "CONFIG_NET_SCH_INGRESS")
         clsact, where = (on, "CONFIG_NET_SCH_INGRESS") if on is not None else (clsact, where)
     if b.at_least("4.5") is False:
         b.add("tc clsact", False, "")
@@ -572,7 +413,7 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
 
     # tcx links (BPF_TCX_INGRESS/EGRESS): 6.6 (commit e420bed02507), under CONFIG_NET_XGRESS.
     # No trial here: `nptrace run` tries the link itself and falls back to clsact (tc.py).
-    on = _config_on(cfg, "CONFIG_NET_XGRESS")
+    on = config_on(cfg, "CONFIG_NET_XGRESS")
     if b.at_least("6.6") is False:
         b.add("tcx", False, "")
     elif on is not None:
@@ -583,7 +424,7 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
     # BPF_PROG_TYPE_NETFILTER and its link: 6.4 (commit fd9c663b9ad6), CONFIG_NETFILTER_BPF_LINK.
     if b.at_least("6.4") is False:
         b.add("netfilter bpf", False, "")
-    elif _config_on(cfg, "CONFIG_NETFILTER_BPF_LINK") is False:
+    elif config_on(cfg, "CONFIG_NETFILTER_BPF_LINK") is False:
         b.add("netfilter bpf", False, "CONFIG_NETFILTER_BPF_LINK is not set")
     else:
         ok, err = _run_trial(trials, "nf_prog")
@@ -594,8 +435,8 @@ def probe(root: Path = Path("/"), trials: Trials | None = None,
         else:
             b.add("netfilter bpf", ok, "trial load ok" if ok else err)
 
-    b.add("netfilter backend", *_netfilter_backend(root, release, cfg))
-    b.add("ipvs", *_ipvs(root, release, cfg))
+    b.add("netfilter backend", *find_netfilter_backend(root, release, cfg))
+    b.add("ipvs", *find_ipvs(root, release, cfg))
 
     count = parse_int(read_text(root / "proc/sys/net/netfilter/nf_conntrack_count"))
     cmax = parse_int(read_text(root / "proc/sys/net/netfilter/nf_conntrack_max"))
@@ -620,19 +461,6 @@ def _missing_detail(b: _Builder, name: str, what: str) -> str:
     return f"{what} (kernel {_fmt(b.version)} < {spec.min_kernel})"
 
 
-def _kprobes(root: Path, tracefs: Path | None, cfg: dict[str, str]) -> tuple[bool, str]:
-    # The kprobe PMU (4.17) and kprobe_events (tracefs) exist only with CONFIG_KPROBES.
-    if _exists(root / "sys/bus/event_source/devices/kprobe"):
-        return True, "/sys/bus/event_source/devices/kprobe"
-    if tracefs is not None and _exists(tracefs / "kprobe_events"):
-        return True, "kprobe_events in tracefs"
-    if _config_on(cfg, "CONFIG_KPROBES"):
-        return True, "CONFIG_KPROBES=y"
-    if cfg:
-        return False, "CONFIG_KPROBES is not set"
-    return False, "no kprobe PMU and no kprobe_events"
-
-
 def _ringbuf(root: Path, b: _Builder, has_btf: bool) -> tuple[bool, str]:
     # BPF_MAP_TYPE_RINGBUF: 5.8 (commit 457f44363a88). bcc tools/f2fsslower.py asks BTF for
     # struct bpf_ringbuf instead of trusting the version, which distribution backports break.
@@ -652,41 +480,3 @@ def _ringbuf(root: Path, b: _Builder, has_btf: bool) -> tuple[bool, str]:
     if by_version:
         return True, f"kernel {_fmt(b.version)} >= 5.8"
     return False, ""
-
-
-def _netfilter_backend(root: Path, release: str, cfg: dict[str, str]) -> tuple[bool | None, str]:
-    nft, where = _module(root, release, "nf_tables")
-    if not nft:
-        on = _config_on(cfg, "CONFIG_NF_TABLES")
-        if on is not None:
-            nft, where = on, "CONFIG_NF_TABLES"
-    names = read_text(root / "proc/net/ip_tables_names")
-    legacy = names.split() if names else []
-    # nftrace_live names the rule behind a drop with nf_tables tracing; legacy rules log TRACE
-    # through nf_log instead, so with them the rule is named from iptables-save alone
-    parts = [f"nf_tables ({where}; drops traced to their rule)" if nft else
-             ("nf_tables unknown" if nft is None else "no nf_tables: rules named from dumps only")]
-    if names is None and _exists(root / "proc/net/ip_tables_names"):
-        parts.append("legacy iptables unreadable (not root)")
-    elif names is None:
-        parts.append("no legacy iptables")
-    else:
-        parts.append("legacy iptables tables: " + (" ".join(legacy) if legacy else "none loaded"))
-    present = bool(nft) or names is not None
-    if not present and nft is None and _exists(root / "proc/net/netfilter"):
-        return None, "netfilter present; nf_tables unknown"
-    return present, "; ".join(parts)
-
-
-def _ipvs(root: Path, release: str, cfg: dict[str, str]) -> tuple[bool, str]:
-    table = read_text(root / "proc/net/ip_vs")
-    if table is not None:
-        services = sum(1 for line in table.splitlines() if line.startswith(("TCP ", "UDP ", "SCTP ")))
-        return True, f"/proc/net/ip_vs: {services} virtual services"
-    ok, where = _module(root, release, "ip_vs")
-    if ok:
-        return True, f"ip_vs {where}"
-    on = _config_on(cfg, "CONFIG_IP_VS")
-    if on:
-        return True, "CONFIG_IP_VS"
-    return False, "CONFIG_IP_VS is not set" if on is False else "no /proc/net/ip_vs, no ip_vs module"

@@ -139,7 +139,8 @@ def compile_everything() -> int:
     # bcc makes TRACEPOINT_PROBE's argument structs from tracefs format files, which an image
     # build has none of: there the tracepoint programs are left out. The header set is the
     # same either way (bcc's preamble; our programs include only uapi/linux/ptrace.h).
-    from nptrace.kernel.features import TRACEPOINTS, tracepoint_fields
+    from nptrace.kernel.evidence import tracepoint_fields
+    from nptrace.kernel.features import TRACEPOINTS
     tracefs = next((Path(d) for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
                     if Path(d, "events/skb/kfree_skb/format").is_file()), None)
     use_tp = tracefs is not None and not os.environ.get("NPT_HEADERTREE_NO_TP")

@@ -291,7 +291,7 @@ class RingReader:
         self.close()
 
 
-# --- which reader (issue 18 item 7) -----------------------------------------------------------
+# --- which reader -----------------------------------------------------------------------------
 # The mapped walk above relies on x86-64's load ordering (TSO: loads are not reordered with
 # loads), so the producer position, a record's header and its payload are seen in the order
 # the kernel published them (kernel/bpf/ringbuf.c: smp_store_release of the producer position,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from nptrace.errors import NptraceError
-from nptrace.kernel.features import parse_int, read_text
+from nptrace.kernel.evidence import parse_int, read_text
 
 __all__ = ["Finding", "Interface", "NodeChecks", "NodeError", "check", "netns_names"]
 

@@ -106,8 +106,8 @@ def _rtnl_in(path: str | None) -> socket.socket:
 def link_names(path: str | None, veths: dict | None = None) -> dict[int, str]:
     """{ifindex: name} of the namespace at `path` (None: ours), by an RTM_GETLINK dump over a
     netlink socket opened in it (and its veths' peers into `veths`, see parse_links).
-    In-process: a storm's first events from a namespace used to fork `ip -j link show` (a
-    fork of a 100 MB process, then ip itself)."""
+    In-process, not `ip -j link show`: that would cost a storm's first events from a namespace
+    a fork of a 100 MB process, then ip itself."""
     with _rtnl_in(path) as sock:
         req = request(_RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1, bytes(_IFINFO_LEN))
         sock.send(req)

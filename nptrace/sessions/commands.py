@@ -11,8 +11,9 @@ import click
 from nptrace.errors import NptraceError, one_line_errors
 from nptrace.flagtypes import Int, Seconds
 from nptrace.sessions.filteropts import OnlyMatching, filter_from, filter_options
-from nptrace.sessions.format import Problem, SessionError
+from nptrace.sessions.header import SessionError
 from nptrace.sessions.merge import merge
+from nptrace.sessions.reader import Problem
 from nptrace.sessions.replay import Replay
 from nptrace.sessions.report import flow_text, loss_dict, render_text, report_data
 from nptrace.sinks import fmt, jsonl
@@ -33,7 +34,7 @@ def _warn_and_fail(problems: list[Problem]) -> None:
 
 
 def loss_line(p: Problem) -> str:
-    """The JSON stream's loss marker (README "Output"): a line of kind "loss" says records are
+    """The JSON stream's loss marker (docs/output.md): a line of kind "loss" says records are
     missing or were skipped there, so a consumer counting verdicts knows its count is short
     (report.loss_dict has its keys)."""
     d = loss_dict(p)

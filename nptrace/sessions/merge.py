@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from nptrace.classify import Verdict, flow_keys
-from nptrace.sessions.format import SessionError, read_header, session_files
+from nptrace.sessions.header import SessionError, session_files
+from nptrace.sessions.reader import read_header
 from nptrace.sessions.replay import Item, Replay, settle
 
 

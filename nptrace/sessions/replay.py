@@ -14,8 +14,9 @@ from typing import Iterator, NamedTuple
 from nptrace import events as ev
 from nptrace.classify import Classifier, Context, Verdict
 from nptrace.reasons import ReasonTable
-from nptrace.sessions.format import (IFACE, REPLAY_FACTOR, SERVICE, LookupTables, Problem, Record,
-                                     SessionError, ifnames_rows, read_session)
+from nptrace.sessions.header import SessionError
+from nptrace.sessions.lookups import IFACE, REPLAY_FACTOR, SERVICE, LookupTables, ifnames_rows
+from nptrace.sessions.reader import Problem, Record, read_session
 from nptrace.sessions.schema import LOOKUPS
 
 

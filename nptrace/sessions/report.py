@@ -117,7 +117,7 @@ def report_data(r: Replay, top: int = 10, local: bool = False, no_names: bool = 
 
 
 def loss_dict(p) -> dict:
-    """A read problem as the JSON stream's loss marker (README "Output"):
+    """A read problem as the JSON stream's loss marker (docs/output.md):
     {"kind": "loss", "loss": <problem kind>, "records": n or null, "bytes": n or null,
      "path": file or null, "offset": byte or null, "message": text}"""
     in_records = p.kind not in ("torn_tail", "corrupt", "no_stop")

@@ -183,7 +183,7 @@ class ExactCollector:
 
 
 def summary_dict(row: SummaryRow, epoch_offset_ns: int) -> dict:
-    """The JSON of a summary row: the shape of a --collapse summary line (README "Output")
+    """The JSON of a summary row: the shape of a --collapse summary line (docs/output.md)
     without the per-connection fields, which a count of many connections has not."""
     lab = row.label
     return {"ts": (row.until_ns + epoch_offset_ns) / 1e9, "kind": lab.kind,

@@ -9,7 +9,6 @@ import json.encoder
 import sys
 from typing import TextIO
 
-from nptrace import native
 from nptrace.classify import HOOKS, MAX_EVIDENCE, Context, Verdict, evidence_dicts
 from nptrace.sinks.collapse import StormCollapse
 from nptrace.text import hostport
@@ -28,7 +27,7 @@ def epoch_evidence(xs: list[dict], epoch_offset_ns: int) -> list[dict]:
 
 def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
                  since_ns: int | None = None, events: int | None = None) -> dict:
-    """The stable JSON contract of a labeled event (README "Output"). `pod`, `client_pod` and
+    """The stable JSON contract of a labeled event (docs/output.md). `pod`, `client_pod` and
     `endpoint_pod` only where the classifier named one (Verdict.pods)."""
     e = v.event
     d = {
@@ -150,7 +149,7 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
     iface_name = ctx.iface_name
     if len(labeled) == 1 and labeled[0][0] is e and repeat == 1:
         # A one-event incident (a storm's every line): the line is one template per key, the
-        # key being everything it says but the time and the tuple (issue #16: one f-string of
+        # key being everything it says but the time and the tuple (one f-string of
         # seven values, not a list, a join and three fragment look-ups a line). The same
         # iface_name call as the loop below (a session records what the sinks ask).
         l = labeled[0]
@@ -212,35 +211,17 @@ def _one_template(v: Verdict, e, l, xiface, events: int, prefix: str) -> tuple:
             f'"events":{events},"evidence":[{{"ts_ns":', pre, post + '],"repeat":1}')
 
 
-def _native():
-    """verdict_line compiled (sinks/jsonl_fast.c: the one-event line; jsonl_multi.c: the
-    general path's line of several events): the same text and the same lookups; None where
-    it is not in use (nptrace/native.py)."""
-    fast = native.load("nptrace.sinks.jsonl_fast")
-    if fast is None:
-        return None
-    fast.configure(_LINES, _one_template, _remember, _esc, _NO_CTX, verdict_line)
-    fast.configure_verdict(Verdict, Verdict.__slots__)
-    fast.configure_multi(_HEADS, _head, _VALS, _val, _EVID, _evid, _HINTS, _remember, _esc,
-                         _NO_CTX, MAX_EVIDENCE)
-    return fast
-
-
 def _dict_line(v: Verdict, epoch_offset_ns: int, repeat, since_ns, events, prefix: str) -> str:
     text = _encode(verdict_dict(v, epoch_offset_ns, repeat, since_ns, events))
     return text if prefix == "{" else prefix + text[1:]
 
 
 _NO_CTX = Context()
-_FAST = _native()
-# which path writes a storm's lines: "compiled" (jsonl_fast.c) or "python"
-NATIVE = "compiled" if _FAST is not None else "python"
-_fast_lines = _FAST.lines if _FAST is not None else None
 
 
 def loss_line(loss: str, *, records: int | None = None, nbytes: int | None = None,
               path: str | None = None, offset: int | None = None, message: str = "") -> str:
-    """The JSON stream's loss marker (README "Output"), live and in `replay --json` alike:
+    """The JSON stream's loss marker (docs/output.md), live and in `replay --json` alike:
     {"kind": "loss", "loss": <stage>, "records": n or null, "bytes": n or null,
      "path": file or null, "offset": byte or null, "message": text}"""
     return json.dumps({"kind": "loss", "loss": loss, "records": records, "bytes": nbytes,
@@ -277,8 +258,7 @@ class JsonLines:
         """write() of each, in order, as one stream write (the same text)."""
         off, pre = self.offset, self.node_prefix
         if self.collapse is None:
-            lines = _fast_lines(verdicts, off, pre) if _fast_lines is not None \
-                else [verdict_line(v, off, 1, None, None, pre) for v in verdicts]
+            lines = [verdict_line(v, off, 1, None, None, pre) for v in verdicts]
         else:
             add = self.collapse.add
             lines = [verdict_line(item[0], off, *item[1:], pre) for v in verdicts
@@ -288,7 +268,7 @@ class JsonLines:
             self.stream.write("\n".join(lines))
 
     def loss(self, stage: str, n: int | None, message: str) -> None:
-        """A loss line in the stream, where the loss was noticed (nptrace/losses.py)."""
+        """A loss line in the stream, where the loss was noticed (nptrace/daemon/losses.py)."""
         try:
             self.stream.write(loss_line(stage, records=n, message=message) + "\n")
         except (BrokenPipeError, ValueError):

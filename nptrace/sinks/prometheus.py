@@ -198,7 +198,7 @@ class MetricsSink:
         self.collector: KernelCollector | None = None
         self._children: dict[tuple, tuple] = {}
         self._incident_children: dict[tuple, object] = {}
-        # user-space losses (nptrace/losses.py stages; the ring's is nptrace_events_lost_total)
+        # user-space losses (nptrace/daemon/losses.py stages; the ring's is nptrace_events_lost_total)
         self.losses = Counter("nptrace_user_losses", "Records or messages lost or skipped in "
                               "user space, by stage", ["stage"], registry=registry)
         self.exact = None

@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from nptrace.sessions.format import IFACE, SERVICE, SessionWriter
+from nptrace.sessions.lookups import IFACE, SERVICE
+from nptrace.sessions.writer import SessionWriter
 
 CountersFn = Callable[[], "tuple[dict, dict]"]
 

@@ -13,7 +13,7 @@ import sys
 
 from nptrace.config import Config, IfaceSpec
 from nptrace.sinks.pcapng import inet_checksum
-from nptrace.tracer import Tracer
+from nptrace.daemon.tracer import Tracer
 
 
 def sh(*cmd):

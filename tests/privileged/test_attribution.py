@@ -1,4 +1,4 @@
-"""Issue 5's yardstick: every lab scenario traced by the real `nptrace run --json --max-rate 0`
+"""The yardstick: every lab scenario traced by the real `nptrace run --json --max-rate 0`
 (one process in the root namespace, tc on the lab nodes' interfaces, every record sent),
 100 connection attempts each (each dual-stack form, variant ipv6 or NAME+ipv6, on iptables and
 on a second rules backend, nft or else iptables-legacy: scorecard.runs); and one burst under
@@ -30,11 +30,8 @@ SCORES = []
 KNOWN_GAPS: dict = {}
 
 
-# Cases whose score moved between runs of the same code in this session (to be made
-# deterministic, not hidden: each flake is named in the session's closing note).
-# (wrong-interface was here until session 8: node1's retransmitted SYN-ACK, which the client
-# resets after the middlebox reset it, was called snat and outranked wrong_iface whenever it
-# landed in the same incident, i.e. before the first incident's 1 s hold had passed.)
+# Cases whose score moves between runs of the same code (to be made deterministic, not
+# hidden: each entry's value names its flake).
 FLAKY: dict = {}
 
 

@@ -1,4 +1,4 @@
-"""Issue 18 item 4 on a real kernel: SIGTERM at random points of start and stop leaves nothing
+"""On a real kernel: SIGTERM at random points of start and stop leaves nothing
 behind (no BPF programs of ours, no tc filters, no nft trace tables, the lock free); a start
 removes the nft trace table a killed run left; a watched interface that is deleted and
 re-created is traced again, and the gap is said.

@@ -1,4 +1,4 @@
-"""Issue 20 item 5 on the real kernel: every incident line of a lab scenario names the client's
+"""On the real kernel: every incident line of a lab scenario names the client's
 own address and port (`client`, before masquerade), also the lines of the endpoint's node
 (node2) when node1 DNATed and masqueraded the connection over the overlay: there the mapping
 is only in node1's NAT map, which the one `nptrace run` tracing both nodes reads. And each

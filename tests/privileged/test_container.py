@@ -165,14 +165,15 @@ def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
     assert sample(text, "nptrace_probe_up", probe="skb:kfree_skb") == 1
     # the node's headers are mounted (/lib/modules) and preferred; the image's tree is there
     assert "kernel headers: node" in c.logs(), c.logs()[-3000:]
-    # the image's compiled helpers (deploy/Containerfile stage 2) run the hot path: run's log
+    # the image's compiled hot path (deploy/Containerfile stage 2) runs: run's log
     # has no pure-Python line, and doctor in the running container says so
     assert "hot path: python" not in c.logs(), c.logs()[-3000:]
     r = _run(["podman", "exec", c.name, "nptrace", "doctor", "--json", "--no-trials"],
              check=False)
     rows = [x for x in json.loads(r.stdout)["rows"] if x["check"] == "hot path"]
     assert [(x["status"], x["detail"]) for x in rows] == [
-        ("ok", "compiled (events_fast.c, correlate_fast.c, jsonl_fast.c)")], r.stdout[-2000:]
+        ("ok", "compiled (events, classify.correlate, classify.flowkey, classify.incident, "
+               "classify.rules, sinks.jsonl)")], r.stdout[-2000:]
     # the kubelet's TERM: probes detached, session closed, exit 0 within the grace period
     grace = spec_grace = 30
     _run(["podman", "stop", "-t", str(grace), c.name], timeout=grace + 30)
@@ -219,7 +220,7 @@ def test_sigkilled_container_is_cleaned_up_by_the_next_start(start, lab_up):
 def test_container_without_node_headers_uses_its_own(start, lab_up, spec):
     """A node with no headers (COS, Bottlerocket, Talos): the DaemonSet's /lib/modules and
     /usr/src mounts removed, the image's minimal tree (deploy/Containerfile stage 1) is used.
-    Also the pure-Python hot path (NPTRACE_PURE=1): run says so once, and it traces alike."""
+    Also the hot path run as Python (NPTRACE_PURE=1): run says so once, and it traces alike."""
     lab_up("no-listener")
     spec.container["volumeMounts"] = [m for m in spec.container["volumeMounts"]
                                       if m["name"] not in ("lib-modules", "usr-src")]
@@ -227,7 +228,7 @@ def test_container_without_node_headers_uses_its_own(start, lab_up, spec):
     c = start("-nh")
     logs = c.wait_attached()
     assert "kernel headers: shipped (nptrace's minimal tree /usr/share/nptrace/kheaders)" in logs, logs
-    assert logs.count("hot path: python: NPTRACE_PURE=1;") == 1, logs
+    assert logs.count("hot path: python: nptrace.events: NPTRACE_PURE=1 (and 5 more);") == 1, logs
     from nptrace import lab
     attempts = lab.trigger("no-listener", count=3, prefix=PREFIX)
     end, got = time.monotonic() + 15, 0.0

@@ -1,4 +1,4 @@
-"""Issue 16's check: a storm of three causes at once, with default options, and every record
+"""The exactness check: a storm of three causes at once, with default options, and every record
 counted under its cause. The storm and its truth counters are nptrace/bench/three_causes.py
 (the reset_storm bench section runs the same storm for its per-cause counting error rows):
 no_listener resets (truth: TcpOutRsts), rp_filter drops (TcpExtIPReversePathFilter) and

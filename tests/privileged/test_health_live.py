@@ -1,4 +1,4 @@
-"""Issue 17 items 4-5 live: /healthz 503 until the probes are attached then 200, /livez,
+"""Health endpoints live: /healthz 503 until the probes are attached then 200, /livez,
 nptrace_probe_up (0 for a tc probe that is not attached), nptrace_build_info{node}, and the
 node's name on every JSON line of a traced lab reset."""
 import json

@@ -1,4 +1,4 @@
-"""A reset sent from a LISTEN socket carries the packet's tuple (issue 20 item 1).
+"""A reset sent from a LISTEN socket carries the packet's tuple.
 
 tcp:tcp_send_reset fills its addresses from a full socket before the skb; a listener is one,
 bound to 0.0.0.0:8080 and connected to nobody, so its reset read "0.0.0.0:8080 > 0.0.0.0:0"

@@ -54,7 +54,8 @@ def test_metrics_recording_and_pcap_on_the_real_kernel(netns, tmp_path):
     from nptrace.classify import Classifier, Context
     from nptrace.config import Config
     from nptrace.kernel.loader import Probes
-    from nptrace.sessions.format import SessionWriter, make_header
+    from nptrace.sessions.header import make_header
+    from nptrace.sessions.writer import SessionWriter
     from nptrace.sinks.jsonl import verdict_dict
     from nptrace.sinks.pcapng import PcapngSink
     from nptrace.sinks.health import serve

@@ -1,4 +1,4 @@
-"""Issue 17 item 3: no kernel headers from the node. With /lib/modules and /usr/src hidden
+"""No kernel headers from the node. With /lib/modules and /usr/src hidden
 (tmpfs over them in a private mount namespace, as on COS/Bottlerocket/Talos or under
 ProtectKernelModules=yes), `nptrace run` compiles against nptrace's own minimal tree
 (kernel/headertree.py), says so, and traces a lab reset."""

@@ -1,4 +1,4 @@
-"""Files nptrace writes as root never follow what another user planted (issue 18 item 5):
+"""Files nptrace writes as root never follow what another user planted:
 --pcap through a symbolic link or onto someone else's file is refused with one line and exit
 2; a session directory of another user's is refused; the size cap deletes only files that
 start with a session header, never a foreign file or a link named like ours. Root: the

@@ -1,4 +1,4 @@
-"""Issue 18 item 1, the short soak (the 10-minute one is `make bench`, section soak): one
+"""The short soak (the 10-minute one is `make bench`, section soak): one
 nptrace with --record and --metrics-addr under >= 3000 new failing flows/s and a pod created
 and deleted every second holds RSS within 10% after warm-up and its fd count flat."""
 from __future__ import annotations

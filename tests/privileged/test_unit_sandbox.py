@@ -140,7 +140,7 @@ def test_held_lock_is_one_line_exit_2(unit):
 
 
 def test_read_only_runtime_directory_is_one_line_exit_2(unit):
-    del unit.values["RuntimeDirectory"]      # the unit as it was: /run read-only
+    del unit.values["RuntimeDirectory"]      # no RuntimeDirectory: /run read-only
     rc, out, err = run_once(us.Sandbox(unit, env=ENV), unit_command(unit))
     _one_line_exit_2(rc, err, "cannot open the instance lock /run/nptrace/nptrace.lock")
 

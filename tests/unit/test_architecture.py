@@ -20,8 +20,9 @@ PKG = Path(__file__).resolve().parents[2] / "nptrace"
 # readers read: a shared layout like events.py, so it sits in the core.
 LAYERS = (
     ("core", ("nptrace", "nptrace.errors", "nptrace.config", "nptrace.events", "nptrace.reasons",
-              "nptrace.names", "nptrace.counters", "nptrace.sdnotify", "nptrace.sessions.schema",
-              "nptrace.sessions.framing", "nptrace.sessions.format")),
+              "nptrace.names", "nptrace.counters", "nptrace.sessions.schema",
+              "nptrace.sessions.framing", "nptrace.sessions.header", "nptrace.sessions.lookups",
+              "nptrace.sessions.reader", "nptrace.sessions.writer", "nptrace.sessions.format")),
     ("kernel", ("nptrace.kernel",)),
     ("services", ("nptrace.services",)),
     ("node", ("nptrace.node",)),
@@ -29,7 +30,7 @@ LAYERS = (
     ("sinks", ("nptrace.sinks",)),
     ("sessions", ("nptrace.sessions",)),
     ("lab", ("nptrace.lab",)),
-    ("entry", ("nptrace.tracer", "nptrace.doctor", "nptrace.explain", "nptrace.cli")),
+    ("entry", ("nptrace.daemon", "nptrace.doctor", "nptrace.explain", "nptrace.cli")),
     ("bench", ("nptrace.bench",)),
 )
 # the only importers of bcc and pyroute2 (STYLE.md 1)
@@ -37,12 +38,9 @@ BCC_IMPORTER, PYROUTE2_IMPORTER = "nptrace.kernel.loader", "nptrace.kernel.netli
 
 
 def _modules() -> dict[str, Path]:
-    """Every module by name: the .py files, and the compiled helpers by the C source that
-    defines the module (setup.py builds nptrace/x/y.c, with the other sources of its
-    Extension, as nptrace.x.y; they import nothing of nptrace)."""
+    """Every module by name: the .py files (the compiled ones are the same sources)."""
     out = {}
-    sources = [p for p in PKG.rglob("*.c") if "PyMODINIT_FUNC" in p.read_text()]
-    for p in [*PKG.rglob("*.py"), *sources]:
+    for p in PKG.rglob("*.py"):
         parts = p.relative_to(PKG.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = p
@@ -61,8 +59,6 @@ def _target(name: str) -> str:
 def _imports(name: str) -> list[tuple[str, tuple[str, ...], int]]:
     """(module imported, names taken from it, line) for every import in the module."""
     path = MODULES[name]
-    if path.suffix == ".c":
-        return []
     is_pkg = path.name == "__init__.py"
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -184,8 +180,6 @@ def test_every_module_imports_alone_without_bcc_or_pyroute2():
 def test_one_importer_per_library(module, lib):
     users = []
     for m, p in MODULES.items():
-        if p.suffix == ".c":
-            continue
         tree = ast.parse(p.read_text())
         for node in ast.walk(tree):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \

@@ -1,4 +1,4 @@
-"""Issue 18 item 1: every cache keyed by traffic or by namespaces is bounded, and the state of a
+"""Every cache keyed by traffic or by namespaces is bounded, and the state of a
 namespace that went away is released (pure: no root, no sockets but socketpairs)."""
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_live_namespaces_sees_processes_and_names(tmp_path):
     assert os.stat("/proc/self/ns/net").st_ino in got
 
 
-# --- item 3 leftovers: fixed at the source ----------------------------------------------
+# --- odd inputs, losses, signals, a lost interface: each handled where it arises --------
 def test_decode_refuses_non_buffers_with_decode_error():
     import pytest
     for x in (None, 5, "abc", [1], {"a": 1}):
@@ -138,7 +138,7 @@ def test_error_messages_are_escaped_for_the_terminal():
 
 
 def test_losses_ledger_gives_deltas_and_survives_a_failing_source():
-    from nptrace.losses import Ledger
+    from nptrace.daemon.losses import Ledger
     n = {"v": 0}
     led = Ledger()
     led.watch("undecodable", lambda: n["v"])
@@ -178,7 +178,7 @@ def test_signals_are_counted_and_checked_between_steps():
     import os
     import signal
     import pytest
-    from nptrace.lifecycle import Interrupted, Signals, run_steps
+    from nptrace.daemon.lifecycle import Interrupted, Signals, run_steps
     s = Signals()
     s.install()
     try:

@@ -236,4 +236,4 @@ def test_reset_of_a_late_syn_ack_from_the_frontend_is_not_snat():
     [v] = classify([asym, late], ctx)
     assert v.cause == "wrong_iface" and v.events == 2
     [alone] = classify([late], ctx)
-    assert alone.cause == "unknown"      # no longer claimed as a masquerade fault
+    assert alone.cause == "unknown"      # alone it shows no masquerade fault

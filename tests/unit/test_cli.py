@@ -5,7 +5,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from nptrace import cli, tracer
+from nptrace import cli
+from nptrace.daemon import tracer
 from nptrace.errors import PrivilegeError
 
 

@@ -1,4 +1,4 @@
-"""Issue 20 item 5: every incident's JSON line names the client's own address and port as the
+"""Every incident's JSON line names the client's own address and port as the
 client saw them (before masquerade) in `client`, with `frontend` and `endpoint`, on every line
 where the NAT mapping is known: also the pod-side line of a masqueraded flow, whose own tuple
 has the masquerade address and port."""
@@ -116,7 +116,7 @@ def test_the_other_nodes_line_names_the_client_from_the_nat_map():
 
 
 def test_nat_map_mapping_is_oriented_by_the_kept_port_or_not_named():
-    from nptrace.classify.correlate import _mapping
+    from nptrace.classify.flowkey import nat_mapping as _mapping
     m = _mapping(REPLY, ORIG)
     assert (m.orig_src, m.orig_sport, m.orig_dst, m.reply_src) == (CLIENT, 40000, NODE, POD)
     assert m.dnat and m.snat

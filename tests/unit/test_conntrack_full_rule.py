@@ -70,7 +70,7 @@ def test_doctor_warns_on_drops_and_near_full():
     assert _conntrack_finding(100, 1000, 0).status == "ok"
 
 
-# -- checksum (issue 20 item 2) ---------------------------------------------------------------
+# -- checksum ---------------------------------------------------------------------------------
 def test_bad_tcp_checksum_is_checksum_naming_the_interface():
     names = {10: "TCP_CSUM", 11: "UDP_CSUM", 12: "NETFILTER_DROP"}
     ctx = Context(drop_name=lambda v: names.get(v, f"R{v}"),

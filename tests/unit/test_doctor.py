@@ -293,11 +293,7 @@ def test_headers_row_fails_the_report_when_there_are_none(tmp_path):
     assert rep.ok == doctor.build_report(fx).ok
 
 
-# --- the hot path's compiled helpers (setup.py) --------------------------------------------
-
-BOTH = {"nptrace.events_fast": "compiled", "nptrace.classify.correlate_fast": "compiled",
-        "nptrace.sinks.jsonl_fast": "compiled"}
-
+# --- the hot path compiled by Cython from its own sources (setup.py, nptrace/compiled.py) ----
 
 def hot_row(state):
     rep = doctor.build_report(features.probe(FIXTURES / "linux-6.18"), hot_path=state)
@@ -305,62 +301,87 @@ def hot_row(state):
 
 
 def test_hot_path_compiled_is_one_ok_row():
-    assert doctor.hot_path(BOTH, env={}) == "compiled"
     rep, rows = hot_row("compiled")
     assert [(r.area, r.status, r.detail, r.cost, r.remedy) for r in rows] == [
-        ("nptrace", "ok", "compiled (events_fast.c, correlate_fast.c, jsonl_fast.c)", "", "")]
+        ("nptrace", "ok", "compiled (events, classify.correlate, classify.flowkey, "
+         "classify.incident, classify.rules, sinks.jsonl)", "", "")]
     assert doctor.hot_path_line("compiled") is None      # run says nothing
 
 
 def test_hot_path_forced_pure_warns_and_does_not_fail():
-    state = doctor.hot_path({**BOTH, "nptrace.events_fast": "python"}, env={"NPTRACE_PURE": "1"})
-    assert state == "python: NPTRACE_PURE=1"
+    state = "python: nptrace.events: NPTRACE_PURE=1 (and 3 more)"
     rep, [row] = hot_row(state)
-    assert row.status == "warn" and row.detail == state and "slower" in row.cost
+    assert row.status == "warn" and row.detail == state and "slowly" in row.cost
     assert row.remedy == "unset NPTRACE_PURE"
     assert rep.ok == doctor.build_report(features.probe(FIXTURES / "linux-6.18")).ok
     assert "hot path: unset NPTRACE_PURE" in doctor.render(rep)
     line = doctor.hot_path_line(state)
-    assert line.startswith("hot path: python: NPTRACE_PURE=1; ") and "unset NPTRACE_PURE" in line
+    assert line.startswith(f"hot path: {state}; ") and "unset NPTRACE_PURE" in line
 
 
-def test_hot_path_not_built_names_the_module_and_the_remedy(monkeypatch):
-    monkeypatch.setattr(doctor, "HELPERS", doctor.HELPERS + (("nptrace.no_such_helper", "x"),))
-    state = doctor.hot_path({**BOTH, "nptrace.no_such_helper": "python"}, env={})
-    assert state == "python: nptrace.no_such_helper not built"
+def test_hot_path_not_compiled_names_the_remedy():
+    state = "python: nptrace.events: not compiled (make setup compiles it with Cython)"
     rep, [row] = hot_row(state)
     assert row.status == "warn" and "make setup" in row.remedy and "python3-dev" in row.remedy
     assert "make setup" in doctor.hot_path_line(state)
 
 
-def test_hot_path_built_but_not_importable(monkeypatch):
-    def broken(name):
-        raise ImportError("undefined symbol: PyFoo")
-    monkeypatch.setattr(doctor.importlib, "import_module", broken)
-    state = doctor.hot_path({**BOTH, "nptrace.sinks.jsonl_fast": "python"}, env={})
-    assert state == "python: nptrace.sinks.jsonl_fast does not import (undefined symbol: PyFoo)"
+@pytest.fixture
+def fake_module(tmp_path, monkeypatch):
+    """A package `fakepkg` whose module `hot` has a source and an extension file beside it,
+    listed among the compiled modules."""
+    import importlib.machinery
+    from nptrace import compiled
+    (tmp_path / "fakepkg").mkdir()
+    src = tmp_path / "fakepkg" / "hot.py"
+    src.write_text("X = 1\n")
+    ext = tmp_path / "fakepkg" / ("hot" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    ext.write_bytes(b"")
+    monkeypatch.setattr(compiled, "MODULES", compiled.MODULES + ("fakepkg.hot",))
+    monkeypatch.delenv("NPTRACE_PURE", raising=False)
+    return compiled, src, ext
 
 
-def test_hot_path_built_from_older_sources(monkeypatch):
-    """A `git pull` without `make setup`: the old module imports but lacks the newer entry
-    points. It is not used (the pure path runs, no import fails) and doctor says why."""
-    import types
-    from nptrace import native
-    old = types.ModuleType("nptrace.classify.correlate_fast")
-    old.configure = old.one = lambda *a: None
-    monkeypatch.setattr(native.importlib, "import_module", lambda name: old)
-    assert native.load("nptrace.classify.correlate_fast") is None
-    state = doctor.hot_path({**BOTH, "nptrace.classify.correlate_fast": "python"}, env={})
-    assert state == ("python: nptrace.classify.correlate_fast built from older sources "
-                     "(no configure_feed, feed_many, verdict_slots, rootless, make_verdict, "
-                     "service)")
+def test_the_compiled_form_is_taken_only_while_newer_than_its_source(fake_module):
+    """A `git pull` without `make setup` leaves an extension older than its source: the source
+    runs (never yesterday's rules), and doctor says which module and why."""
+    import os
+    compiled, src, ext = fake_module
+    path = [str(src.parent)]
+    os.utime(src, (1000, 1000))
+    os.utime(ext, (2000, 2000))
+    assert compiled.Finder().find_spec("fakepkg.hot", path).origin == str(ext)
+    assert compiled.STATE["fakepkg.hot"] == "compiled"
+    os.utime(src, (3000, 3000))
+    assert compiled.Finder().find_spec("fakepkg.hot", path).origin == str(src)
+    assert compiled.STATE["fakepkg.hot"] == \
+        "python: its source is newer than its compiled form (run make setup)"
+    ext.unlink()
+    assert compiled.Finder().find_spec("fakepkg.hot", path).origin == str(src)
+    assert "not compiled" in compiled.STATE["fakepkg.hot"]
+    assert compiled.Finder().find_spec("fakepkg.other", path) is None   # not ours to find
 
 
-def test_hot_path_defaults_to_this_process():
-    from nptrace import events
-    from nptrace.sinks import jsonl
-    state = doctor.hot_path()
-    assert (state == "compiled") == (events.NATIVE == jsonl.NATIVE == "compiled")
+def test_pure_env_runs_the_source(fake_module, monkeypatch):
+    import os
+    compiled, src, ext = fake_module
+    os.utime(src, (1000, 1000))
+    monkeypatch.setenv("NPTRACE_PURE", "1")
+    assert compiled.Finder().find_spec("fakepkg.hot", [str(src.parent)]).origin == str(src)
+    assert compiled.STATE["fakepkg.hot"] == "python: NPTRACE_PURE=1"
+
+
+def test_hot_path_of_a_process_with_nptrace_pure():
+    """In a process of its own: every module then runs from its source, and hot_path says so."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "from nptrace import compiled; "
+                          "from nptrace.sinks import jsonl; print(compiled.hot_path()); "
+                          "print(jsonl.__file__)"],
+                         env={**__import__("os").environ, "NPTRACE_PURE": "1"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "python: nptrace.events: NPTRACE_PURE=1 (and 5 more)"
+    assert out[1].endswith("jsonl.py")
 
 
 def test_cli_has_the_hot_path_row(no_trials):

@@ -128,8 +128,8 @@ def test_missing_on_new_kernel_is_flagged_unexpected(tmp_path):
 
 
 def test_kfree_skb_absent_has_no_fallback(tmp_path):
-    # issue 15: the kprobe tcp_drop fallback this once claimed was never built (hooks.py:
-    # fallback "none"), so kprobes do not make a kernel without kfree_skb traceable
+    # there is no kprobe tcp_drop fallback (hooks.py: fallback "none"), so kprobes do not
+    # make a kernel without kfree_skb traceable
     root = copy_tree("kprobes-ipvs", tmp_path)
     shutil.rmtree(root / "sys/kernel/tracing/events/skb")
     feats = f.probe(root)

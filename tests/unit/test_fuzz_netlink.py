@@ -178,7 +178,7 @@ def test_drain_counts_and_skips_malformed_datagrams(monkeypatch):
     assert len(ns.book._drops) == 2
 
 
-# --- item 6: kernel names never become nft commands ------------------------------------------
+# --- kernel names never become nft commands --------------------------------------------------
 
 HOSTILE_NAMES = ["x; flush ruleset", "x\nflush ruleset", "a b", "filter}", "{", "x'", 'x"',
                  "$var", "@set", "#c", "", "a" * 300, "eth\x1b[31m", "-a", "--file=/etc/x",

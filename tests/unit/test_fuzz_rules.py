@@ -1,7 +1,7 @@
 """The kube-proxy rule parsers (services: parse_iptables_save, parse_nft) never raise on a
 damaged or crafted dump: seeded mutations of tests/fixtures/kube-proxy (lines dropped, doubled,
 cut, shuffled; hostile tokens spliced in: bare counters, non-ASCII digits, braces, control
-characters) plus the inputs that used to crash. A parser may ignore what it cannot read; it
+characters) plus known crash inputs. A parser may ignore what it cannot read; it
 must return a ServiceMap. NPTRACE_FUZZ_SECONDS (make fuzz) runs new seeds for that long."""
 from __future__ import annotations
 

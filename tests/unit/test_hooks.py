@@ -73,7 +73,7 @@ def test_every_hook_says_kernel_cost_and_fallback():
         assert h.cost and h.fallback, h.name
         if h.required:
             assert h.fail_reason, h.name
-    # the claims issue 15 found without code behind them are gone
+    # no hook claims a fallback or cost that no code implements
     text = " ".join(f"{h.cost} {h.fallback}" for h in hooks.HOOKS)
     assert "tcp_drop" not in text and "perf buffer" not in text
     assert "perf buffer used" not in features.PROBES["ring buffer"].cost

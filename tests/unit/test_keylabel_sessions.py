@@ -16,7 +16,7 @@ import pytest
 
 from nptrace.classify.keylabel import KeyLabeler
 from nptrace.kernel.causekeys import encode_key, fact_of, key_hash, key_of, server_ends
-from nptrace.sessions.format import read_session
+from nptrace.sessions.reader import read_session
 from nptrace.sessions.replay import Replay
 
 SESSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"

@@ -236,7 +236,8 @@ def test_json_lines_name_the_pod_and_keep_the_fast_path_text():
 
 def test_replay_names_the_pods_the_live_run_named(tmp_path):
     from nptrace.reasons import ReasonTable
-    from nptrace.sessions.format import SessionWriter, make_header
+    from nptrace.sessions.header import make_header
+    from nptrace.sessions.writer import SessionWriter
     from nptrace.sessions.replay import Replay
     from nptrace.sinks.recorder import Recorder
     rsts = ReasonTable({1: "SK_RST_REASON_NO_SOCKET"}, "SK_RST_REASON_")
@@ -265,7 +266,8 @@ def test_console_run_session_replays_with_pods(tmp_path):
     """The pod lookup is the classifier's, per incident: a run that printed no JSON (the
     console, the DaemonSet's default) records the answers, and replay --json names the pods."""
     from nptrace.reasons import ReasonTable
-    from nptrace.sessions.format import SessionWriter, make_header
+    from nptrace.sessions.header import make_header
+    from nptrace.sessions.writer import SessionWriter
     from nptrace.sessions.replay import Replay
     from nptrace.sinks.console import Console
     from nptrace.sinks.recorder import Recorder

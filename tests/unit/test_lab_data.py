@@ -62,7 +62,7 @@ def test_causes_cover_the_issue_list():
 
 
 def test_rollout_steps_remove_the_endpoint_then_the_pod():
-    """Issue 20 item 1: the rules lose web-0 before web-0 is deleted; (b) a new pod takes its
+    """A rollout: the rules lose web-0 before web-0 is deleted; (b) a new pod takes its
     address; the container restart keeps web-0 an endpoint and never re-renders the rules."""
     a = model.compile_spec("rollout-in-flight")
     assert [s["kind"] for s in a.steps] == ["rules", "wait", "delete_pod", "run", "run"]

@@ -1,5 +1,5 @@
 """What a failed BPF compile shows the user (loader._tail): the error, not only clang's notes."""
-from nptrace.kernel.loader import _tail
+from nptrace.kernel.compilelog import log_tail as _tail
 
 
 def test_a_compile_error_is_shown_before_the_notes_that_follow_it():
@@ -19,7 +19,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from nptrace.kernel.loader import llvm_failure, llvm_message  # noqa: E402
+from nptrace.kernel.compilelog import llvm_failure, llvm_message  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_LOG = "\n".join([
@@ -104,7 +104,7 @@ def test_the_cleanup_a_skipped_finally_would_run_comes_first():
 
 
 def loader_hint():
-    from nptrace.kernel.loader import HOW_TO_REPORT
+    from nptrace.kernel.compilelog import HOW_TO_REPORT
     return HOW_TO_REPORT
 
 

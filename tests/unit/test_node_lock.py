@@ -1,4 +1,4 @@
-"""Issue 18 item 4: the instance lock is per node. The systemd unit and the DaemonSet name the
+"""The instance lock is per node. The systemd unit and the DaemonSet name the
 same host directory, with the same meaning, and the unit does not remove it on stop."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from test_deploy import daemonset, unit_values
 
-from nptrace import tracer
+from nptrace.daemon import preflight
 
 
 def test_unit_and_daemonset_share_the_lock_directory():
@@ -22,7 +22,7 @@ def test_unit_and_daemonset_share_the_lock_directory():
     assert vols[run[0]]["hostPath"]["path"] == "/run/nptrace"
     assert unit_values("RuntimeDirectory") == ["nptrace"]            # /run/nptrace
     assert unit_values("RuntimeDirectoryPreserve") == ["yes"]
-    assert str(tracer.LOCK_FILE.parent) == "/run/nptrace" or "NPTRACE_LOCK_FILE" in os.environ
+    assert str(preflight.LOCK_FILE.parent) == "/run/nptrace" or "NPTRACE_LOCK_FILE" in os.environ
 
 
 def test_lock_refuses_a_planted_symlink(tmp_path):
@@ -32,7 +32,7 @@ def test_lock_refuses_a_planted_symlink(tmp_path):
     link = tmp_path / "nptrace.lock"
     link.symlink_to(target)
     with pytest.raises(LockError):
-        tracer.InstanceLock(link).acquire()
+        preflight.InstanceLock(link).acquire()
     assert target.read_text() == "keep me"
 
 
@@ -43,7 +43,7 @@ def test_ready_file_refuses_a_planted_symlink(tmp_path):
     link = tmp_path / "ready"
     link.symlink_to(target)
     with pytest.raises(NptraceError):
-        tracer.write_ready_file(str(link))
+        preflight.write_ready_file(str(link))
     assert target.read_text() == "keep me"
-    tracer.write_ready_file(str(tmp_path / "ok"))
+    preflight.write_ready_file(str(tmp_path / "ok"))
     assert (tmp_path / "ok").read_text() == f"{os.getpid()}\n"

@@ -13,7 +13,9 @@ from nptrace.sessions.replay import Replay, replay
 from nptrace.sessions.report import report
 from nptrace.classify import Classifier, Context
 from nptrace.reasons import ReasonTable
-from nptrace.sessions.format import SessionWriter, make_header, read_session, session_files
+from nptrace.sessions.header import make_header, session_files
+from nptrace.sessions.reader import read_session
+from nptrace.sessions.writer import SessionWriter
 from nptrace.sinks.jsonl import verdict_dict
 from nptrace.sinks.recorder import Recorder
 

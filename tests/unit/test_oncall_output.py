@@ -1,4 +1,4 @@
-"""Issue 19's output vocabulary on every command: -o text|json|table (--json its alias),
+"""The output vocabulary of every command: -o text|json|table (--json its alias),
 RFC 3339 ms UTC times (--local), [v6]:port, -n, `report -o json` with every number the text
 prints; bad values are one line and exit 2."""
 import io
@@ -66,7 +66,7 @@ def test_report_json_has_every_number_the_text_prints(tmp_path):
     assert found, rest
     missing = [n for n in found if n not in nums]
     assert not missing, (missing, rest)
-    # and the sections the issue names are there by name
+    # and the report's sections are there by name
     for key in ("by_cause", "by_service", "by_interface", "by_node", "top_flows", "timeline",
                 "kernel", "warnings", "problems"):
         assert key in d

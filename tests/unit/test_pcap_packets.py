@@ -271,7 +271,7 @@ def test_format_1_sessions_still_read_and_replay_w_reconstructs(tmp_path):
 
 
 def test_the_tracer_hands_packet_records_to_the_session_too():
-    from nptrace.tracer import Tracer
+    from nptrace.daemon.tracer import Tracer
     got, seen = [], []
 
     class Rec:

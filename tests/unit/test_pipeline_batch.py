@@ -206,7 +206,7 @@ def test_rules_skipped_for_a_reason_name_would_not_have_matched(seed):
 
 
 def test_filled_hints_are_remembered_by_what_they_read():
-    from nptrace.classify import correlate as co
+    from nptrace.classify import incident as co
     e4 = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, saddr="10.0.0.1", sport=4000, daddr="10.0.0.2", dport=80,
                              ifindex=3))
     e6 = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, family=10, saddr="fd00::1", sport=4000, daddr="fd00::2", dport=80,
@@ -217,5 +217,5 @@ def test_filled_hints_are_remembered_by_what_they_read():
         for h in hints:
             for e in (e4, e6):
                 for iface, svc in ((None, None), ("eth0", "ns/s:80"), ("", 5)):
-                    assert co._fill_hint(h, e, iface, svc) == co._fill_text(h, e, iface, svc)
-    assert co._fill_hint("{iface}", e4, ["x"], None) == "ifindex 3"   # unhashable: not kept
+                    assert co.fill_hint(h, e, iface, svc) == co._fill_text(h, e, iface, svc)
+    assert co.fill_hint("{iface}", e4, ["x"], None) == "ifindex 3"   # unhashable: not kept

@@ -226,7 +226,7 @@ def test_close_releases_views():
     ring.cons_page[0:8] = bytes(8)  # the buffers are no longer exported
 
 
-# --- issue 18 item 7: the mapped walk only where its ordering assumptions hold ----------------
+# --- the mapped walk only where its ordering assumptions hold ---------------------------------
 def test_reader_choice_by_cpu():
     from nptrace.kernel.ringbuf import choose
     assert choose("x86_64", "auto")[0] == "mmap"

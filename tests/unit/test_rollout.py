@@ -1,4 +1,4 @@
-"""A rollout's in-flight connections (issue 20 item 1): conntrack keeps steering an established
+"""A rollout's in-flight connections: conntrack keeps steering an established
 NodePort connection to an endpoint the rules no longer list. (a) nobody has the address:
 neighbour failure; (b) a new pod has it and its listening socket resets the old connection.
 Both are `proxy`, naming the Service, the stale endpoint and the remedy. A container restart

@@ -1,10 +1,10 @@
-"""nptrace/sdnotify.py against a real datagram socket (path and abstract), no systemd."""
+"""nptrace/daemon/sdnotify.py against a real datagram socket (path and abstract), no systemd."""
 import os
 import socket
 
 import pytest
 
-from nptrace.sdnotify import Notifier
+from nptrace.daemon.sdnotify import Notifier
 
 
 @pytest.fixture(params=["path", "abstract"])

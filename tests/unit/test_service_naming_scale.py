@@ -1,4 +1,4 @@
-"""Service names on a real cluster's ruleset (issue 20 item 7): with 2000 Services whose
+"""Service names on a real cluster's ruleset: with 2000 Services whose
 nodePorts spread over 30000-32767, a pod-side reset of a masqueraded NodePort flow must be
 named from the flow's NAT mapping (conntrack's original destination, the frontend), never from
 the masqueraded port, which the masquerade may pick inside the NodePort range."""

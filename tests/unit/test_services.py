@@ -189,7 +189,7 @@ def test_walk_follows_base_chain_jumps():
     # the iptables-save form carries kube-proxy's base-chain jumps: the walk starts there
     m = load("derived/iptables-overall.iptables-save")
     inv = [r for r in m.rules if r.reason == "conntrack_invalid"][0]
-    # INVALID packets are dropped on the FORWARD path only, never on INPUT (README S5)
+    # INVALID packets are dropped on the FORWARD path only, never on INPUT
     assert inv in m.matching_drop_rules("203.0.113.2", "10.180.0.3", 80, ctstate="INVALID", hook="forward")
     assert inv not in m.matching_drop_rules("203.0.113.2", "192.168.0.2", 3003, ctstate="INVALID", hook="input")
     # the eTP=Local NodePort drop is reached from INPUT through KUBE-EXTERNAL-SERVICES

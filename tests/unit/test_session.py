@@ -87,8 +87,8 @@ def test_modes_file_0600_created_dir_0700(tmp_path):
 
 
 def test_existing_directory_of_ours_is_tightened_to_0700(tmp_path):
-    """Issue 18 item 5 changed this contract (it was: left alone). A 0755 directory of ours,
-    as the kubelet creates a hostPath, is tightened; a shared one (/tmp) is refused."""
+    """A 0755 directory of ours, as the kubelet creates a hostPath, is tightened (the files hold
+    client addresses); a shared one (/tmp) is refused."""
     tmp_path.chmod(0o755)
     w = writer(tmp_path)
     w.close()
