@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 DEMO    ?= no-listener
 
-.PHONY: setup demo test test-unit test-privileged bench bench-quick clean lab-clean
+.PHONY: setup demo test test-all test-unit test-privileged sanitize bench bench-quick clean lab-clean
 
 setup:
 	bash scripts/setup.sh
@@ -12,12 +12,23 @@ setup:
 demo: setup
 	$(PY) -m nptrace.lab.demo $(DEMO)
 
-## The README's second command (and .ci/run): set up, then every test (unit + privileged).
+## The README's second command (and .ci/run): set up, then every test (unit + privileged)
+## but the few that run for minutes (marked long: a bench run, the soak, the container image
+## build), which test-all adds.
 test: setup
+	$(PYTEST) -ra -m "not long" tests/unit tests/privileged
+
+test-all: setup
 	$(PYTEST) -ra tests/unit tests/privileged
 
 test-unit: setup
 	$(PYTEST) -q tests/unit
+
+## The hot path's Cython modules rebuilt with ASan + UBSan into build/asan/ (the extensions
+## beside the sources stay the normal build), and their unit tests run on that build; any
+## sanitizer report fails it, and a missing gcc, libasan or Cython exits 2 (scripts/sanitize.sh).
+sanitize: setup
+	bash scripts/sanitize.sh
 
 test-privileged: setup
 	$(PYTEST) -ra tests/privileged

@@ -318,6 +318,25 @@ def bench_keys(n_keys: int = 10_000, per_key: int = 100_000) -> dict:
             "records_per_s": n_keys * per_key / again if again else None}
 
 
+def bench_session_writer(n: int, rounds: int = 3) -> dict:
+    """Session records written per CPU second (SessionWriter.write_event, what `run -w` adds
+    per event), the median of ``rounds`` runs into a scratch directory."""
+    import tempfile
+    from nptrace.sessions import format as S
+    rec = records(1, False)[0]
+    rates = []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="nptrace-bench-") as d:
+            w = S.SessionWriter(Path(d), header=S.make_header(epoch_offset_ns=0),
+                                max_file_bytes=256 << 20)
+            t0 = time.process_time()
+            for _ in range(n):
+                w.write_event(rec)
+            w.close()
+            rates.append(n / max(time.process_time() - t0, 1e-9))
+    return {"records": n, "records_per_s": sorted(rates)[len(rates) // 2]}
+
+
 def run(b) -> Section:
     sec = Section("pipeline")
     dec = bench_decoder(b.scale(64 << 20, 16 << 20))
@@ -337,12 +356,13 @@ def run(b) -> Section:
     spy = pyspy_pipeline(n, b.scale(8, 2), b.logdir / "pipeline.pyspy.txt",
                          rate=b.scale(250, 500))
     keys = bench_keys(b.scale(10_000, 2_000))
+    rec = bench_session_writer(b.scale(200_000, 20_000), rounds=b.scale(3, 1))
     side = {m: compiled_vs_python(b.scale(200_000, 40_000) // (4 if m else 1), m, budget,
                               rounds=b.scale(3, 1)) for m in (False, True)}
     sec.data = {"decoder": dec, "pipeline": single, "pipeline_mix": mix, "profile": hot,
                 "paths": paths_in_use(),
                 "compiled_vs_python": {"single": side[False], "mix": side[True]},
-                "pyspy": spy, "keys": keys,
+                "pyspy": spy, "keys": keys, "session_writer": rec,
                 "decoder_eps": dec["eps"], "decoder_target": DECODER_TARGET,
                 "pipeline_rps": single["resets_per_s"], "pipeline_target": PIPELINE_TARGET,
                 "pipeline_records_per_s": single["records_per_s"],
@@ -366,6 +386,8 @@ def run(b) -> Section:
             f"{keys['update_us_per_key']:.2f} us",
             f"{si(keys['records_per_s'], '/s')} records accounted", "info", None,
             keys["records_per_s"]),
+        Row("pipeline", f"session recorder (-w): records written/s, CPU time ({rec['records']} "
+            "records)", si(rec["records_per_s"], "/s"), "", "info", None, rec["records_per_s"]),
     ]
     return sec
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from nptrace.errors import LoadError, exit_now
 
 __all__ = ["HOW_TO_REPORT", "capture_stderr", "llvm_exits", "llvm_failure", "llvm_message",
-           "log_tail"]
+           "log_tail", "map_failure"]
 
 
 @contextmanager
@@ -46,6 +46,35 @@ def log_tail(text: str, lines: int = 12) -> str:
     rest = [ln for ln in keep if ln not in errors]
     room = lines - len(errors)
     return "\n".join(errors[:lines] + (rest[-room:] if room > 0 else []))
+
+
+# --- a map the kernel would not create -------------------------------------------------------
+# bcc creates every map before it loads a program, and says only "could not open bpf map: NAME,
+# error: STRERROR" among the compile's warnings, then raises "Failed to compile BPF module".
+# The maps a flag sizes name that flag; the others are fixed sizes, so a refusal of one is the
+# kernel's memory (the memory cgroup since 5.11, RLIMIT_MEMLOCK before) or its map limits.
+_MAP_REFUSED = re.compile(r"could not open bpf map: (\w+), error: (.+)")
+MAP_FLAGS = {"events": ("the event ring buffer", "--ring-pages"),
+             "pkt_scratch": ("the packet copy buffer", "--snaplen")}
+
+
+def map_failure(log: str, sizes: dict[str, str] | None = None) -> str | None:
+    """One line for a compile that failed because the kernel refused to create a map, or None.
+    ``sizes``: map name -> the size asked for, as the user gave it ("--ring-pages 262144")."""
+    m = next((m for ln in log.splitlines() if (m := _MAP_REFUSED.search(ln))), None)
+    if m is None:
+        return None
+    name, why = m.group(1), m.group(2).strip()
+    what, flag = MAP_FLAGS.get(name, (None, None))
+    asked = (sizes or {}).get(name)
+    if flag:
+        return (f"the kernel would not create BPF map {name} ({what}"
+                f"{', ' + asked if asked else ''}): {why}: lower {flag}, or give nptrace "
+                "more locked memory (its memory cgroup's memory.max, or RLIMIT_MEMLOCK before "
+                "Linux 5.11)")
+    return (f"the kernel would not create BPF map {name}: {why} (a fixed size: the node's "
+            "memory cgroup memory.max, RLIMIT_MEMLOCK before Linux 5.11, or the kernel's "
+            "map limits)")
 
 
 # --- LLVM ending the process inside a compile ---------------------------------------------

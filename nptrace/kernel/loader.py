@@ -30,6 +30,7 @@ from nptrace.kernel.cflags import build_cflags
 from nptrace.kernel.compilelog import capture_stderr as _capture_stderr
 from nptrace.kernel.compilelog import llvm_exits as _llvm_exits
 from nptrace.kernel.compilelog import log_tail as _tail
+from nptrace.kernel.compilelog import map_failure
 from nptrace.kernel.hooks import KPROBE_GROUPS, TRACEPOINTS
 from nptrace.reasons import SOURCE_DROPS, ReasonTable, interesting_drops
 
@@ -119,6 +120,11 @@ class Probes:
             else:
                 err = None
         if err is not None:
+            refused = map_failure(log["text"], {
+                "events": f"--ring-pages {cfg.ringbuf_pages} = {cfg.ringbuf_pages >> 8} MiB",
+                "pkt_scratch": f"--snaplen {cfg.snaplen}"})
+            if refused:
+                raise LoadError(refused)
             raise LoadError(f"BPF compile/load failed: {err}", _tail(log["text"]))
         self.compile_s = time.monotonic() - t0
         for tp, macro in TRACEPOINTS.items():
@@ -399,6 +405,9 @@ def compile_families(families, cflags: list[str]):
         else:
             err = None
     if err is not None:
+        refused = map_failure(log["text"])
+        if refused:
+            raise LoadError(refused)
         raise LoadError(f"BPF compile failed ({', '.join(families)}): {err}", _tail(log["text"]))
     return b
 

@@ -26,7 +26,10 @@ def inode_of(path: str | os.PathLike) -> int:
 
 
 def host_inode() -> int:
-    return inode_of("/proc/1/ns/net")
+    """The inode of the namespace nptrace runs in (--iface NAME without NETNS/, the node's
+    own under the DaemonSet's hostNetwork). Not PID 1's: that may not be ours, and it is
+    not always readable (a sandbox whose PID 1 belongs to another user)."""
+    return inode_of("/proc/self/ns/net")
 
 
 def setns_fd(fd: int) -> None:

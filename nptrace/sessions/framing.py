@@ -13,7 +13,9 @@ value it reads, and an empty list costs 64 bytes for its one byte, so a 64 MiB f
 arrays took 5 GB. unpack() hands msgpack its own limits (no string, bytes, list or map longer
 than any record of ours holds, nor than the frame itself) and counts the lists and maps it
 builds against the frame's length: at most one per CONTAINER_BYTES bytes, where everything we
-write needs at least 6.5 (a lookup row [[netns, ifindex], name]). A frame past a limit is
+write needs at least 5.5 (the tightest is a lookup row [[netns], "a/b"]: 11 bytes, two lists).
+What remains is what Python makes of leaves: a 2-character string costs about 20 times its 3
+bytes, and real lookup tables about the same, so a frame costs at most ~25 times its size. A frame past a limit is
 refused, whole and by itself (its crc was right: the frames after it are read).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from nptrace.sessions.schema import MAX_BYTES, MAX_ITEMS, MAX_TEXT
 MAGIC = b"NPS1"
 FRAME = struct.Struct("<4sII")
 MAX_PAYLOAD = 64 << 20          # a header with every name of a big node is well below this
-CONTAINER_BYTES = 4
+CONTAINER_BYTES = 5
 MAX_STR_BYTES = 4 * MAX_TEXT    # MAX_TEXT characters of UTF-8
 MAX_EXT_BYTES = 64              # we write no ext types; a few are tolerated to be refused by schema
 

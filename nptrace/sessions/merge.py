@@ -100,6 +100,9 @@ def merge(paths, problems: list | None = None, window_s: float = 30.0) -> Iterat
         if len(seen) > 1_000_000:   # forget keys older than the window
             seen = {k: s for k, s in seen.items() if it.epoch_ns - s[1] <= window}
         ids.append(sid)
+    # The last item holds its file's header (every lookup table of it): let it go before the
+    # second pass reads that header again, or a big header is held twice.
+    it = None
     number: dict[int, int] = {}
     found: list = []
     for it, sid in zip(_merged_items(groups, found), ids):

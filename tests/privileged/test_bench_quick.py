@@ -13,7 +13,7 @@ import pytest
 
 from nptrace.bench.report import COLUMNS, SECTIONS
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.long]
 
 
 def test_quick_bench_completes_with_every_section(tmp_path):

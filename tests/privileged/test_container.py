@@ -24,7 +24,7 @@ import pytest
 
 from nptrace.lab import daemonset
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = f"npt-ct{os.getpid() % 10000}-"
 NODE_IP = "127.0.0.1"      # status.hostIP: the metrics endpoint binds $(NODE_IP):9464

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.privileged]
+pytestmark = [pytest.mark.privileged, pytest.mark.long]
 
 SECS = float(os.environ.get("NPTRACE_SOAK_SECS", "75"))
 

@@ -122,3 +122,28 @@ def test_after_the_compile_the_exit_handler_is_gone():
         "    pass\nsys.stdout.flush()\nctypes.CDLL(None).exit(5)")],
         capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert (r.returncode, r.stderr) == (5, ""), r
+
+
+BCC_MAP_LOG = """arch/x86/include/asm/ibt.h:78:8: warning: 'nocf_check' attribute ignored
+extern __noendbr void ibt_restore(u64 save);
+2 warnings generated.
+could not open bpf map: {name}, error: Cannot allocate memory
+"""
+
+
+def test_a_refused_map_that_a_flag_sizes_names_the_flag():
+    from nptrace.kernel.compilelog import map_failure
+    line = map_failure(BCC_MAP_LOG.format(name="events"),
+                       {"events": "--ring-pages 262144 = 1024 MiB"})
+    assert "\n" not in line
+    assert line.startswith("the kernel would not create BPF map events (the event ring buffer, "
+                           "--ring-pages 262144 = 1024 MiB): Cannot allocate memory: lower "
+                           "--ring-pages")
+    assert "lower --snaplen" in map_failure(BCC_MAP_LOG.format(name="pkt_scratch"))
+
+
+def test_a_refused_fixed_map_names_the_kernel_limit_and_no_flag():
+    from nptrace.kernel.compilelog import map_failure
+    line = map_failure(BCC_MAP_LOG.format(name="cause_counts"))
+    assert "cause_counts: Cannot allocate memory" in line and "lower --" not in line
+    assert map_failure("error: use of undeclared identifier 'x'\n") is None

@@ -357,15 +357,12 @@ def test_record_path_that_is_a_file(tmp_path):
         writer(f)
 
 
-def test_write_throughput(tmp_path):
-    """The recorder is on the event path: it must keep up with bursts (measured, loose bound)."""
-    import time
+def test_a_burst_is_written_whole(tmp_path):
+    """A burst of records is on disk, in order, after close (its speed is a bench row)."""
     w = writer(tmp_path, max_file_bytes=64 << 20)
-    r = raw(1)
     n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        w.write_event(r)
+    for i in range(n):
+        w.write_event(raw(i % 1000))
     w.close()
-    rate = n / (time.perf_counter() - t0)
-    assert rate > 20000, f"{rate:.0f} records/s"
+    _, recs, problems = records(tmp_path)
+    assert not problems and len(recs) == n
