@@ -327,10 +327,19 @@ def rule_stale_endpoint(ev, rname, history, ctx):
     gone = (ev.type == T_DROP and rname in GONE_DROPS) \
         or (ev.type in (T_ICMP, T_WIRE_ICMP) and unreach(ev) in (3 << 8 | 1, 3 << 8 | 0))
     if gone and (ev.ct is not None and ev.ct.dnat or ctx.service_of(ev.daddr, ev.dport)):
+        c = ev.ct
+        if c is not None and c.dnat and c.reply_src:
+            # the endpoint conntrack sends it to: an event before the DNAT (the NodePort's
+            # own interface) has the frontend as its destination, which answers for nobody
+            via = f"{hostport(c.orig_dst, c.orig_dport)} to the endpoint "
+            ep = hostport(c.reply_src, c.reply_sport)
+        else:
+            via, ep = "to the endpoint ", "{daddr}:{port}"
         return ("proxy", 0.8,
-                "the service proxy DNATs to {daddr}:{port}, which no longer exists on the "
-                "network: kube-proxy's rules are stale (endpoint deleted, sync failed or lagging). "
-                "Check kube-proxy's logs and sync metrics, and the EndpointSlice of {service}")
+                "the service proxy DNATs " + via + ep + ", which does not answer: no host has "
+                "that address on the network any more. kube-proxy's rules are stale (endpoint "
+                "deleted, sync failed or lagging). Check kube-proxy's logs and sync metrics, "
+                "and the EndpointSlice of {service}")
     return None
 
 

@@ -61,3 +61,15 @@ def test_container_restart_is_lost_state_not_proxy(endpoints):
     [v] = classify(reset_from_new_pod(), ctx_for(endpoints))
     assert v.cause != "proxy", v.hint
     assert v.cause == "app_reset" and "lost the connection's state" in v.hint
+
+
+def test_a_dead_endpoint_still_listed_is_named_not_the_frontend():
+    """The rules still list the endpoint nobody answers for (stale rules): the hint names the
+    endpoint conntrack DNATs to and says it does not answer, even for an event whose own
+    destination is still the NodePort frontend (seen before the DNAT)."""
+    drop = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=9, ts_ns=1,
+                               saddr=CLIENT, sport=40000, daddr=NODE, dport=30080, **CT))
+    [v] = classify([drop], ctx_for([OLD]))
+    assert v.cause == "proxy", v.hint
+    assert f"DNATs {NODE}:30080 to the endpoint {OLD}:8080, which does not answer" in v.hint
+    assert f"to the endpoint {NODE}" not in v.hint
