@@ -20,7 +20,8 @@ Examples:
   sudo nptrace lab up ipvs-no-endpoints          # kube-proxy's IPVS mode (needs ip_vs)
   sudo nptrace lab trigger no-listener --count 100 --json
   sudo nptrace lab down no-listener
-  sudo nptrace lab down --all          # after a crash
+  sudo nptrace lab down --all          # after a crash: every lab namespace of the prefix
+  sudo nptrace lab down --all --every-prefix   # ... and of every other prefix on the node
 The namespace prefix is $NPT_LAB_PREFIX (default npt-)."""
 
 
@@ -110,9 +111,19 @@ def trigger(obj, name, count, as_json):
 @lab.command()
 @click.argument("name", required=False)
 @click.option("--all", "all_", is_flag=True, help="Remove every lab namespace of the prefix, up or not.")
+@click.option("--every-prefix", is_flag=True,
+              help="With --all: the labs of every prefix found on the node (other users' too).")
 @click.pass_obj
-def down(obj, name, all_):
+def down(obj, name, all_, every_prefix):
     """Kill the scenario's servers and delete its namespaces."""
+    if every_prefix and not all_:
+        raise click.UsageError("--every-prefix goes with --all")
+    if every_prefix:
+        got = _call(runner.down_every_prefix)
+        n = sum(len(v) for v in got.values())
+        click.echo(f"removed {n} namespace(s) of {len(got)} prefix(es)"
+                   + "".join(f"\n  {p}: {' '.join(v) or '-'}" for p, v in got.items()))
+        return
     if all_:
         removed = _call(runner.down_all, prefix=obj["prefix"])
         click.echo(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}" if removed else ""))

@@ -324,15 +324,46 @@ def down(name: str, prefix: str | None = None) -> None:
     _teardown(prefix, _state_for(name, prefix))
 
 
-def down_all(prefix: str | None = None) -> list[str]:
-    """Remove every lab namespace of ``prefix`` (also after a crash); returns the ones removed."""
-    prefix = netns.resolve_prefix(prefix)
-    netns.require_root()
-    st = netns.load_state(prefix) or {}
+def _lab_hosts() -> set[str]:
+    """Every host name a scenario or variant of the lab may create, and the switch."""
     hosts = {netns.SWITCH}
     for sc in model.load_scenarios():
         for v in (None, *sc.variants):
             hosts |= set(model.compile_spec(sc.name, v).hosts)
+    return hosts
+
+
+def lab_prefixes(namespaces, hosts, state_names) -> set[str]:
+    """The prefixes of the labs present: those with a state file (``state_names``: the files'
+    names, PREFIXstate.json), and those a namespace named PREFIX + a lab host shows (the
+    longest host that ends it: a crash may have left namespaces without state)."""
+    out = {n[:-len("state.json")] for n in state_names
+           if n.endswith("state.json") and n.startswith("npt-")}
+    by_len = sorted(hosts, key=len, reverse=True)
+    for ns in namespaces:
+        h = next((h for h in by_len if ns.endswith(h) and len(ns) > len(h)), None)
+        if h is not None and ns[:-len(h)].startswith("npt-"):
+            out.add(ns[:-len(h)])
+    return out
+
+
+def down_every_prefix() -> dict[str, list[str]]:
+    """down_all for every lab prefix found on the node (other users' labs included):
+    {prefix: namespaces removed}."""
+    netns.require_root()
+    states = [f.name for f in netns.STATE_DIR.glob("*state.json")] if netns.STATE_DIR.is_dir() else []
+    found = lab_prefixes(netns.existing_namespaces(), _lab_hosts(), states)
+    return {p: down_all(prefix=p) for p in sorted(found)}
+
+
+def down_all(prefix: str | None = None) -> list[str]:
+    """Remove every lab namespace of ``prefix`` (also after a crash); returns the ones removed.
+    Labs under other prefixes (another user's, a test's) are left alone: down_every_prefix
+    removes those too."""
+    prefix = netns.resolve_prefix(prefix)
+    netns.require_root()
+    st = netns.load_state(prefix) or {}
+    hosts = _lab_hosts()
     names = {f"{prefix}{h}" for h in hosts} | set(st.get("namespaces", []))
     present = sorted(names & netns.existing_namespaces())
     try:

@@ -99,6 +99,25 @@ def test_down_all_recovers_after_a_crash():
                    for p in pids)
 
 
+def test_down_all_leaves_other_prefixes_unless_told():
+    """Another user's lab (another prefix) survives `lab down --all`; --every-prefix takes it."""
+    from click.testing import CliRunner
+    from nptrace.lab.cli import lab as group
+    other = f"npt-o{os.getpid()}-"
+    lab.up("app-reset", prefix=PREFIX)
+    lab.up("app-reset", prefix=other)
+    try:
+        out = CliRunner().invoke(group, ["--prefix", PREFIX, "down", "--all"])
+        assert out.exit_code == 0, out.output
+        left = sorted(n for n in netns.existing_namespaces() if n.startswith(other))
+        assert _ours() == [] and f"{other}client" in left, left
+        out = CliRunner().invoke(group, ["down", "--all", "--every-prefix"])
+        assert out.exit_code == 0 and other in out.output, out.output
+        assert not [n for n in netns.existing_namespaces() if n.startswith(other)]
+    finally:
+        lab.down_all(prefix=other)
+
+
 def test_cli_round_trip():
     from click.testing import CliRunner
     from nptrace.lab.cli import lab as group
