@@ -1,9 +1,10 @@
 """What the live classifier may ask about the node: kube-proxy services and netfilter rules per
 network namespace, and which interface a route leaves by. Each answer is cached, so the
-per-event cost is a dict lookup. Rules are re-read when they change: a watch thread compares
-each ruleful namespace's fingerprint (nf_tables generation id, legacy dump digest) every second
-and re-reads in the background; besides, every answer is re-read after `refresh_s`. Routes
-follow `refresh_s` alone.
+per-event cost is a dict lookup. Rules are re-read when they change: a watch thread hears each
+ruleful namespace's nf_tables commits as the kernel announces them (node/nftwatch.py) and
+compares every namespace's fingerprint (nf_tables generation id, legacy dump digest, IPVS
+table) every second, re-reading in the background; besides, every answer is re-read after
+`refresh_s`. Routes follow `refresh_s` alone.
 
 The classifier only sees plain callables built from this (classify.Context), so the same
 classifier runs over recorded sessions with the rules the recording kept.
@@ -42,6 +43,8 @@ class NodeKnowledge:
         self._prints: dict[int, tuple] = {}      # rules_source.fingerprint at the last read
         self._legacy_next: dict[int, float] = {}  # when a namespace's legacy dump is due again
         self.generation = 0                      # moves when any map was re-read changed
+        self.heard = 0                           # nf_tables commits the watch was told of
+        self.nft = None                          # the watch's NftChanges while it runs
         self._lock = threading.Lock()
         self._watch: threading.Thread | None = None
         self._stop = threading.Event()
@@ -103,17 +106,18 @@ class NodeKnowledge:
         self._smaps = tuple(m for _, m in self._maps.values() if m is not None)
 
     # -- following rule changes ------------------------------------------------------------
-    def check_changes(self) -> int:
+    def check_changes(self, only=None) -> int:
         """Re-read the rules of every namespace that has some (the host, nodes' and
         kube-proxy's namespaces, not the pods' empty ones) whose fingerprint moved: the
         nf_tables generation id (a netlink query, about a millisecond) and the legacy dump's
         digest. A rollout re-renders a Service's endpoints; until the map follows, a new pod
         on a removed endpoint's address would be taken for that endpoint. Returns how many
-        maps were re-read."""
+        maps were re-read. ``only``: the namespaces to check (those whose nf_tables commits the
+        watch heard), else all."""
         from nptrace.node.rules_source import ipvs_digest, legacy_digest, nft_generation
         n = 0
         for inode, (_, smap) in list(self._maps.items()):
-            if not smap:
+            if not smap or (only is not None and inode not in only):
                 continue
             ns = self._netns_arg(inode)
             if ns is False:
@@ -146,19 +150,49 @@ class NodeKnowledge:
             n += 1
         return n
 
-    def start_watch(self, every_s: float = 1.0) -> None:
-        """check_changes every `every_s` in a thread of its own: a re-read of a large ruleset
-        takes seconds (iptables-nft-save of 10,000 Services: 2 s) and must not stall the ring."""
+    def watched_paths(self) -> dict[int, str | None]:
+        """inode -> nsfs path of the namespaces that have rules (what the watch listens in)."""
+        from nptrace.kernel.nsenter import path_of
+        out = {}
+        for inode, (_, smap) in list(self._maps.items()):
+            ns = self._netns_arg(inode) if smap else False
+            if ns is not False:
+                out[inode] = path_of(ns)
+        return out
+
+    def start_watch(self, every_s: float = 1.0, listen: bool = True) -> None:
+        """In a thread of its own (a re-read of a large ruleset takes seconds, iptables-nft-save
+        of 10,000 Services 2 s, and must not stall the ring): a namespace whose nf_tables
+        commit the kernel announces (node/nftwatch.py) is checked at once, and every namespace
+        every `every_s` (iptables-legacy and IPVS announce nothing). ``listen`` False: the
+        timed checks alone."""
         if self._watch is not None:
             return
         self._stop.clear()
+        from nptrace.node.nftwatch import NftChanges
+        self.nft = NftChanges() if listen else None
 
         def loop() -> None:
-            while not self._stop.wait(every_s):
-                try:
-                    self.check_changes()
-                except Exception:   # a namespace that went away mid-read: next turn
-                    pass
+            due = time.monotonic() + every_s
+            try:
+                while not self._stop.is_set():
+                    try:
+                        if self.nft is None:
+                            self._stop.wait(max(0.0, due - time.monotonic()))
+                        else:
+                            self.nft.sync(self.watched_paths())
+                            heard = self.nft.wait(min(max(0.0, due - time.monotonic()), 0.5))
+                            if heard:
+                                self.heard += 1
+                                self.check_changes(only=set(heard))
+                        if time.monotonic() >= due and not self._stop.is_set():
+                            due = time.monotonic() + every_s
+                            self.check_changes()
+                    except Exception:   # a namespace that went away mid-read: next turn
+                        pass
+            finally:
+                if self.nft is not None:
+                    self.nft.close()
 
         self._watch = threading.Thread(target=loop, name="npt-rules-watch", daemon=True)
         self._watch.start()

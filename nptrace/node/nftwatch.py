@@ -1,0 +1,128 @@
+"""nf_tables ruleset changes as the kernel commits them, per watched namespace.
+
+Polling the generation id (rules_source.nft_generation) once a second leaves the rules view up
+to a second behind a kube-proxy sync, and a rollout that hands a removed endpoint's address to
+a new pod within that second gets its resets labeled against the old rules. The kernel says
+every committed transaction to the NFNLGRP_NFTABLES multicast group of NETLINK_NETFILTER (the
+table, chain, rule and set messages of the batch, then NFT_MSG_NEWGEN), in the namespace where
+it was committed. So one socket per watched namespace, joined to that group, opened inside it
+by a short-lived thread (nsenter.run_in: a socket keeps the namespace it was made in), and a
+select over all of them: wait() returns the namespaces that committed something, at once.
+iptables-nft commits go through nf_tables too; iptables-legacy and IPVS do not, so their
+checks stay on the timed poll (node/knowledge.py).
+
+Joining the group needs CAP_NET_ADMIN in the namespace. A socket that cannot be opened is
+remembered with its error (the poll still covers that namespace). A burst larger than the
+socket's buffer ends in ENOBUFS: the messages are lost, not the fact that something changed.
+"""
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import time
+from typing import Callable
+
+from nptrace.kernel.nsenter import run_in
+
+NETLINK_NETFILTER = 12
+NFNLGRP_NFTABLES = 7
+SOL_NETLINK = 270
+NETLINK_ADD_MEMBERSHIP = 1
+RCVBUF = 1 << 20           # a kube-proxy sync of thousands of Services is one burst
+
+
+def _listener_here() -> socket.socket:
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
+                      | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    try:
+        s.bind((0, 0))
+        s.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+        except OSError:
+            pass
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def open_listener(path: str | None) -> socket.socket:
+    """A socket in the namespace at `path` (None: ours) that hears its nf_tables commits."""
+    return run_in(path, _listener_here, "npt-nftwatch")
+
+
+class NftChanges:
+    """Listeners for a changing set of namespaces (inode -> path), and a wait for commits."""
+
+    def __init__(self, opener: Callable[[str | None], socket.socket] = open_listener,
+                 clock=time.monotonic):
+        self._open = opener
+        self._clock = clock
+        self._sel = selectors.DefaultSelector()
+        self._socks: dict[int, socket.socket] = {}
+        self.failed: dict[int, str] = {}      # inode -> why its listener could not be opened
+        self.lost = 0                          # bursts past the socket buffer (ENOBUFS)
+
+    def sync(self, wanted: dict[int, str | None]) -> None:
+        """Listen in exactly the namespaces of `wanted`; a namespace whose listener failed is
+        not tried again until it leaves `wanted` and comes back."""
+        for inode in [i for i in self._socks if i not in wanted]:
+            self._drop(inode)
+        for inode in [i for i in self.failed if i not in wanted]:
+            del self.failed[inode]
+        for inode, path in wanted.items():
+            if inode in self._socks or inode in self.failed:
+                continue
+            try:
+                s = self._open(path)
+            except OSError as e:
+                self.failed[inode] = e.strerror or str(e)
+                continue
+            self._socks[inode] = s
+            self._sel.register(s, selectors.EVENT_READ, inode)
+
+    def wait(self, timeout: float) -> dict[int, float]:
+        """{inode: when its first message was seen} of the namespaces that committed a change
+        before `timeout` s passed (empty when none did). Each socket is drained."""
+        if not self._socks:
+            if timeout > 0:
+                time.sleep(timeout)
+            return {}
+        out: dict[int, float] = {}
+        for key, _ in self._sel.select(max(0.0, timeout)):
+            inode = key.data
+            out[inode] = self._clock()
+            s = self._socks.get(inode)
+            while s is not None:
+                try:
+                    if not s.recv(1 << 16):     # never from netlink: a broken socket
+                        self._drop(inode)
+                        break
+                except BlockingIOError:
+                    break
+                except OSError as e:
+                    if e.errno == errno.ENOBUFS:
+                        self.lost += 1
+                        continue
+                    self._drop(inode)      # the namespace went away: sync() opens it again
+                    break
+        return out
+
+    def watched(self) -> set[int]:
+        return set(self._socks)
+
+    def _drop(self, inode: int) -> None:
+        s = self._socks.pop(inode, None)
+        if s is not None:
+            try:
+                self._sel.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            s.close()
+
+    def close(self) -> None:
+        for inode in list(self._socks):
+            self._drop(inode)
+        self._sel.close()

@@ -1,0 +1,58 @@
+"""The rules view hears nf_tables commits (node/nftwatch.py, through NodeKnowledge's watch):
+a change to a lab node's kube-proxy ruleset (nft backend) is re-read as soon as it is
+committed, with the timed poll set out of reach (an hour), so only the kernel's announcement
+can have caused the re-read. Also for iptables-nft (its commits go through nf_tables)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from nptrace import lab
+from nptrace.node.knowledge import NodeKnowledge
+
+pytestmark = pytest.mark.privileged
+PREFIX = f"npt-rw{os.getpid() % 10000}-"
+
+
+class Names:
+    def __init__(self, ns: str):
+        self.ns = ns
+        self.inode = os.stat(f"/run/netns/{ns}").st_ino
+
+    def netns_name(self, inode):
+        return self.ns if inode == self.inode else None
+
+
+def _until(cond, deadline: float, what: str):
+    end = time.monotonic() + deadline
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {deadline} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend,touch", [
+    ("nft", ["nft", "add", "table", "ip", "npt-touch"]),
+    ("iptables", ["iptables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "1", "-j", "ACCEPT"]),
+])
+def test_a_commit_is_applied_without_waiting_for_the_poll(backend, touch):
+    lab.up("no-endpoints", backend=backend, prefix=PREFIX)
+    try:
+        names = Names(f"{PREFIX}node1")
+        kn = NodeKnowledge(names)
+        assert kn.rules(names.inode), kn.errors
+        kn.start_watch(every_s=3600)
+        try:
+            _until(lambda: kn.nft is not None and names.inode in kn.nft.watched(), 10,
+                   f"the listener in {names.ns} ({kn.nft.failed if kn.nft else 'no watch'})")
+            gen = kn.generation
+            subprocess.run(["ip", "netns", "exec", names.ns, *touch], check=True)
+            _until(lambda: kn.generation > gen, 30, "the re-read after the commit")
+            assert kn.heard >= 1
+        finally:
+            kn.stop_watch()
+    finally:
+        lab.down("no-endpoints", prefix=PREFIX)

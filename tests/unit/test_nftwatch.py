@@ -1,0 +1,56 @@
+"""node/nftwatch.py NftChanges: listeners follow the namespaces asked for, wait() names the
+ones that committed, drains them, and a listener that cannot be opened is remembered."""
+import socket
+
+from nptrace.node.nftwatch import NftChanges
+
+
+class Opener:
+    def __init__(self, refuse=()):
+        self.peers: dict = {}
+        self.opened: list = []
+        self.refuse = set(refuse)
+
+    def __call__(self, path):
+        if path in self.refuse:
+            raise PermissionError(1, "Operation not permitted")
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        self.peers[path] = theirs
+        self.opened.append(path)
+        return ours
+
+
+def test_a_commit_is_heard_once_and_drained():
+    op = Opener()
+    w = NftChanges(op, clock=lambda: 5.0)
+    w.sync({10: "/run/netns/a", 11: "/run/netns/b"})
+    assert w.wait(0) == {}
+    op.peers["/run/netns/b"].send(b"x" * 300)
+    op.peers["/run/netns/b"].send(b"y" * 300)
+    assert w.wait(1.0) == {11: 5.0}
+    assert w.wait(0) == {}          # both messages were drained
+    w.close()
+
+
+def test_listeners_follow_the_namespaces_and_failures_are_not_retried_while_wanted():
+    op = Opener(refuse={"/run/netns/c"})
+    w = NftChanges(op)
+    w.sync({10: "/run/netns/a", 12: "/run/netns/c"})
+    assert w.watched() == {10} and 12 in w.failed
+    w.sync({10: "/run/netns/a", 12: "/run/netns/c"})
+    assert op.opened == ["/run/netns/a"]          # neither reopened nor retried
+    w.sync({12: "/run/netns/c"})
+    assert w.watched() == set()
+    w.sync({})
+    assert not w.failed                           # gone: tried again if it comes back
+    w.close()
+
+
+def test_a_listener_whose_peer_went_away_is_dropped():
+    op = Opener()
+    w = NftChanges(op)
+    w.sync({10: None})
+    op.peers[None].close()
+    assert set(w.wait(1.0)) == {10} and w.watched() == set()
+    w.close()
