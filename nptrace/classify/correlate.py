@@ -198,6 +198,7 @@ class Classifier:
         rules_of = self._rules
         memo = self.memo
         roots = memo.roots if memo is not None else _NO_ROOTS
+        at = ctx.at
         for ev in events:
             # Report what went quiet BEFORE this event joins its flow: incident boundaries
             # then depend on event times only, so a replay cuts incidents as the live run did.
@@ -292,6 +293,8 @@ class Classifier:
                     rules = rules_of.get((t, rname))
                     if rules is None:
                         rules = _rules_of(rules_of, t, rname)
+                    if at is not None:           # the rules as they were at the packet
+                        at(ts)
                     got = memo.label(ev, rname, pending, ctx, rules, t, node, key, val) \
                         if memo is not None else run_rules(ev, rname, pending, ctx, rules, t)
                     lab = _tuple_new(Labeled, (ev, rname, *got))
@@ -475,6 +478,8 @@ class Classifier:
                 flow.root = _rootless(primary)
         ev = primary.ev
         ctx = self.ctx
+        if ctx.at is not None:
+            ctx.at(ev.ts_ns)
         iface = ctx.iface_name(ev.netns, ev.ifindex) if ev.ifindex else None
         if len(pending) == 1 or ev.ct is not None and ev.ct.dnat:
             service = service_of(ev, ctx)

@@ -17,6 +17,8 @@ def one_verdict(primary: Labeled, events: int, ctx: Context, nat: CtTuples | Non
     storm): the same Verdict and the same lookups in the same order, service_of and pods_of
     inlined where the event has no conntrack entry."""
     ev = primary[0]
+    if ctx.at is not None:
+        ctx.at(ev[0])                                             # ts_ns
     iface = ctx.iface_name(ev[6], ev[5]) if ev[5] else None      # netns, ifindex
     ct = ev[23]
     if ct is None:

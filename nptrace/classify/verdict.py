@@ -166,6 +166,10 @@ class Context:
     # network-namespace inode -> "namespace/name" of the pod whose sandbox it is (crictl
     # inspectp's netns path; via the API, the pod whose address the namespace holds), or None.
     pod_of_netns: Callable[[int], str | None] = lambda netns: None
+    # record time (ts_ns, CLOCK_MONOTONIC) -> None: the lookups after it answer with the rules
+    # in force at that time (NodeKnowledge.at, live); None where answers are not timed
+    # (replay answers what the live run was told).
+    at: Callable[[int], None] | None = None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
     window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept

@@ -21,6 +21,8 @@ MESSAGES = {
     "nft_trace_malformed": "nf_tables trace messages that could not be decoded were skipped",
     "nft_trace_reader": "the nf_tables trace reader failed and retried",
     "nft_trace_overruns": "times the kernel dropped nf_tables trace messages (socket full)",
+    "rules_late": "record batches labeled before the rules view had applied an nf_tables "
+                  "commit made before them (the labeling barrier's bound passed)",
 }
 # stages that count event records (the others count messages or failures)
 RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped"})
@@ -55,3 +57,29 @@ class Ledger:
     def summary(self) -> str:
         """`3 undecodable, 10 recorder_dropped` of the totals so far ('' when none)."""
         return ", ".join(f"{n} {stage}" for stage, n in sorted(self.total.items()) if n)
+
+
+def stop_lines(stats: dict, knowledge=None) -> list[str]:
+    """What the stop says after its count: the kernel's losses and sampling (Probes.stats()),
+    and how long the labeling waited for the rules view (node/knowledge.py barrier)."""
+    out = []
+    kn = knowledge
+    if kn is not None and kn.barrier_waits:
+        out.append(f"rules barrier: {kn.barrier_waits} batches waited for the rules view to "
+                   f"apply an nf_tables commit (max {kn.barrier_max_s * 1000:.0f} ms, mean "
+                   f"{kn.barrier_wait_s / kn.barrier_waits * 1000:.0f} ms), {kn.barrier_late} "
+                   "past the bound")
+    lost = stats.get("lost", 0)
+    if lost:
+        out.append(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
+                   "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
+    if stats.get("count_full"):
+        out.append(f"WARNING: {stats['count_full']} events found the exact counts map full (more "
+                   "kinds of record than its slots): counted in nptrace_events_count_full_total "
+                   "only, not per kind")
+    if stats.get("sampled"):
+        out.append(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
+    if stats.get("svc_gated"):
+        out.append(f"{stats['svc_gated']} events of other flows than --service's were counted in "
+                   "the kernel, not sent")
+    return out

@@ -18,7 +18,7 @@ from nptrace.config import Config
 from nptrace.errors import (OUTPUT_ERRNOS, LoadError, OutputError, on_exit_now, output_error,
                             quiet_stdout)
 from nptrace.daemon.lifecycle import Interrupted, Signals, run_steps
-from nptrace.daemon.losses import MESSAGES as LOSS_MESSAGES, RECORD_STAGES, Ledger
+from nptrace.daemon.losses import MESSAGES as LOSS_MESSAGES, RECORD_STAGES, Ledger, stop_lines
 from nptrace.daemon.preflight import (InstanceLock, check_ifaces, check_privileges,
                                       inode_of_netns, log, release_startup_memory,
                                       write_ready_file)
@@ -160,7 +160,7 @@ class Tracer:
                 from nptrace.sessions.schema import LOOKUPS
                 for name in LOOKUPS:
                     lookups[name] = self.recorder.lookup(name, lookups[name])
-            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, **lookups)
+            self.ctx = Context(drop_name=drops.name, rst_name=rsts.name, at=kn.at, **lookups)
         self._start_exact(names, drops, rsts)
         if self.metrics is not None:
             from nptrace.kernel.hooks import TRACEPOINTS
@@ -220,6 +220,9 @@ class Tracer:
         if self.recorder is not None:
             writer = self.recorder.writer
             w("recorder_dropped", lambda: writer.dropped)
+        if self.knowledge is not None:
+            kn = self.knowledge
+            w("rules_late", lambda: kn.barrier_late)
         if self.nft is not None:
             nft = self.nft
             w("nft_trace_malformed", nft.malformed)
@@ -348,6 +351,8 @@ class Tracer:
 
     def _drain(self, timeout_ms: int) -> int:
         batch = self.reader.poll(timeout_ms, max_records=DRAIN_BATCH, raw=True)  # a stop waits <= 1 batch
+        if batch and self.knowledge is not None:   # the rules their packets met; the ring drains on
+            self.knowledge.barrier(lambda: batch.extend(self.reader.poll(1, DRAIN_BATCH, raw=True)))
         n = len(batch)
         if self.cfg.snaplen and batch:
             batch = self._take_packets(batch)   # --pcap's packet bytes go to its sink
@@ -581,18 +586,8 @@ class Tracer:
         log(f"stopped: {self.decoded} events decoded, {lost} lost"
             + (f", {self.bad_records} undecodable" if self.bad_records else "")
             + (f" (user-space losses: {more})" if more else ""))
-        if lost:
-            log(f"WARNING: {lost} events were lost to a full ring buffer; counters stay exact "
-                "(raise --ring-pages, or set --max-rate to sample storms in the kernel)")
-        if stats.get("count_full"):
-            log(f"WARNING: {stats['count_full']} events found the exact counts map full (more "
-                "kinds of record than its slots): counted in nptrace_events_count_full_total "
-                "only, not per kind")
-        if stats.get("sampled"):
-            log(f"{stats['sampled']} events over --max-rate were counted in the kernel, not sent")
-        if stats.get("svc_gated"):
-            log(f"{stats['svc_gated']} events of other flows than --service's were counted in "
-                "the kernel, not sent")
+        for line in stop_lines(stats, self.knowledge):
+            log(line)
         if out_errors and not self.output_failed:
             quiet_stdout()
             raise output_error("stdout", out_errors[0]) from None

@@ -18,6 +18,7 @@ socket's buffer ends in ENOBUFS: the messages are lost, not the fact that someth
 from __future__ import annotations
 
 import errno
+import select
 import selectors
 import socket
 import time
@@ -83,19 +84,23 @@ class NftChanges:
             self._socks[inode] = s
             self._sel.register(s, selectors.EVENT_READ, inode)
 
-    def wait(self, timeout: float) -> dict[int, float]:
-        """{inode: when its first message was seen} of the namespaces that committed a change
-        before `timeout` s passed (empty when none did). Each socket is drained."""
+    def ready(self, timeout: float) -> list[int]:
+        """The namespaces whose listener has messages, waiting up to `timeout` s for one."""
         if not self._socks:
             if timeout > 0:
                 time.sleep(timeout)
-            return {}
+            return []
+        return [key.data for key, _ in self._sel.select(max(0.0, timeout))]
+
+    def drain(self, inodes) -> dict[int, float]:
+        """{inode: when it was drained} of `inodes`, each listener read until empty."""
         out: dict[int, float] = {}
-        for key, _ in self._sel.select(max(0.0, timeout)):
-            inode = key.data
-            out[inode] = self._clock()
+        for inode in inodes:
             s = self._socks.get(inode)
-            while s is not None:
+            if s is None:
+                continue
+            out[inode] = self._clock()
+            while True:
                 try:
                     if not s.recv(1 << 16):     # never from netlink: a broken socket
                         self._drop(inode)
@@ -109,6 +114,22 @@ class NftChanges:
                     self._drop(inode)      # the namespace went away: sync() opens it again
                     break
         return out
+
+    def wait(self, timeout: float) -> dict[int, float]:
+        """{inode: when it was drained} of the namespaces that committed a change before
+        `timeout` s passed (empty when none did)."""
+        return self.drain(self.ready(timeout))
+
+    def pending(self) -> bool:
+        """Does a listener hold a commit not yet drained? For another thread than the one
+        that waits and drains: a snapshot of the sockets, polled without blocking."""
+        socks = list(self._socks.values())
+        if not socks:
+            return False
+        try:
+            return bool(select.select(socks, [], [], 0)[0])
+        except (OSError, ValueError):    # closed under us by sync(): ask again
+            return True
 
     def watched(self) -> set[int]:
         return set(self._socks)

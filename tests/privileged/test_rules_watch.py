@@ -1,7 +1,8 @@
 """The rules view hears nf_tables commits (node/nftwatch.py, through NodeKnowledge's watch):
 a change to a lab node's kube-proxy ruleset (nft backend) is re-read as soon as it is
 committed, with the timed poll set out of reach (an hour), so only the kernel's announcement
-can have caused the re-read. Also for iptables-nft (its commits go through nf_tables)."""
+can have caused the re-read. Also for iptables-nft (its commits go through nf_tables). And the
+labeling barrier: right after a commit, barrier() returns only once the view has applied it."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,30 @@ def test_a_commit_is_applied_without_waiting_for_the_poll(backend, touch):
             subprocess.run(["ip", "netns", "exec", names.ns, *touch], check=True)
             _until(lambda: kn.generation > gen, 30, "the re-read after the commit")
             assert kn.heard >= 1
+        finally:
+            kn.stop_watch()
+    finally:
+        lab.down("no-endpoints", prefix=PREFIX)
+
+
+def test_the_barrier_returns_once_the_commit_is_applied():
+    lab.up("no-endpoints", backend="nft", prefix=PREFIX)
+    try:
+        names = Names(f"{PREFIX}node1")
+        kn = NodeKnowledge(names)
+        assert kn.rules(names.inode), kn.errors
+        kn.start_watch(every_s=3600)
+        try:
+            _until(lambda: kn.nft is not None and names.inode in kn.nft.watched(), 10,
+                   f"the listener in {names.ns}")
+            for i in range(5):
+                gen = kn.generation
+                verb = "add" if i % 2 == 0 else "delete"
+                subprocess.run(["ip", "netns", "exec", names.ns, "nft", verb, "table", "ip",
+                                "npt-touch"], check=True)
+                kn.barrier()        # what a batch of records does before it is labeled
+                assert kn.generation > gen, f"commit {i}: the barrier let labeling go early"
+            assert kn.barrier_late == 0
         finally:
             kn.stop_watch()
     finally:

@@ -73,3 +73,41 @@ def test_a_dead_endpoint_still_listed_is_named_not_the_frontend():
     assert v.cause == "proxy", v.hint
     assert f"DNATs {NODE}:30080 to the endpoint {OLD}:8080, which does not answer" in v.hint
     assert f"to the endpoint {NODE}" not in v.hint
+
+
+def test_a_reset_is_labeled_with_the_rules_its_packet_met(monkeypatch):
+    """The rollout's resets against a rules view with a time axis (NodeKnowledge.at): OLD is
+    an endpoint until T, NEW from T (its address handed to a new pod at once). A reset whose
+    packet came after T names the stale endpoint (proxy) even though the view also holds the
+    old generation; one from before T is the endpoint's own (the rules still listed it)."""
+    from nptrace.node import knowledge, rules_source
+
+    class Names:
+        def netns_name(self, inode):
+            return "host"
+
+    def smap(endpoints):
+        svc = Service("default", "web", "http", 80, "10.96.0.10", node_port=30080,
+                      endpoints=tuple(Endpoint(ip, 8080, "node1") for ip in endpoints))
+        return parse_iptables_restore(render_iptables([svc], "node1", "10.244.0.0/16"))
+    state = {"fp": (1, None), "map": smap([OLD])}
+    monkeypatch.setattr(rules_source, "load_service_map", lambda ns: state["map"])
+    monkeypatch.setattr(rules_source, "fingerprint", lambda ns: state["fp"])
+    monkeypatch.setattr(rules_source, "nft_generation", lambda ns: state["fp"][0])
+    monkeypatch.setattr(rules_source, "legacy_digest", lambda ns: None)
+    monkeypatch.setattr(rules_source, "local_addresses", lambda ns: (NODE, "127.0.0.1"))
+    kn = knowledge.NodeKnowledge(Names())
+    kn.preload({1})
+    T = 10**9
+    state.update(fp=(2, None), map=smap([NEW]))
+    assert kn.check_changes(since_ns=T) == 1
+    ctx = Context(drop_name=lambda v: f"R{v}", rst_name=lambda v: {2: "TCP_FLAGS"}.get(v, f"R{v}"),
+                  service_of=kn.service_of, endpoint_of=kn.endpoint_of, at=kn.at)
+
+    def reset_at(ts):
+        pod, wire = reset_from_new_pod()
+        return [pod._replace(ts_ns=ts), wire._replace(ts_ns=ts + 1)]
+    [after] = classify(reset_at(T + 5), ctx)
+    [before] = classify(reset_at(T - 5_000_000), ctx)
+    assert after.cause == "proxy" and f"to {OLD}:8080" in after.hint, after.hint
+    assert before.cause == "app_reset", before.hint

@@ -156,3 +156,73 @@ def test_a_heavy_legacy_dump_is_spaced_out(monkeypatch):
         now[0] = float(t)
         kn.check_changes()
     assert 3 <= len(dumps) <= 6, dumps      # every ~5 s, not every second
+
+
+class Pending:
+    """NftChanges' pending() as a switch."""
+
+    def __init__(self, on=False):
+        self.on = on
+
+    def pending(self):
+        return self.on
+
+
+def test_the_barrier_waits_for_a_heard_commit_to_be_applied(monkeypatch):
+    import threading
+    monkeypatch.setattr(knowledge, "BARRIER_S", 2.0)
+    kn, _ = _node(monkeypatch, {"host": ((1, None), {})})
+    assert kn.barrier() == 0.0                # no watch: nothing to wait for
+    kn.nft = Pending()
+    assert kn.barrier() == 0.0 and kn.barrier_waits == 0
+    kn.nft.on = True                          # a commit not yet drained, then being applied
+    def apply():
+        kn._rereading = True
+        kn.nft.on = False
+        threading.Event().wait(0.05)
+        kn._rereading = False
+    threading.Timer(0.02, apply).start()
+    waited = kn.barrier()
+    assert 0.05 <= waited < 1.5 and kn.barrier_waits == 1 and kn.barrier_late == 0
+
+
+def test_past_the_bound_records_are_labeled_and_one_wait_per_watch_turn(monkeypatch):
+    monkeypatch.setattr(knowledge, "BARRIER_S", 0.05)
+    kn, _ = _node(monkeypatch, {"host": ((1, None), {})})
+    kn.nft = Pending(on=True)                 # the watch is stuck (a long legacy dump)
+    assert kn.barrier() >= 0.05 and kn.barrier_late == 1
+    assert kn.barrier() == 0.0                # the same turn: no second wait
+    kn._turns += 1
+    assert kn.barrier() >= 0.05 and kn.barrier_late == 2
+
+
+def test_a_record_is_labeled_with_the_generation_in_force_at_its_time(monkeypatch):
+    """A recorded sequence of rule generations: web-0 (10.244.0.10) is an endpoint until T1,
+    then only another Service's pod is (T1), then a new pod has the old address (T2). Lookups answer
+    for the record's time, before and after each change, whenever they are asked."""
+    T1, T2 = 5 * 10**9, 9 * 10**9
+    rules = {"host": ((1, None), {"10.244.0.10": "default/web"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1})                                        # in force since the start
+    rules["host"] = ((2, None), {"10.244.0.99": "default/other"})
+    assert kn.check_changes(since_ns=T1) == 1
+    rules["host"] = ((3, None), {"10.244.0.10": "default/web-new"})
+    assert kn.check_changes(since_ns=T2) == 1
+    for ts, want in ((1, "default/web"), (T1 - 1, "default/web"), (T1, None),
+                     (T2 - 1, None), (T2, "default/web-new"), (T2 + 10**9, "default/web-new")):
+        kn.at(ts)
+        assert kn.endpoint_of("10.244.0.10", 8080) == want, ts
+    kn.at(0)
+    assert kn.service_of("10.244.0.10", 8080) == "default/web"
+
+
+def test_the_classifier_asks_for_each_records_time(monkeypatch):
+    from nptrace import events as ev
+    from nptrace.classify import Classifier, Context
+    asked = []
+    c = Classifier(Context(at=asked.append, drop_name=lambda v: "NEIGH_FAILED"))
+    e = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=9,
+                            ts_ns=123_456, saddr="10.0.0.1", sport=1, daddr="10.0.0.2", dport=2))
+    c.feed(e)
+    c.flush()
+    assert asked and set(asked) == {123_456}
