@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -35,11 +36,10 @@ def _until(cond, deadline: float, what: str):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("backend,touch", [
-    ("nft", ["nft", "add", "table", "ip", "npt-touch"]),
-    ("iptables", ["iptables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "1", "-j", "ACCEPT"]),
-])
-def test_a_commit_is_applied_without_waiting_for_the_poll(backend, touch):
+@contextmanager
+def watched_node(backend: str):
+    """A lab node1 with kube-proxy rules of `backend`, its NodeKnowledge watching with the
+    timed poll out of reach (an hour) and the listener open in it."""
     lab.up("no-endpoints", backend=backend, prefix=PREFIX)
     try:
         names = Names(f"{PREFIX}node1")
@@ -49,35 +49,32 @@ def test_a_commit_is_applied_without_waiting_for_the_poll(backend, touch):
         try:
             _until(lambda: kn.nft is not None and names.inode in kn.nft.watched(), 10,
                    f"the listener in {names.ns} ({kn.nft.failed if kn.nft else 'no watch'})")
-            gen = kn.generation
-            subprocess.run(["ip", "netns", "exec", names.ns, *touch], check=True)
-            _until(lambda: kn.generation > gen, 30, "the re-read after the commit")
-            assert kn.heard >= 1
+            yield names.ns, kn
         finally:
             kn.stop_watch()
     finally:
         lab.down("no-endpoints", prefix=PREFIX)
+
+
+@pytest.mark.parametrize("backend,touch", [
+    ("nft", ["nft", "add", "table", "ip", "npt-touch"]),
+    ("iptables", ["iptables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "1", "-j", "ACCEPT"]),
+])
+def test_a_commit_is_applied_without_waiting_for_the_poll(backend, touch):
+    with watched_node(backend) as (ns, kn):
+        gen = kn.generation
+        subprocess.run(["ip", "netns", "exec", ns, *touch], check=True)
+        _until(lambda: kn.generation > gen, 30, "the re-read after the commit")
+        assert kn.heard >= 1
 
 
 def test_the_barrier_returns_once_the_commit_is_applied():
-    lab.up("no-endpoints", backend="nft", prefix=PREFIX)
-    try:
-        names = Names(f"{PREFIX}node1")
-        kn = NodeKnowledge(names)
-        assert kn.rules(names.inode), kn.errors
-        kn.start_watch(every_s=3600)
-        try:
-            _until(lambda: kn.nft is not None and names.inode in kn.nft.watched(), 10,
-                   f"the listener in {names.ns}")
-            for i in range(5):
-                gen = kn.generation
-                verb = "add" if i % 2 == 0 else "delete"
-                subprocess.run(["ip", "netns", "exec", names.ns, "nft", verb, "table", "ip",
-                                "npt-touch"], check=True)
-                kn.barrier()        # what a batch of records does before it is labeled
-                assert kn.generation > gen, f"commit {i}: the barrier let labeling go early"
-            assert kn.barrier_late == 0
-        finally:
-            kn.stop_watch()
-    finally:
-        lab.down("no-endpoints", prefix=PREFIX)
+    with watched_node("nft") as (ns, kn):
+        for i in range(5):
+            gen = kn.generation
+            verb = "add" if i % 2 == 0 else "delete"
+            subprocess.run(["ip", "netns", "exec", ns, "nft", verb, "table", "ip", "npt-touch"],
+                           check=True)
+            kn.barrier()        # what a batch of records does before it is labeled
+            assert kn.generation > gen, f"commit {i}: the barrier let labeling go early"
+        assert kn.barrier_late == 0
