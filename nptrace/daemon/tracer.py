@@ -297,6 +297,8 @@ class Tracer:
         lines of what was counted and not sent."""
         if self.exact is None or self.probes is None:
             return
+        if self.knowledge is not None:
+            self.knowledge.at(None)     # a key's label: the rules now, not a last record's
         rows = self.exact.update(self.probes.cause_counts(), now_ns)
         if now_ns >= self._next_idle_ns:
             # keep the bounded map for the keys in use: delete those idle for a minute

@@ -137,9 +137,10 @@ class NodeKnowledge:
         if since_ns > self._newest_ns:
             self._newest_ns = since_ns
 
-    def at(self, ts_ns: int) -> None:
+    def at(self, ts_ns: int | None) -> None:
         """The lookups that follow answer for a record of time ts_ns (its packet's
-        CLOCK_MONOTONIC time, the clock of time.monotonic_ns): with the maps then in force."""
+        CLOCK_MONOTONIC time, the clock of time.monotonic_ns): with the maps then in force.
+        None: with the current ones (what a cause key's label, not a record's, is made of)."""
         self._asof = ts_ns
 
     def _view(self) -> tuple:

@@ -214,6 +214,8 @@ def test_a_record_is_labeled_with_the_generation_in_force_at_its_time(monkeypatc
         assert kn.endpoint_of("10.244.0.10", 8080) == want, ts
     kn.at(0)
     assert kn.service_of("10.244.0.10", 8080) == "default/web"
+    kn.at(None)                                            # the rules now
+    assert kn.endpoint_of("10.244.0.10", 8080) == "default/web-new"
 
 
 def test_the_classifier_asks_for_each_records_time(monkeypatch):
