@@ -57,10 +57,8 @@ def open_listener(path: str | None) -> socket.socket:
 class NftChanges:
     """Listeners for a changing set of namespaces (inode -> path), and a wait for commits."""
 
-    def __init__(self, opener: Callable[[str | None], socket.socket] = open_listener,
-                 clock=time.monotonic):
+    def __init__(self, opener: Callable[[str | None], socket.socket] = open_listener):
         self._open = opener
-        self._clock = clock
         self._sel = selectors.DefaultSelector()
         self._socks: dict[int, socket.socket] = {}
         self.failed: dict[int, str] = {}      # inode -> why its listener could not be opened
@@ -92,14 +90,14 @@ class NftChanges:
             return []
         return [key.data for key, _ in self._sel.select(max(0.0, timeout))]
 
-    def drain(self, inodes) -> dict[int, float]:
-        """{inode: when it was drained} of `inodes`, each listener read until empty."""
-        out: dict[int, float] = {}
+    def drain(self, inodes) -> list[int]:
+        """`inodes` that have a listener, each read until empty."""
+        out: list[int] = []
         for inode in inodes:
             s = self._socks.get(inode)
             if s is None:
                 continue
-            out[inode] = self._clock()
+            out.append(inode)
             while True:
                 try:
                     if not s.recv(1 << 16):     # never from netlink: a broken socket
@@ -114,11 +112,6 @@ class NftChanges:
                     self._drop(inode)      # the namespace went away: sync() opens it again
                     break
         return out
-
-    def wait(self, timeout: float) -> dict[int, float]:
-        """{inode: when it was drained} of the namespaces that committed a change before
-        `timeout` s passed (empty when none did)."""
-        return self.drain(self.ready(timeout))
 
     def pending(self) -> bool:
         """Does a listener hold a commit not yet drained? For another thread than the one

@@ -1,5 +1,6 @@
 """node/nftwatch.py NftChanges: listeners follow the namespaces asked for, wait() names the
-ones that committed, drains them, and a listener that cannot be opened is remembered."""
+ones that committed (ready), drain() empties them, and a listener that cannot be opened is
+remembered."""
 import socket
 
 from nptrace.node.nftwatch import NftChanges
@@ -23,13 +24,14 @@ class Opener:
 
 def test_a_commit_is_heard_once_and_drained():
     op = Opener()
-    w = NftChanges(op, clock=lambda: 5.0)
+    w = NftChanges(op)
     w.sync({10: "/run/netns/a", 11: "/run/netns/b"})
-    assert w.wait(0) == {}
+    assert w.ready(0) == [] and not w.pending()
     op.peers["/run/netns/b"].send(b"x" * 300)
     op.peers["/run/netns/b"].send(b"y" * 300)
-    assert w.wait(1.0) == {11: 5.0}
-    assert w.wait(0) == {}          # both messages were drained
+    assert w.ready(1.0) == [11] and w.pending()
+    assert w.drain([11]) == [11]
+    assert w.ready(0) == [] and not w.pending()     # both messages were drained
     w.close()
 
 
@@ -52,5 +54,5 @@ def test_a_listener_whose_peer_went_away_is_dropped():
     w = NftChanges(op)
     w.sync({10: None})
     op.peers[None].close()
-    assert set(w.wait(1.0)) == {10} and w.watched() == set()
+    assert w.drain(w.ready(1.0)) == [10] and w.watched() == set()
     w.close()
