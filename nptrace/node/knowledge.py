@@ -32,6 +32,9 @@ BARRIER_S = 0.3
 # read late from the ring is labeled with the rules its packet met, not newer ones.
 HISTORY = 4
 HISTORY_NS = 30 * 10**9
+# iptables-legacy announces nothing: its tables' sizes are asked of the kernel this often
+# (node/xtables.py, microseconds), and the barrier waits for a look begun after its batch.
+LEGACY_EVERY_S = 0.05
 
 
 class NodeKnowledge:
@@ -53,7 +56,10 @@ class NodeKnowledge:
         self._etp_memo: dict[tuple[str, int], tuple] = {}   # etp_local's answers
         self._checked: dict[int, float] = {}     # when check_changes last saw a map current
         self._prints: dict[int, tuple] = {}      # rules_source.fingerprint at the last read
-        self._legacy_next: dict[int, float] = {}  # when a namespace's legacy dump is due again
+        self._legacy_next: dict[int, float] = {}  # when a namespace's legacy digest is due again
+        self._legacy_ns: set[int] = set()        # namespaces with legacy tables the kernel tells of
+        self._legacy_info: dict[int, tuple] = {}  # their tables' sizes at the last look
+        self._legacy_look_ns = 0                 # when the last look at all of them began
         self.generation = 0                      # moves when any map was re-read changed
         self.heard = 0                           # namespaces the watch heard commit, summed
         self.nft = None                          # the watch's NftChanges while it runs
@@ -108,6 +114,7 @@ class NodeKnowledge:
                 from nptrace.node.rules_source import fingerprint, load_service_map, local_addresses
                 try:
                     self._prints[inode] = fingerprint(ns)
+                    self._legacy_watch(inode, ns, self._prints[inode][1])
                 except Exception:
                     self._prints.pop(inode, None)
                 smap = load_service_map(ns)
@@ -163,36 +170,49 @@ class NodeKnowledge:
         return tuple(out)
 
     # -- following rule changes ------------------------------------------------------------
-    def check_changes(self, only=None, since_ns: int | None = None) -> int:
+    def check_changes(self, only=None, since_ns: int | None = None, legacy_only: bool = False) -> int:
         """Re-read the rules of every namespace that has some (the host, nodes' and
         kube-proxy's namespaces, not the pods' empty ones) whose fingerprint moved: the
-        nf_tables generation id (a netlink query, about a millisecond) and the legacy dump's
-        digest. A rollout re-renders a Service's endpoints; until the map follows, a new pod
-        on a removed endpoint's address would be taken for that endpoint. Returns how many
-        maps were re-read. ``only``: the namespaces to check (those whose nf_tables commits the
-        watch heard), else all; ``since_ns``: when the change was heard (monotonic ns, the
-        time it is in force from), else when it is found."""
-        from nptrace.node.rules_source import ipvs_digest, legacy_digest, nft_generation
+        nf_tables generation id (a netlink query, about a millisecond), the legacy tables'
+        digest and IPVS's table. A rollout re-renders a Service's endpoints; until the map
+        follows, a new pod on a removed endpoint's address would be taken for that endpoint.
+        Returns how many maps were re-read. ``only``: the namespaces to check (those whose
+        nf_tables commits the watch heard), else all; ``since_ns``: when the change was heard
+        (monotonic ns, the time it is in force from), else when it is found; ``legacy_only``:
+        the namespaces with legacy tables, and only those tables (the watch's frequent look)."""
+        from nptrace.node.rules_source import ipvs_digest, legacy_digest, legacy_info, nft_generation
         n = 0
+        look_ns = time.monotonic_ns()
         for inode, (_, smap) in list(self._maps.items()):
-            if not smap or (only is not None and inode not in only):
+            if not smap or (only is not None and inode not in only) or \
+                    (legacy_only and inode not in self._legacy_ns):
                 continue
             ns = self._netns_arg(inode)
             if ns is False:
                 continue
             old = self._prints.get(inode)
             try:
-                gen = nft_generation(ns)
-                if self.clock() >= self._legacy_next.get(inode, 0.0) or old is None:
-                    # a legacy dump costs what the ruleset weighs: spaced so that it takes
-                    # at most 2% of a core (every second for a small one, every 20 s for
-                    # 10,000 Services' 0.4 s dump); nf_tables' generation is asked each time
+                if legacy_only:
+                    # the frequent look: the tables' sizes and entry counts, microseconds; the
+                    # whole blob (a rule rewritten in place) when they moved or it is due
+                    info = legacy_info(ns)
+                    moved = info != self._legacy_info.get(inode)
+                    self._legacy_info[inode] = info
+                    if not moved and self.clock() < self._legacy_next.get(inode, 0.0):
+                        continue
+                gen = old[0] if legacy_only and old else nft_generation(ns)
+                if legacy_only or self.clock() >= self._legacy_next.get(inode, 0.0) or old is None:
+                    # the whole blob costs what the ruleset weighs (2,000 Services: ~40 ms asked
+                    # of the kernel; a dump where it cannot be asked: far more): spaced to take
+                    # at most 2% of a core
                     t = time.perf_counter()
                     dig = legacy_digest(ns)
-                    self._legacy_next[inode] = self.clock() + max(1.0, 50 * (time.perf_counter() - t))
+                    self._legacy_next[inode] = self.clock() + 50 * (time.perf_counter() - t)
+                    self._legacy_watch(inode, ns, dig)
                 else:
                     dig = old[1]
-                ipvs = ipvs_digest(ns)   # a /proc read: kube-proxy's IPVS syncs move no generation
+                # a /proc read: kube-proxy's IPVS syncs move no generation
+                ipvs = (old[2] if len(old) > 2 else None) if legacy_only and old else ipvs_digest(ns)
             except Exception:
                 continue
             fp = (gen, dig) if ipvs is None else (gen, dig, ipvs)
@@ -208,7 +228,22 @@ class NodeKnowledge:
                     self.generation += 1
                     self._snapshot()
             n += 1
+        if only is None:
+            self._legacy_look_ns = look_ns
         return n
+
+    def _legacy_watch(self, inode: int, ns, dig) -> None:
+        """Join the frequent look the namespaces with legacy tables whose sizes the kernel
+        tells (not those only a dump can read)."""
+        from nptrace.node.rules_source import legacy_info
+        try:
+            if dig is None:
+                raise OSError
+            self._legacy_info.setdefault(inode, legacy_info(ns))
+            self._legacy_ns.add(inode)
+        except OSError:
+            self._legacy_ns.discard(inode)
+            self._legacy_info.pop(inode, None)
 
     def watched_paths(self) -> dict[int, str | None]:
         """inode -> nsfs path of the namespaces that have rules (what the watch listens in)."""
@@ -234,14 +269,18 @@ class NodeKnowledge:
 
         def loop() -> None:
             due = time.monotonic() + every_s
+            legacy_due = time.monotonic() + LEGACY_EVERY_S
             try:
                 while not self._stop.is_set():
                     try:
+                        wait = max(0.0, due - time.monotonic())
+                        if self._legacy_ns:
+                            wait = min(wait, max(0.0, legacy_due - time.monotonic()))
                         if self.nft is None:
-                            self._stop.wait(max(0.0, due - time.monotonic()))
+                            self._stop.wait(wait)
                         else:
                             self.nft.sync(self.watched_paths())
-                            ready = self.nft.ready(min(max(0.0, due - time.monotonic()), 0.5))
+                            ready = self.nft.ready(min(wait, 0.5))
                             heard_ns = time.monotonic_ns()
                             if ready:
                                 # before the drain: barrier() sees a commit pending or this
@@ -255,7 +294,11 @@ class NodeKnowledge:
                         self._turns += 1
                         if time.monotonic() >= due and not self._stop.is_set():
                             due = time.monotonic() + every_s
+                            legacy_due = time.monotonic() + LEGACY_EVERY_S
                             self.check_changes()
+                        elif self._legacy_ns and time.monotonic() >= legacy_due:
+                            legacy_due = time.monotonic() + LEGACY_EVERY_S
+                            self.check_changes(legacy_only=True)
                     except Exception:   # a namespace that went away mid-read: next turn
                         self._stop.wait(0.1)    # (and never a busy loop on a lasting error)
             finally:
@@ -267,7 +310,8 @@ class NodeKnowledge:
 
     def barrier(self, idle=None) -> float:
         """Hold the labeling of records until the rules view has applied every nf_tables
-        commit made before now (so before any record at hand), BARRIER_S at most; returns
+        commit made before now (so before any record at hand), and, where there are legacy
+        tables, until a look at them begun after now has ended; BARRIER_S at most; returns
         the seconds waited. A commit made before a packet is announced before that packet's
         record can reach user space (the kernel sends it within the commit), so once no
         listener holds one and none is being applied, the view is the packet's own.
@@ -277,10 +321,15 @@ class NodeKnowledge:
         between two looks (the tracer keeps taking records off the ring: a storm fills it in
         a wait of a few hundred ms); a 2 ms sleep without it."""
         nft = self.nft
-        if nft is None or self._late_turn == self._turns:
+        legacy = bool(self._legacy_ns) and self._watch is not None
+        if (nft is None and not legacy) or self._late_turn == self._turns:
             return 0.0
-        t0 = None
-        while nft.pending() or self._rereading:
+        t0, entered = None, time.monotonic_ns()
+
+        def behind() -> bool:
+            return (nft is not None and nft.pending()) or self._rereading or \
+                (legacy and self._legacy_look_ns < entered)
+        while behind():
             now = time.monotonic()
             if t0 is None:
                 t0 = now
@@ -317,6 +366,8 @@ class NodeKnowledge:
                 self._checked.pop(i, None)
                 self._prints.pop(i, None)
                 self._legacy_next.pop(i, None)
+                self._legacy_ns.discard(i)
+                self._legacy_info.pop(i, None)
             self._snapshot()
         for i in [i for i in self.errors if i not in alive]:
             del self.errors[i]

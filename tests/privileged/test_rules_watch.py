@@ -78,3 +78,22 @@ def test_the_barrier_returns_once_the_commit_is_applied():
             kn.barrier()        # what a batch of records does before it is labeled
             assert kn.generation > gen, f"commit {i}: the barrier let labeling go early"
         assert kn.barrier_late == 0
+
+
+def test_a_legacy_change_is_applied_within_the_frequent_look_and_the_barrier_waits_for_it():
+    """iptables-legacy announces nothing: the watch asks the kernel every LEGACY_EVERY_S, the
+    timed poll (an hour) out of reach; right after a change, barrier() returns only once a look
+    begun after it has ended, so the change is applied by then."""
+    from nptrace.node import knowledge
+    with watched_node("iptables-legacy") as (ns, kn):
+        _until(lambda: kn._legacy_ns, 10, "the first look at the legacy tables")
+        for i in range(5):
+            gen = kn.generation
+            verb = "-A" if i % 2 == 0 else "-D"
+            subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy", "-t", "filter", verb, "INPUT",
+                            "-p", "tcp", "--dport", "1", "-j", "ACCEPT"], check=True)
+            t = time.monotonic()
+            kn.barrier()
+            assert kn.generation > gen, f"change {i}: the barrier let labeling go early"
+            assert time.monotonic() - t < knowledge.BARRIER_S
+        assert kn.barrier_late == 0

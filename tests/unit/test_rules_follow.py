@@ -33,6 +33,7 @@ def _node(monkeypatch, rules):
     monkeypatch.setattr(rules_source, "fingerprint", lambda ns: rules[ns or "host"][0])
     monkeypatch.setattr(rules_source, "nft_generation", lambda ns: rules[ns or "host"][0][0])
     monkeypatch.setattr(rules_source, "legacy_digest", lambda ns: rules[ns or "host"][0][1])
+    monkeypatch.setattr(rules_source, "legacy_info", lambda ns: ("sizes", rules[ns or "host"][0][1]))
     monkeypatch.setattr(rules_source, "local_addresses", lambda ns: ())
     now = [0.0]
     kn = knowledge.NodeKnowledge(Names(), clock=lambda: now[0])
@@ -156,6 +157,49 @@ def test_a_heavy_legacy_dump_is_spaced_out(monkeypatch):
         now[0] = float(t)
         kn.check_changes()
     assert 3 <= len(dumps) <= 6, dumps      # every ~5 s, not every second
+
+
+def test_the_frequent_legacy_look_reads_only_legacy_tables_and_follows_them(monkeypatch):
+    """The watch's look every LEGACY_EVERY_S: namespaces with legacy tables only, their
+    digest only (no nf_tables or IPVS query), and a moved digest re-reads the map."""
+    rules = {"host": ((7, "d1"), {"10.244.0.10": "default/web"}), "ns2": ((3, None), {"10.244.1.10": "x"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1, 2})
+    asked = []
+    monkeypatch.setattr(rules_source, "nft_generation", lambda ns: asked.append(("gen", ns)) or rules[ns or "host"][0][0])
+    monkeypatch.setattr(rules_source, "ipvs_digest", lambda ns: asked.append(("ipvs", ns)))
+    kn.check_changes()
+    assert kn._legacy_ns == {1}               # ns2 has no legacy tables
+    asked.clear()
+    rules["host"] = ((7, "d2"), {"10.244.0.11": "default/web"})
+    now[0] += 1.0
+    assert kn.check_changes(legacy_only=True) == 1
+    assert asked == []                        # the legacy tables alone were asked
+    assert kn.service_of("10.244.0.11", 8080) == "default/web"
+    # a rule rewritten in place (sizes unmoved): found by the whole blob when it is due
+    monkeypatch.setattr(rules_source, "legacy_info", lambda ns: "same sizes")
+    kn.check_changes(legacy_only=True)
+    rules["host"] = ((7, "d3"), {"10.244.0.12": "default/web"})
+    kn._legacy_next[1] = now[0] + 2.0
+    assert kn.check_changes(legacy_only=True) == 0      # not due: the sizes alone, unmoved
+    now[0] += 2.0
+    assert kn.check_changes(legacy_only=True) == 1
+    assert kn.service_of("10.244.0.12", 8080) == "default/web"
+
+
+def test_the_barrier_waits_for_a_legacy_look_begun_after_it(monkeypatch):
+    import threading
+    monkeypatch.setattr(knowledge, "BARRIER_S", 2.0)
+    kn, _ = _node(monkeypatch, {"host": ((None, "d1"), {})})
+    kn._legacy_ns = {1}
+    assert kn.barrier() == 0.0                # no watch running: nothing will look
+    kn._watch = object()
+    looked = threading.Timer(0.05, lambda: setattr(kn, "_legacy_look_ns", knowledge.time.monotonic_ns()))
+    looked.start()
+    waited = kn.barrier()
+    assert 0.05 <= waited < 1.5 and kn.barrier_late == 0
+    kn._legacy_ns = set()
+    assert kn.barrier() == 0.0                # no legacy tables: no look to wait for
 
 
 class Pending:
