@@ -3,6 +3,7 @@ and exit code 2 here, in one place, so an expected failure never prints a traceb
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 
 import click
@@ -14,7 +15,34 @@ from nptrace.errors import EXIT_USAGE, error_line, one_line_errors
 from nptrace.flagtypes import Int, MetricsAddr, RingPages, Seconds
 from nptrace.sessions.filteropts import FilteredSink, StopAfter, filter_options, live_filter
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"],
+class LazyGroup(click.Group):
+    """Subcommands owned by their own modules, imported only when one of them runs or help
+    lists them: `nptrace run` does not pay for the lab, doctor, explain and session readers.
+    The optional ones are missing where their module's own needs are (a stripped image)."""
+
+    LAZY = {"doctor": ("nptrace.doctor", "doctor_command", True),
+            "lab": ("nptrace.lab.cli", "lab", True),
+            "explain": ("nptrace.explain.command", "explain_command", False),
+            "replay": ("nptrace.sessions.commands", "replay_command", False),
+            "report": ("nptrace.sessions.commands", "report_command", False),
+            "merge": ("nptrace.sessions.commands", "merge_command", False)}
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx, name):
+        if name in self.LAZY and name not in self.commands:
+            module, attr, optional = self.LAZY[name]
+            try:
+                self.add_command(getattr(importlib.import_module(module), attr), name)
+            except ImportError:
+                if not optional:
+                    raise
+                return None
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],
                                "auto_envvar_prefix": "NPTRACE"})
 @click.version_option(__version__, prog_name="nptrace")
 def main_group():
@@ -250,29 +278,6 @@ def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, h
         click.echo(f"/* plan: {line} */")
     click.echo("/* cflags: " + " ".join(flags) + " */")
     click.echo(loader.source_text())
-
-
-def _register_optional():
-    """Subcommands owned by their own modules."""
-    try:
-        from nptrace.doctor import doctor_command
-        main_group.add_command(doctor_command, "doctor")
-    except ImportError:
-        pass
-    try:
-        from nptrace.lab.cli import lab
-        main_group.add_command(lab, "lab")
-    except ImportError:
-        pass
-    from nptrace.explain.command import explain_command
-    main_group.add_command(explain_command, "explain")
-    from nptrace.sessions.commands import merge_command, replay_command, report_command
-    main_group.add_command(replay_command, "replay")
-    main_group.add_command(report_command, "report")
-    main_group.add_command(merge_command, "merge")
-
-
-_register_optional()
 
 
 def main(argv=None):
