@@ -57,6 +57,15 @@ test-kernels: setup
 test-kernels-short: setup
 	$(PY) -m nptrace.lab.kernels --short
 
+## The Vagrant lab booted for real (vagrant/README.md): a libvirt box built here from Debian's
+## archive, the default profile's four VMs up and provisioned as the Vagrantfile does, three
+## scenarios traced by nptrace on node1; every VM and network destroyed after, even on failure.
+## libvirt's driver is NPTRACE_LIBVIRT_DRIVER, qemu (TCG) unless set. Not in .ci/run: it takes
+## long on two cores. The table goes to docs/vagrant-smoke.md.
+.PHONY: vagrant-smoke
+vagrant-smoke: setup
+	$(PY) -m nptrace.lab.vmsmoke --markdown docs/vagrant-smoke.md $(SCENARIOS)
+
 bench: setup
 	$(PY) -m nptrace.bench
 

@@ -3,10 +3,11 @@ own .py sources (no second implementation) into extension modules beside them.
 
 pyproject.toml holds the project's metadata; setuptools reads the extensions from here (its
 pyproject table for them is newer than Debian 12's setuptools, which the image builds with).
-`optional=True`, and no extensions without Cython: without it, a C compiler or Python's
+`optional=True`, and no extensions without Cython or with NPTRACE_COMPILE=0: without it, a C compiler or Python's
 headers the install still succeeds and nptrace runs the same modules as Python (`nptrace
 doctor`'s `hot path` row says which)."""
 import importlib.util
+import os
 
 from setuptools import Extension, setup
 
@@ -17,6 +18,8 @@ _spec.loader.exec_module(compiled)
 
 try:
     from Cython.Build import cythonize
+    if os.environ.get("NPTRACE_COMPILE") == "0":     # scripts/setup.sh's host profile
+        raise ImportError
 except ImportError:
     ext_modules = []
 else:

@@ -16,12 +16,29 @@ log() { echo "setup: $*" >&2; }
 [ "$(id -u)" = 0 ] || { echo "setup: must run as root (try: sudo make setup)" >&2; exit 2; }
 export DEBIAN_FRONTEND=noninteractive
 
-pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-pip iproute2 iptables nftables conntrack ethtool ipvsadm ipset
-      nfacct clang bpftool tcpdump tshark kmod procps shellcheck iperf3 python3-matplotlib hping3
-      podman buildah debootstrap runc    # the container test (scripts/build-image.sh)
-      strace                             # kernel/headertree.py: which headers bcc's compile reads; tshark: the pcap test
-      gcc libc6-dev python3-dev          # setup.py: the hot path compiled by Cython
+# NPTRACE_SETUP: full (default: the tests and the bench too), runtime (what `nptrace run` and
+# the lab need: a node that traces, the Vagrant lab's node VMs), host (a lab host that does not
+# trace, the Vagrant lab's client and router: no bcc, no compiler, the hot path not compiled).
+host_pkgs=(python3-venv python3-pip iproute2 iptables nftables conntrack ethtool kmod procps)
+pkgs=(python3-bpfcc python3-venv python3-pip iproute2 iptables nftables conntrack ethtool ipvsadm ipset
+      kmod procps
+      strace                             # kernel/headertree.py: which headers bcc's compile reads
+      gcc libc6-dev python3-dev)         # setup.py: the hot path compiled by Cython
+# What the tests and the bench use besides.
+test_pkgs=(bpfcc-tools nfacct clang bpftool tcpdump tshark shellcheck iperf3 python3-matplotlib hping3
+      podman buildah debootstrap runc    # the container test (scripts/build-image.sh); tshark: the pcap test
       prometheus)                        # tests/privileged/test_fleet_metrics.py runs the server binary
+profile=${NPTRACE_SETUP:-full}
+case $profile in
+    full) pkgs+=("${test_pkgs[@]}"); extras="[test,bench]" ;;
+    runtime) extras="" ;;
+    host) pkgs=("${host_pkgs[@]}"); extras=""; export NPTRACE_COMPILE=0 ;;
+    *) echo "setup: NPTRACE_SETUP=$profile is not one of full, runtime, host" >&2; exit 2 ;;
+esac
+if [ "${1:-}" = --packages ]; then     # the Debian packages this profile installs (vagrant-box.sh)
+    echo "${pkgs[*]}"
+    exit 0
+fi
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -33,7 +50,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 kbuild=/lib/modules/$(uname -r)/build
-if [ ! -e "$kbuild/include" ] || [ ! -e "/lib/modules/$(uname -r)/source/include/linux" ]; then
+if [ "$profile" != host ] && { [ ! -e "$kbuild/include" ] || [ ! -e "/lib/modules/$(uname -r)/source/include/linux" ]; }; then
+    # shellcheck disable=SC2010  # version order (sort -V) of the few header folders
     hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | grep -v -e cloud -e rt | sort -V | tail -n1 || true)
     if [ -z "$hdr" ]; then
         apt-get update -qq
@@ -51,17 +69,20 @@ if [ ! -e "$kbuild/include" ] || [ ! -e "/lib/modules/$(uname -r)/source/include
     log "no headers for kernel $(uname -r): linked $(basename "$hdr") for bcc (offsets come from BTF)"
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
+needs_bcc="import bcc" && hot=compiled
+[ "$profile" = host ] && needs_bcc="" && hot=python
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "$needs_bcc" 2>/dev/null; then
     rm -rf .venv
     /usr/bin/python3 -m venv --system-site-packages .venv
 fi
 # py-spy is a binary, not a module: checked by its path, so an older venv picks it up
-if ! .venv/bin/python -c 'import nptrace, pytest, pyroute2, msgpack, click, prometheus_client' 2>/dev/null \
-   || [ ! -x .venv/bin/py-spy ] || [ pyproject.toml -nt .venv/.installed ] \
+if [ "$profile" = full ]; then probe="import pytest" && tool=.venv/bin/py-spy; else probe="" && tool=.venv/bin/python; fi
+if ! .venv/bin/python -c "import nptrace, pyroute2, msgpack, click, prometheus_client; $probe" 2>/dev/null \
+   || [ ! -x "$tool" ] || [ pyproject.toml -nt .venv/.installed ] \
    || [ setup.py -nt .venv/.installed ] \
-   || ! .venv/bin/python -c 'from nptrace import compiled; assert compiled.hot_path() == "compiled"' 2>/dev/null; then
+   || ! .venv/bin/python -c 'from nptrace import compiled; assert compiled.hot_path().startswith("'"$hot"'")' 2>/dev/null; then
     log "installing nptrace into .venv"
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]"
+    .venv/bin/pip install -q --disable-pip-version-check -e ".$extras"
     touch .venv/.installed
 fi
 ln -sfn "$top/.venv/bin/nptrace" /usr/local/bin/nptrace
@@ -69,7 +90,7 @@ ln -sfn "$top/.venv/bin/nptrace" /usr/local/bin/nptrace
 # /lib/modules (ProtectKernelModules=yes in deploy/nptrace.service): remade when the headers
 # it came from or the BPF sources are newer.
 kh=/usr/share/nptrace/kheaders
-if [ ! -f "$kh/include/linux/kconfig.h" ] || [ -n "$(find bpf nptrace/kernel/headertree.py -newer "$kh/SOURCE" 2>/dev/null | head -n1)" ]; then
+if [ "$profile" != host ] && { [ ! -f "$kh/include/linux/kconfig.h" ] || [ -n "$(find bpf nptrace/kernel/headertree.py -newer "$kh/SOURCE" 2>/dev/null | head -n1)" ]; }; then
     mkdir -p "$(dirname "$kh")"
     .venv/bin/python -m nptrace.kernel.headertree "$kh" >&2
 fi

@@ -39,4 +39,6 @@ if ! command -v make >/dev/null; then
     apt-get install -y -qq --no-install-recommends make >/dev/null
 fi
 log "role $role, profile $profile: make setup in $src"
-make -C "$src" setup
+# runtime on the nodes (they trace), host on the client and the router (the Vagrantfile says
+# which): the test suite's tools (podman, tshark, ...) stay off every lab VM
+NPTRACE_SETUP=${NPTRACE_SETUP:-runtime} make -C "$src" setup
