@@ -161,6 +161,14 @@ Vagrant.configure("2") do |config|
 end
 EOF
 tar -C "$WORK" -cf "$WORK/nptrace-bookworm.box" metadata.json Vagrantfile box.img
+# vagrant-libvirt copies a box into libvirt's pool once per `box add`: the older box's copy
+# would stay there, a gigabyte each, and the VMs made from it go with it
+if command -v virsh >/dev/null; then
+    prefix="${NAME//\//-VAGRANTSLASH-}_vagrant_box_image_"
+    for v in $(virsh -c qemu:///system vol-list default 2>/dev/null | awk -v p="$prefix" 'index($1, p) == 1 {print $1}'); do
+        virsh -c qemu:///system vol-delete --pool default "$v" >/dev/null 2>&1 || true
+    done
+fi
 vagrant box add --force --name "$NAME" --provider libvirt "$WORK/nptrace-bookworm.box" >&2
 rm -rf "$WORK"
 mkdir -p "$stamp_dir" && echo "$inputs" >"$stamp"
