@@ -82,6 +82,15 @@ def unreach(ev: Event) -> int:
     return ev.reason
 
 
+def nf_rule_text(got: dict) -> str:
+    """``table/chain rule N: `rule` `` of a netfilter answer, with the hook it was met on where
+    the chain is one of its own (reached from INPUT or FORWARD)."""
+    where, hook = got.get("where") or "", got.get("hook")
+    if hook and f"/{hook} " not in where and not where.endswith(f"/{hook}"):
+        where += f", on the {hook} hook"
+    return f"{where}: `{got.get('text')}`"
+
+
 def _is_nf_reject(ev: Event, rname: str) -> bool:
     return (ev.type == T_DROP and rname == "NETFILTER_DROP") or \
         (ev.type in (T_ICMP, T_WIRE_ICMP) and unreach(ev) >> 8 == 3
@@ -255,7 +264,7 @@ def rule_netfilter(ev, rname, history, ctx):
     tag = got.get("tag")
     if got.get("virtual_server"):
         return _ipvs_label(ev, got)
-    rule = f"{got.get('where')}: `{got.get('text')}`"
+    rule = nf_rule_text(got)
     if got.get("source"):
         # nftrace_live: whether nf_tables tracing saw this rule drop the flow, or why not
         rule += (", seen by nft trace" if got["source"] == "nft trace"

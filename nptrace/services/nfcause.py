@@ -4,7 +4,9 @@ and what kind of drop is it (its cause tag)?
 ``nf_cause`` is pure over a ServiceMap and answers plain data, so a recording keeps the answer
 and a replay needs no rules: None is for "no ruleset" and is the caller's to say (the map is
 None); ``{"tag": None}`` when the ruleset has no rule for the packet; else ``{"tag", "where",
-"text", "service", "to_pod"}`` (an IPVS answer adds "virtual_server" and "real_servers").
+"text", "service", "to_pod"}`` (a firewall drop adds "hook", the filter hook it was met on,
+INPUT or FORWARD, where it can be told; an IPVS answer adds "virtual_server" and
+"real_servers").
 Tags are ``model.REASONS``, and "ipvs_nodest" for IPVS's drop of a deleted real server's
 connection; classify/rules.py turns a tag into a
 cause and its hint, and nothing else decides a netfilter cause.
@@ -49,13 +51,32 @@ def nf_cause(smap: ServiceMap, saddr: str, daddr: str, dport: int, odst: str, op
         for r in smap.verdict_rules(daddr, dport):
             if r.reason == "conntrack_invalid":
                 return out(r)
-    rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate="NEW" if syn else None)
+    rules, hook = _drop_rules(smap, saddr, daddr, dport, "NEW" if syn else None)
     rules = [r for r in rules if r.reason == "other"] or rules
     if not rules:
         return {"tag": None}
     ep = smap.lookup(daddr, dport)
     to_pod = (ep is not None and ep.kind == "endpoint") or (daddr, dport) != (odst, oport)
-    return out(rules[0], to_pod=to_pod)
+    return {**out(rules[0], to_pod=to_pod), "hook": hook.upper() if hook else None}
+
+
+def _drop_rules(smap: ServiceMap, saddr: str, daddr: str, dport: int, ctstate) -> tuple[list, str | None]:
+    """The drop rules the packet may meet on the filter hook it crosses (INPUT for the node's
+    own address, FORWARD for one routed on, after kube-proxy's DNAT), and that hook; every
+    hook's, and None, when that one has none (or the hook cannot be told)."""
+    dest = (daddr, dport)
+    if smap.local_addrs is not None or smap.lookup(daddr, dport) is not None:
+        nat = smap.dnat_of(saddr, daddr, dport)
+        if nat.certain and nat.dests:
+            host, sep, p = nat.dests[0].rpartition(":")
+            if sep and p.isdigit():
+                dest = (host.strip("[]"), int(p))
+        hooks = _hooks(smap, *dest)
+        if len(hooks) == 1:
+            rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate=ctstate, hook=hooks[0])
+            if rules:
+                return rules, hooks[0]
+    return smap.matching_drop_rules(saddr, daddr, dport, ctstate=ctstate), None
 
 
 def _hooks(smap: ServiceMap, daddr: str, dport: int) -> tuple[str, ...]:

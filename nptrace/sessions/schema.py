@@ -150,7 +150,7 @@ IFNAMES = MapOf(NETNS, MapOf(U32, Opt(NAME)))
 SERVICES = ListOf(Tuple(ADDR, PORT, Opt(NAME)))
 _NF_RULE_KNOWN = Record({}, {"tag": Opt(NAME), "where": Opt(NAME), "text": Opt(NAME),
                              "service": Opt(NAME), "to_pod": Opt(_bool), "source": Opt(NAME),
-                             "note": Opt(NAME)})
+                             "note": Opt(NAME), "hook": Opt(NAME)})
 _SCALAR = OneOf(Opt(NAME), _bool, Int())
 
 

@@ -104,3 +104,5 @@ def test_run_says_legacy_rules_cannot_be_traced():
     got = _sources(events, "policy_drop")
     assert got["ruleset"] and not got["trace"]
     assert all("iptables-legacy rules are invisible to nft trace" in h for h in got["ruleset"])
+    # the drop is the policy chain's, met on FORWARD (the pods' traffic is routed, not local)
+    assert all("filter/NETPOL-DEFAULT-WEB rule 2, on the FORWARD hook" in h for h in got["ruleset"]), got["ruleset"][:1]

@@ -139,3 +139,35 @@ def test_nft_pod_and_node_traffic_to_an_etp_local_external_ip_is_not_the_no_loca
         for src in ("10.0.0.2", "192.168.0.2"):
             got = nf_cause(m, src, "10.180.0.2", 80, dst, port, True, True)
             assert got["tag"] != "no_local_endpoint", (src, dst, port, got)
+
+
+POLICY = """*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POLICY-IN - [0:0]
+:POLICY-FWD - [0:0]
+-A INPUT -j POLICY-IN
+-A FORWARD -j POLICY-FWD
+-A POLICY-IN -p tcp -m tcp --dport 8080 -j DROP
+-A POLICY-FWD -p tcp -m tcp --dport 8080 -j REJECT --reject-with tcp-reset
+COMMIT
+"""
+
+
+def test_a_firewall_drop_names_the_hook_it_was_met_on():
+    """The same port dropped by a chain of its own on INPUT and on FORWARD: a packet to the
+    node's own address meets INPUT's, one routed on to a pod FORWARD's, and the hint says
+    which hook; where the node's addresses are unknown the hook is not guessed."""
+    m = parse_iptables_save(POLICY).with_local_addrs(["192.168.10.11"])
+    to_node = nf_cause(m, "192.168.10.100", "192.168.10.11", 8080, "192.168.10.11", 8080, True, False)
+    assert (to_node["where"], to_node["hook"]) == ("filter/POLICY-IN rule 1", "INPUT"), to_node
+    to_pod = nf_cause(m, "192.168.10.100", "10.244.1.10", 8080, "10.244.1.10", 8080, True, False)
+    assert (to_pod["where"], to_pod["hook"]) == ("filter/POLICY-FWD rule 1", "FORWARD"), to_pod
+    unknown = nf_cause(parse_iptables_save(POLICY), "192.168.10.100", "10.244.1.10", 8080, "10.244.1.10",
+                       8080, True, False)
+    assert unknown["hook"] is None
+    from nptrace.classify.rules import nf_rule_text
+    assert nf_rule_text(to_pod) == "filter/POLICY-FWD rule 1, on the FORWARD hook: " \
+                                   "`-A POLICY-FWD -p tcp -m tcp --dport 8080 -j REJECT --reject-with tcp-reset`"
+    assert nf_rule_text({**to_node, "where": "filter/INPUT rule 2"}).startswith("filter/INPUT rule 2: ")

@@ -197,7 +197,7 @@ def test_the_barrier_waits_for_a_legacy_look_begun_after_it(monkeypatch):
     looked = threading.Timer(0.05, lambda: setattr(kn, "_legacy_look_ns", knowledge.time.monotonic_ns()))
     looked.start()
     waited = kn.barrier()
-    assert 0.05 <= waited < 1.5 and kn.barrier_late == 0
+    assert 0.03 <= waited < 1.5 and kn.barrier_late == 0     # the timer began just before it
     kn._legacy_ns = set()
     assert kn.barrier() == 0.0                # no legacy tables: no look to wait for
 
