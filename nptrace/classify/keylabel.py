@@ -95,8 +95,13 @@ def _service(ev: Event, ctx: Context) -> str | None:
 class KeyLabeler:
     """label(key) -> KeyLabel, or None for a key whose records are evidence only."""
 
-    def __init__(self, ctx: Context | None = None):
+    def __init__(self, ctx: Context | None = None, load_netns=None):
         self.ctx = ctx or Context()
+        # netns inode -> None: the node's rules of that namespace read before its first key is
+        # labeled (NodeKnowledge.rules), so a key is not named without a Service because no
+        # record of its namespace has been labeled yet
+        self.load_netns = load_netns
+        self._loaded: set[int] = set()
         self.cache: dict[CauseKey, KeyLabel | None] = {}
         self.by_hash: dict[int, CauseKey] = {}     # key_hash -> key: the priors' own keys
         self.hashes: dict[CauseKey, int] = {}
@@ -144,6 +149,9 @@ class KeyLabeler:
         return cause, rname
 
     def _label(self, key: CauseKey) -> KeyLabel | None:
+        if self.load_netns is not None and key.netns not in self._loaded:
+            self._loaded.add(key.netns)
+            self.load_netns(key.netns)
         cause, rname = self.cause_of(key)
         if cause is None:
             return None

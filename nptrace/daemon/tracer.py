@@ -287,7 +287,7 @@ class Tracer:
                           etp_local=kn.etp_local, nf_rule=kn.nf_rule)
         else:
             ctx = self.ctx
-        self.exact = ExactCounts(KeyLabeler(ctx),
+        self.exact = ExactCounts(KeyLabeler(ctx, load_netns=kn.rules if kn is not None else None),
                                  generation=(lambda: kn.generation) if kn is not None else None)
         if self.metrics is not None:
             self.metrics.count_exactly(self.exact)

@@ -44,3 +44,21 @@ def test_every_line_names_its_client(name, variant):
             f"{where}: client {e['client']}"
     # one incident per connection on node2 (no tunnel-wide merge)
     assert len({e["client"] for e in node2}) == len(node2)
+
+
+def test_an_overlay_outer_checksum_drop_carries_the_inner_flow():
+    """node2 drops node1's VXLAN packets for their outer UDP checksum (offload-checksum's
+    overlay form): each line is the inner connection's, with its client, the frontend it
+    used, the endpoint it was DNATed to and that Service, not the tunnel's outer addresses."""
+    info, attempts, events, err = trace_scenario("offload-checksum", 6, prefix=PREFIX, variant="overlay",
+                                                 extra_args=("--max-rate", "0"))
+    drops = [e for e in events if e.get("cause") == "checksum"]
+    assert drops, f"no checksum drop\n{err[-800:]}"
+    clients = {_hostport(a.src, a.sport) for a in attempts}
+    frontends = {_hostport(a.dst, a.dport) for a in attempts}
+    for e in drops:
+        assert e["iface"] == f"{PREFIX}node2/ul0", e
+        assert e["service"] == "default/web:http", e
+        assert e["client"] in clients and e["frontend"] in frontends, e
+        assert e["endpoint"].startswith("10.244.1.") and e["endpoint"].endswith(":8080"), e
+        assert e["hint"].startswith("a VXLAN packet from 192.168.50.11 (inner "), e["hint"]

@@ -235,3 +235,22 @@ def test_the_client_side_drop_of_a_reset_keys_by_the_flow_fact():
     kb = key_of(b, CTX.drop_name, fact_of(NOLISTEN_RST), client_is_src=False)
     assert ka == kb and (ka.saddr, ka.sport, ka.dport) == ("10.0.0.2", 9999, 0)
     assert KeyLabeler(CTX).label(ka).cause == "no_listener"
+
+
+def test_a_keys_namespace_rules_are_read_before_its_first_label():
+    """A key may be labeled before any record of its namespace was (the labeler runs once a
+    second, records wait for their batch): its namespace's rules are read first, once, so
+    its Service is named (an overlay-outer drop in a node namespace the tracer was not told of)."""
+    maps: dict = {}
+    ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name,
+                  service_of=lambda a, p: maps.get((a, p)))
+    loads = []
+
+    def load(netns):
+        loads.append(netns)
+        maps[("10.0.0.2", 30080)] = "default/web:http"
+    lab = KeyLabeler(ctx, load_netns=load)
+    k = K(RPF)
+    assert lab.label(k).service == "default/web:http"
+    lab.clear()
+    assert lab.label(k).service == "default/web:http" and loads == [k.netns]
