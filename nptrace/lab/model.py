@@ -171,7 +171,13 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         if variant not in variants:
             raise UsageError(f"scenario {name!r} has no variant {variant!r} "
                              f"(variants: {', '.join(sorted(variants)) or 'none'})")
-        raw = deep_merge(raw, variants[variant])
+        # `base = "<variant>"`: this variant changes that one (applied first), not the scenario
+        chain, v = [], variants[variant]
+        while v is not None and v not in chain:
+            chain.append(v)
+            v = variants.get(v.get("base")) if v.get("base") else None
+        for v in reversed(chain):
+            raw = deep_merge(raw, {k: x for k, x in v.items() if k != "base"})
     raw.pop("variants", None)
     topo = deep_merge(load_topology(), raw.get("topology", {}))
     services_raw = deep_merge(topo.get("services", {}), raw.get("services", {}))
