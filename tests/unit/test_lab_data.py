@@ -305,3 +305,13 @@ def test_apply_role_is_what_a_provisioner_runs():
     assert len(daemons) == 1 and "32080:hc:default/web:0" in daemons[0]
     with pytest.raises(model.UsageError, match="no host"):
         apply_role("healthy", "node9", lambda *a: None)
+
+
+def test_a_variant_builds_on_its_base_variant():
+    """rollout-in-flight's at-once-scale: at-once's steps (no grace period) over
+    address-reused's trigger and pod, with its own scale."""
+    spec = model.compile_spec("rollout-in-flight", "at-once-scale")
+    assert [s["kind"] for s in spec.steps] == ["rules", "delete_pod", "run", "add_pod"]
+    assert spec.trigger[0]["expect"] == ["reset"] and "other-0" in spec.hosts
+    assert len(spec.services) == 2001
+    assert len(model.compile_spec("rollout-in-flight", "at-once").services) == 101
