@@ -421,6 +421,26 @@ def rule_no_listener(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_WIRE_RST)
+def rule_refused_by_endpoint(ev, rname, history, ctx):
+    """A reset coming in from a Service's endpoint that answers the connection attempt itself
+    (sequence number 0 with ACK: what a TCP stack sends back for a SYN, RFC 9293 3.10.7.1):
+    the endpoint's node refused it, most often nothing listening on the port. Seen on the node
+    that forwarded the SYN to a pod on another node; that node's own trace names it exactly
+    (no listener, or a reject rule)."""
+    if ev.type != T_WIRE_RST or ev.dir != D_INGRESS or ev.seq != 0 or not ev.tcpflags & TCP_ACK:
+        return None
+    service = ctx.endpoint_of(ev.saddr, ev.sport)
+    if not service:
+        return None
+    return ("no_listener", 0.7,
+            f"{hostport(ev.saddr, ev.sport)}, an endpoint of {service}, refused the connection "
+            "(its reset answers the SYN, arriving on {iface}): nothing listens on that port in "
+            "the pod, or a reject rule on its node. Compare {service}'s targetPort with the port "
+            "the container listens on (ss -ltn in the pod); `nptrace run` on the endpoint's node "
+            "names which")
+
+
 @applies_to(T_RST_SENT)
 @for_reasons(T_RST_SENT, APP_RESETS)
 def rule_app_reset(ev, rname, history, ctx):
@@ -473,4 +493,4 @@ def rule_checksum(ev, rname, history, ctx):
 
 RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
                      rule_netfilter, rule_stale_conntrack, rule_stale_endpoint, rule_lost_state,
-                     rule_no_listener, rule_app_reset, rule_peer_reset]
+                     rule_no_listener, rule_refused_by_endpoint, rule_app_reset, rule_peer_reset]

@@ -237,3 +237,23 @@ def test_reset_of_a_late_syn_ack_from_the_frontend_is_not_snat():
     assert v.cause == "wrong_iface" and v.events == 2
     [alone] = classify([late], ctx)
     assert alone.cause == "unknown"      # alone it shows no masquerade fault
+
+
+def test_a_reset_answering_the_syn_from_a_remote_endpoint_is_no_listener():
+    """The node that DNATed a SYN to a pod on another node sees only that pod's reset come in
+    (over the overlay): sequence 0 with ACK answers the SYN itself, so the endpoint refused the
+    connection; a mid-connection reset (its own sequence number), or one from an address that
+    is no endpoint, stays a peer's reset."""
+    ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, iface_name=lambda ns, i: "eth3",
+                  endpoint_of=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.10", 8080) else None)
+
+    def wire(seq, saddr="10.244.1.10"):
+        return E(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ifindex=5,
+                 tcpflags=ev.TCP_RST | ev.TCP_ACK, seq=seq, ack_seq=1001, saddr=saddr, sport=8080,
+                 daddr="10.244.0.0", dport=59647)
+    [v] = classify([wire(0)], ctx)
+    assert v.cause == "no_listener"
+    assert v.hint.startswith("10.244.1.10:8080, an endpoint of default/web:http, refused the connection")
+    assert "arriving on eth3" in v.hint
+    assert [v.cause for v in classify([wire(123456)], ctx)] == ["peer_reset"]
+    assert [v.cause for v in classify([wire(0, saddr="203.0.113.9")], ctx)] == ["peer_reset"]
