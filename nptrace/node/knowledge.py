@@ -239,7 +239,8 @@ class NodeKnowledge:
         try:
             if dig is None:
                 raise OSError
-            self._legacy_info.setdefault(inode, legacy_info(ns))
+            if inode not in self._legacy_info:
+                self._legacy_info[inode] = legacy_info(ns)
             self._legacy_ns.add(inode)
         except OSError:
             self._legacy_ns.discard(inode)
