@@ -240,6 +240,8 @@ def run_scenario(ssh: Ssh, scenario: str, count: int) -> dict:
     lines = [json.loads(x) for x in raw.splitlines() if x.startswith("{")]
     summary = summarize(lines)
     ok, labeled, iface = verdict(scenario, spec.cause or "none", summary, nics)
+    lab = {real: name for name, real in nics.items()}.get(iface)
+    iface = f"{iface} (lab {lab})" if lab else iface
     symptom = next((x for x in trig.stdout.splitlines() if "showed the expected symptom" in x), "no trigger output")
     return {"scenario": scenario, "expected": spec.cause or "none", "labeled": labeled, "iface": iface,
             "ok": ok and trig.returncode == 0, "seconds": round(time.monotonic() - start),
@@ -285,7 +287,8 @@ def report(text: str, rows: list[dict]) -> str:
             f"Last run {time.strftime('%Y-%m-%d')} at commit {commit}, on a {cpus}-core host (kernel {kernel}), "
             f"libvirt driver {vagrant_env()['NPTRACE_LIBVIRT_DRIVER']}, box {vagrant_env()['NPTRACE_BOX']} "
             f"(scripts/vagrant-box.sh). `ready` is from the scenario's apply to the tracer attached on "
-            f"{TRACED}; `time` adds the trigger and the stop. Interfaces are the VM's own NIC names.\n\n"
+            f"{TRACED}; `time` adds the trigger and the stop. Interfaces are the VM's own NIC names, with "
+            f"the lab's name where it is a lab NIC (ul0: the underlay the VXLAN runs over).\n\n"
             f"{text}\n\nEvery label of each traced run: {causes}\n")
 
 
