@@ -22,7 +22,8 @@ MESSAGES = {
     "nft_trace_reader": "the nf_tables trace reader failed and retried",
     "nft_trace_overruns": "times the kernel dropped nf_tables trace messages (socket full)",
     "rules_late": "record batches labeled before the rules view had applied an nf_tables "
-                  "commit made before them (the labeling barrier's bound passed)",
+                  "commit, or looked at the legacy tables, after them (the labeling barrier's "
+                  "bound passed)",
 }
 # stages that count event records (the others count messages or failures)
 RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped"})
@@ -66,7 +67,7 @@ def stop_lines(stats: dict, knowledge=None) -> list[str]:
     kn = knowledge
     if kn is not None and kn.barrier_waits:
         out.append(f"rules barrier: {kn.barrier_waits} batches waited for the rules view to "
-                   f"apply an nf_tables commit (max {kn.barrier_max_s * 1000:.0f} ms, mean "
+                   f"apply an nf_tables commit or look at the legacy tables (max {kn.barrier_max_s * 1000:.0f} ms, mean "
                    f"{kn.barrier_wait_s / kn.barrier_waits * 1000:.0f} ms), {kn.barrier_late} "
                    "past the bound")
     lost = stats.get("lost", 0)

@@ -139,7 +139,7 @@ class Tracer:
             self.knowledge = kn = NodeKnowledge(names)
             watched = {names.host} | {inode_of_netns(s.netns) for s in self.cfg.ifaces if s.netns}
             kn.preload(watched)
-            kn.start_watch()    # nf_tables commits at once, legacy and IPVS within a second
+            kn.start_watch()    # nf_tables commits at once, legacy within 50 ms, IPVS a second
             from nptrace.node.nftrace_live import TracedRules
             self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
             from nptrace.node import kubeapi

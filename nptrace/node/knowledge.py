@@ -1,9 +1,10 @@
 """What the live classifier may ask about the node: kube-proxy services and netfilter rules per
 network namespace, and which interface a route leaves by. Each answer is cached, so the
 per-event cost is a dict lookup. Rules are re-read when they change: a watch thread hears each
-ruleful namespace's nf_tables commits as the kernel announces them (node/nftwatch.py) and
-compares every namespace's fingerprint (nf_tables generation id, legacy dump digest, IPVS
-table) every second, re-reading in the background; besides, every answer is re-read after
+ruleful namespace's nf_tables commits as the kernel announces them (node/nftwatch.py), asks
+the kernel for the legacy tables' sizes every LEGACY_EVERY_S (node/xtables.py) and compares
+every namespace's fingerprint (nf_tables generation id, legacy tables' digest, IPVS table)
+every second, re-reading in the background; besides, every answer is re-read after
 `refresh_s`. Routes follow `refresh_s` alone.
 
 The classifier only sees plain callables built from this (classify.Context), so the same
@@ -105,15 +106,17 @@ class NodeKnowledge:
             self._snapshot()
         return smap
 
-    def _load(self, inode: int):
-        """The namespace's ServiceMap read now (None when it has no readable rules)."""
+    def _load(self, inode: int, fp: tuple | None = None):
+        """The namespace's ServiceMap read now (None when it has no readable rules). ``fp``:
+        its fingerprint, when the caller has just read it (2,000 Services' legacy blob costs
+        ~40 ms: not twice per change)."""
         ns = self._netns_arg(inode)
         smap = None
         if ns is not False:
             try:
                 from nptrace.node.rules_source import fingerprint, load_service_map, local_addresses
                 try:
-                    self._prints[inode] = fingerprint(ns)
+                    self._prints[inode] = fp if fp is not None else fingerprint(ns)
                     self._legacy_watch(inode, ns, self._prints[inode][1])
                 except Exception:
                     self._prints.pop(inode, None)
@@ -220,7 +223,7 @@ class NodeKnowledge:
             if fp == self._prints.get(inode):
                 continue
             found_ns = time.monotonic_ns()
-            new = self._load(inode)
+            new = self._load(inode, fp)
             with self._lock:
                 if inode in self._maps:
                     self._maps[inode] = (self.clock(), new)

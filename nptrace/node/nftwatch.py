@@ -7,9 +7,10 @@ every committed transaction to the NFNLGRP_NFTABLES multicast group of NETLINK_N
 table, chain, rule and set messages of the batch, then NFT_MSG_NEWGEN), in the namespace where
 it was committed. So one socket per watched namespace, joined to that group, opened inside it
 by a short-lived thread (nsenter.run_in: a socket keeps the namespace it was made in), and a
-select over all of them: wait() returns the namespaces that committed something, at once.
-iptables-nft commits go through nf_tables too; iptables-legacy and IPVS do not, so their
-checks stay on the timed poll (node/knowledge.py).
+select over all of them: ready() returns the namespaces that committed something, at once.
+iptables-nft commits go through nf_tables too; iptables-legacy and IPVS do not, so
+node/knowledge.py asks the kernel for those (the legacy tables' sizes every 50 ms, IPVS's
+table every second).
 
 Joining the group needs CAP_NET_ADMIN in the namespace. A socket that cannot be opened is
 remembered with its error (the poll still covers that namespace). A burst larger than the

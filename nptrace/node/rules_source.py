@@ -126,12 +126,7 @@ def _tables_here() -> list[tuple[str, str]]:
     (NFT_MSG_GETTABLE): milliseconds, where `nft list tables` reads the whole ruleset first
     (a quarter of a second for 2,000 Services)."""
     tables, done = [], False
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as s:
-        s.settimeout(2.0)
-        s.bind((0, 0))
-        seq = int(time.time()) & 0xFFFFFFFF
-        nfgen = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
-        s.send(request((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETTABLE, NLM_F_REQUEST | NLM_F_DUMP, seq, nfgen))
+    with _nft_ask(_NFT_MSG_GETTABLE, NLM_F_DUMP) as s:
         while not done:
             data = s.recv(65536)
             for mtype, start, end in messages(data):
@@ -218,14 +213,24 @@ _NFT_MSG_NEWTABLE, _NFT_MSG_GETTABLE = 0, 1
 _NFTA_TABLE_NAME = 1
 
 
-def _genid_here() -> int:
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER) as s:
+def _nft_ask(msg: int, flags: int = 0) -> socket.socket:
+    """A NETLINK_NETFILTER socket of this thread's namespace that has sent nf_tables request
+    `msg` (for every family), its replies to read."""
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+    try:
         s.settimeout(2.0)
         s.bind((0, 0))
-        seq = int(time.time()) & 0xFFFFFFFF
         nfgen = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)  # nfgenmsg: family, version, res_id
-        msg_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN
-        s.send(request(msg_type, NLM_F_REQUEST, seq, nfgen))
+        s.send(request((_NFNL_SUBSYS_NFTABLES << 8) | msg, NLM_F_REQUEST | flags,
+                       int(time.time()) & 0xFFFFFFFF, nfgen))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _genid_here() -> int:
+    with _nft_ask(_NFT_MSG_GETGEN) as s:
         data = s.recv(65536)
     for mtype, start, end in messages(data):
         if mtype == NLMSG_ERROR:

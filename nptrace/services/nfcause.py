@@ -64,14 +64,8 @@ def _drop_rules(smap: ServiceMap, saddr: str, daddr: str, dport: int, ctstate) -
     """The drop rules the packet may meet on the filter hook it crosses (INPUT for the node's
     own address, FORWARD for one routed on, after kube-proxy's DNAT), and that hook; every
     hook's, and None, when that one has none (or the hook cannot be told)."""
-    dest = (daddr, dport)
     if smap.local_addrs is not None or smap.lookup(daddr, dport) is not None:
-        nat = smap.dnat_of(saddr, daddr, dport)
-        if nat.certain and nat.dests:
-            host, sep, p = nat.dests[0].rpartition(":")
-            if sep and p.isdigit():
-                dest = (host.strip("[]"), int(p))
-        hooks = _hooks(smap, *dest)
+        hooks = _hooks(smap, *(smap.dnat_dest(saddr, daddr, dport) or (daddr, dport)))
         if len(hooks) == 1:
             rules = smap.matching_drop_rules(saddr, daddr, dport, ctstate=ctstate, hook=hooks[0])
             if rules:

@@ -316,13 +316,11 @@ class ServiceMap:
         # the filter table meets a packet kube-proxy's nat rules DNATed with the endpoint as
         # its destination (and conntrack state DNAT besides NEW)
         nflow = flow
-        if self._nat and saddr and daddr and dport is not None and (ctstate is None or "NEW" in flow.ctstate):
-            nat = self.dnat_of(saddr, daddr, dport, proto)
-            if nat.certain and nat.dests:
-                host, sep, p = nat.dests[0].rpartition(":")
-                if sep and p.isdigit():
-                    st = None if flow.ctstate is None else flow.ctstate | {"DNAT"}
-                    nflow = Flow(saddr, host.strip("[]"), sport, int(p), proto, iif, oif, st)
+        if saddr and daddr and dport is not None and (ctstate is None or "NEW" in flow.ctstate):
+            dest = self.dnat_dest(saddr, daddr, dport, proto)
+            if dest is not None:
+                st = None if flow.ctstate is None else flow.ctstate | {"DNAT"}
+                nflow = Flow(saddr, dest[0], sport, dest[1], proto, iif, oif, st)
         out: list[Rule] = []
         fam = family_of(flow)
         for (_, label), t in self._tables.items():
@@ -338,6 +336,18 @@ class ServiceMap:
         return list({id(r): r for r in out}.values())
 
     # -- nat: where kube-proxy sends a packet (nat.py) ----------------------------------------
+    def dnat_dest(self, saddr: str, daddr: str, dport: int, proto="tcp") -> tuple[str, int] | None:
+        """(address, port) kube-proxy's nat rules certainly DNAT ``saddr -> daddr:dport`` to
+        (the first endpoint where there are several), else None."""
+        if not self._nat:
+            return None
+        nat = self.dnat_of(saddr, daddr, dport, proto)
+        if nat.certain and nat.dests:
+            host, sep, p = nat.dests[0].rpartition(":")
+            if sep and p.isdigit():
+                return host.strip("[]"), int(p)
+        return None
+
     def dnat_of(self, saddr: str, daddr: str, dport: int, proto="tcp") -> NatResult:
         """Where kube-proxy's nat rules DNAT ``saddr -> daddr:dport`` (iptables dumps only)."""
         tables = [t for n in self._nat for t in n.tables()]
