@@ -158,7 +158,13 @@ def firewall_steps(spec: Spec, host: str, backend: str) -> list[Step]:
 def conntrack_fill_steps(spec: Spec, host: str) -> list[Step]:
     """``conntrack_fill = N``: N established, ASSURED TCP entries (idle long-lived connections
     to the host's first address; early drop never evicts ASSURED ones), loaded in one
-    ``conntrack -R``. With nf_conntrack_max = N the table is full."""
+    ``conntrack -R``. With nf_conntrack_max = N the table is full.
+
+    The table must hold nothing else: early drop evicts an entry that is not ASSURED when one
+    sits near the new flow's hash, and the new connection then gets in. A bridge with multicast
+    snooping joins 224.0.0.106 and sends IGMP reports (an UNREPLIED entry), so snooping goes off
+    on the host's bridges (it leaves the group: no more reports) and the table is flushed before
+    the fill."""
     d = spec.hosts[host]
     n = int(d.get("conntrack_fill", 0))
     if n <= 0:
@@ -166,7 +172,10 @@ def conntrack_fill_steps(spec: Spec, host: str) -> list[Step]:
     dst = next(a.split("/")[0] for i in d["ifaces"].values() for a in i.get("addrs", []) if ":" not in a)
     lines = [f"-I -p tcp -s 198.18.{k // 250}.{k % 250 + 1} -d {dst} --sport {10000 + k} --dport 443 "
              "--state ESTABLISHED -t 86400 -u ASSURED,SEEN_REPLY" for k in range(n)]
-    return [Step("run", ("conntrack", "-R", "/dev/stdin"), "\n".join(lines) + "\n")]
+    quiet = [_ip("link", "set", name, "type", "bridge", "mcast_snooping", 0)
+             for name, i in d["ifaces"].items() if i.get("type") == "bridge"]
+    return [*quiet, Step("run", ("conntrack", "-F")),
+            Step("run", ("conntrack", "-R", "/dev/stdin"), "\n".join(lines) + "\n")]
 
 
 def server_steps(spec: Spec, host: str) -> list[Step]:

@@ -49,7 +49,10 @@ def test_offload_checksum_turns_the_clients_tx_offload_off_and_mbox_rewrites():
 def test_conntrack_fill_loads_assured_entries_before_the_limit():
     spec = model.compile_spec("conntrack-table-full")
     steps = hostplan.host_steps(spec, "node1", "iptables")
-    (fill,) = [s for s in steps if s.argv[0] == "conntrack"]
+    flush, fill = [s for s in steps if s.argv[0] == "conntrack"]
+    # nothing but the fill: snooping off (no IGMP entry early drop could evict), then a flush
+    quiet = steps.index(Step("run", ("ip", "link", "set", "cni0", "type", "bridge", "mcast_snooping", "0")))
+    assert quiet < steps.index(flush) < steps.index(fill) and flush.argv == ("conntrack", "-F")
     lines = fill.input.splitlines()
     assert fill.argv == ("conntrack", "-R", "/dev/stdin") and len(lines) == 256 == len(set(lines))
     assert all(ln.startswith("-I -p tcp ") and "-u ASSURED,SEEN_REPLY" in ln and "--state ESTABLISHED" in ln
