@@ -478,17 +478,32 @@ def rule_checksum(ev, rname, history, ctx):
     else:
         what += " from {saddr}:{sport} to {daddr}:{port}"
     peer = ctx.iface_peer(ev.netns, ev.ifindex) if ev.ifindex else None
-    if peer:      # the path shows the sender: the veth's other end
-        sender, dev = f"{peer}, the other end of the veth {{iface}},", peer.rpartition("/")[2]
-    else:
-        sender, dev = ("the device that sent it (the peer of {iface} for a veth, the VXLAN "
-                       "device of the sending node for an overlay)"), "<dev>"
+    count = "count the errors with `nstat -az TcpInCsumErrors UdpInCsumErrors`"
+    if not peer:
+        return ("checksum", 0.9,
+                what + " arrived on {iface} with a bad checksum and the kernel dropped it "
+                f"({rname}): the device that sent it (the peer of {{iface}} for a veth, the "
+                "VXLAN device of the sending node for an overlay) computed or offloaded the "
+                "checksum before the packet was rewritten. Turn its TX checksum offload off "
+                "(`ethtool -K <dev> tx-checksum-ip-generic off`, or the CNI's setting) and "
+                + count)
+    # the path shows the sender: the veth's other end, and what its offload is set to now
+    ns, _, dev = peer.rpartition("/")
+    where = f"ip netns exec {ns} " if ns else ""
+    offload = ctx.peer_tx_csum(ev.netns, ev.ifindex)
+    head = (what + " arrived on {iface} with a bad checksum and the kernel dropped it "
+            f"({rname}); it was sent by {peer}, the other end of the veth {{iface}}")
+    if offload is False:
+        return ("checksum", 0.9,
+                head + ", whose TX checksum offload is off (`ethtool -k` tx-checksumming: off): "
+                "its stack computed the checksum, so the packet was changed after it left "
+                f"{peer} (a rewrite on the path, or a sender writing raw packets); {count}")
+    state = (", whose TX checksum offload is on (`ethtool -k` tx-checksumming: on)"
+             if offload else "")
     return ("checksum", 0.9,
-            what + " arrived on {iface} with a bad checksum and the kernel dropped it "
-            f"({rname}): {sender} computed or offloaded the checksum before the packet was "
-            f"rewritten. Turn its TX checksum offload off (`ethtool -K {dev} "
-            "tx-checksum-ip-generic off`, or the CNI's setting) and count the errors with "
-            "`nstat -az TcpInCsumErrors UdpInCsumErrors`")
+            head + state + f": {peer} offloaded or computed the checksum before the packet "
+            f"was rewritten. Turn its TX checksum offload off (`{where}ethtool -K {dev} "
+            f"tx-checksum-ip-generic off`, or the CNI's setting) and {count}")
 
 
 RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,

@@ -144,6 +144,8 @@ class Context:
     iface_name: Callable[[int, int], str | None] = _no_names
     # (netns, ifindex) -> iface_name of the other end when that interface is a veth, or None.
     iface_peer: Callable[[int, int], str | None] = _no_names
+    # (netns, ifindex) -> whether that veth's other end offloads TX checksums, or None.
+    peer_tx_csum: Callable[[int, int], bool | None] = lambda netns, ifindex: None
     # (addr, port) -> "ns/svc:port" (nptrace/services); None when no rules are known.
     service_of: Callable[[str, int], str | None] = lambda a, p: None
     # (addr, port) -> "ns/svc:port" when addr:port is a Service's endpoint (a pod).

@@ -148,6 +148,7 @@ class Tracer:
             if self.pods.source != "none":
                 log(f"pods named from {self.pods.source}")
             lookups = dict(iface_name=names.iface, iface_peer=names.veth_peer,
+                           peer_tx_csum=names.veth_peer_tx_csum,
                            service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, etp_local=kn.etp_local,
                            nf_rule=self.nft.nf_rule,

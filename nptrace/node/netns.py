@@ -7,6 +7,8 @@ most once per `refresh_s`, so a flood of events from an unknown netns costs one 
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import socket
 import struct
@@ -127,6 +129,21 @@ def link_names_or_none(path: str | None, veths: dict | None = None) -> dict[int,
         return {}
 
 
+_SIOCETHTOOL, _ETHTOOL_GTXCSUM = 0x8946, 0x16
+
+
+def tx_csum_offload(dev: str) -> bool:
+    """Whether `dev` (in the calling thread's namespace) has any TX checksum offload on: the
+    kernel's ETHTOOL_GTXCSUM, what `ethtool -k` shows as tx-checksumming. OSError when the
+    device is gone or the ioctl is refused."""
+    value = bytearray(struct.pack("=II", _ETHTOOL_GTXCSUM, 0))
+    buf = (ctypes.c_char * len(value)).from_buffer(value)
+    ifreq = struct.pack("16sP", dev.encode()[:15], ctypes.addressof(buf))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), _SIOCETHTOOL, ifreq)
+    return struct.unpack_from("=II", value)[1] != 0
+
+
 def nsid_request(fd: int, seq: int = 1) -> bytes:
     """RTM_GETNSID for the namespace open at `fd`: its id as the asking namespace names it."""
     attr = _NLA_HDR.pack(8, _NETNSA_FD) + struct.pack("=I", fd)
@@ -224,9 +241,9 @@ class Names:
         self._veths[inode] = veths
         return links
 
-    def veth_peer(self, netns: int, ifindex: int) -> str | None:
-        """The name (as iface() gives it) of the other end of the veth `ifindex` in `netns`,
-        or None (not a veth, or its peer's namespace is not one nptrace can name)."""
+    def _veth_other_end(self, netns: int, ifindex: int) -> tuple[int, int] | None:
+        """(netns inode, ifindex) of the other end of the veth `ifindex` in `netns`, or None
+        (not a veth, or its peer's namespace is not one nptrace can name)."""
         if self.iface(netns, ifindex) is None:      # loads the namespace's links and veths
             return None
         v = self._veths.get(netns, {}).get(ifindex)
@@ -234,9 +251,32 @@ class Names:
             return None
         link, nsid = v
         if nsid is None:                            # both ends in one namespace
-            return self.iface(netns, link)
+            return netns, link
         peer_ns = self._nsid_map(netns).get(nsid)
-        return self.iface(peer_ns, link) if peer_ns else None
+        return (peer_ns, link) if peer_ns else None
+
+    def veth_peer(self, netns: int, ifindex: int) -> str | None:
+        """The name (as iface() gives it) of the other end of the veth `ifindex` in `netns`,
+        or None (not a veth, or its peer's namespace is not one nptrace can name)."""
+        end = self._veth_other_end(netns, ifindex)
+        return self.iface(*end) if end else None
+
+    def veth_peer_tx_csum(self, netns: int, ifindex: int) -> bool | None:
+        """Whether the other end of the veth `ifindex` in `netns` offloads its TX checksums
+        (`ethtool -k`'s tx-checksumming), asked of the kernel in that end's namespace; None
+        when that end cannot be named or asked. Asked on a checksum drop only, never cached:
+        the SRE may have just turned it off."""
+        end = self._veth_other_end(netns, ifindex)
+        if end is None or self.iface(*end) is None:
+            return None
+        found, path = self._path(end[0])
+        name = self._links.get(end[0], {}).get(end[1])
+        if not found or name is None:
+            return None
+        try:
+            return run_in(path, lambda: tx_csum_offload(name), "npt-ethtool")
+        except OSError:
+            return None
 
     def _nsid_map(self, netns: int) -> dict[int, int]:
         """{nsid: inode} of the namable namespaces as `netns` numbers them, refreshed at most

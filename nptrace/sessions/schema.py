@@ -168,6 +168,7 @@ LOOKUPS = {
     "etp_local": (Tuple(ADDR, PORT), Opt(Record({"service": NAME}, {"no_local": ListOf(NAME, 64)}))),
     "route_iface": (Tuple(NETNS, ADDR), Opt(NAME)),
     "iface_peer": (Tuple(NETNS, U32), Opt(NAME)),
+    "peer_tx_csum": (Tuple(NETNS, U32), Opt(_bool)),
     "nat_peer": (Tuple(ADDR, PORT, ADDR, PORT), Opt(Tuple(ADDR, PORT, ADDR, PORT))),
     "nf_rule": (Tuple(NETNS, ADDR, ADDR, PORT, ADDR, PORT, _bool, _bool), Opt(NF_RULE)),
     "pod_of": (Tuple(ADDR), Opt(NAME)),

@@ -2,6 +2,7 @@
 "nf_conntrack: table full, dropping packet"). The kernel gives no drop reason of its own for it
 (NETFILTER_DROP at nf_hook_slow, as a rule's DROP), so it is told apart by the SYN carrying no
 conntrack entry while the table is at its limit, or conntrack's own drop counter moving."""
+import pytest
 from nptrace import events as ev
 from nptrace.classify import CAUSES, Context, classify
 from nptrace.classify.verdict import PRIORITY
@@ -95,5 +96,25 @@ def test_checksum_hint_names_the_veth_peer_that_sent_it():
                             tcpflags=ev.TCP_SYN, ts_ns=1000, saddr="192.168.10.100", sport=40000,
                             daddr="192.168.10.11", dport=30080))
     [v] = classify([e], ctx)
-    assert "npt-mbox/east, the other end of the veth npt-node1/eth1," in v.hint
-    assert "ethtool -K east tx-checksum-ip-generic off" in v.hint
+    assert "sent by npt-mbox/east, the other end of the veth npt-node1/eth1" in v.hint
+    assert "ip netns exec npt-mbox ethtool -K east tx-checksum-ip-generic off" in v.hint
+    assert "offload is" not in v.hint                    # its setting not known: not said
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_checksum_hint_says_the_senders_offload_setting(offload):
+    ctx = Context(drop_name=lambda v: "TCP_CSUM" if v == 10 else f"R{v}",
+                  iface_name=lambda ns, i: {7: "npt-node1/eth1"}.get(i),
+                  iface_peer=lambda ns, i: "npt-mbox/east" if i == 7 else None,
+                  peer_tx_csum=lambda ns, i: offload if i == 7 else None)
+    e = ev.decode(ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=10, ifindex=7,
+                            tcpflags=ev.TCP_SYN, ts_ns=1000, saddr="192.168.10.100", sport=40000,
+                            daddr="192.168.10.11", dport=30080))
+    [v] = classify([e], ctx)
+    assert v.cause == "checksum" and "sent by npt-mbox/east" in v.hint
+    if offload:
+        assert "TX checksum offload is on" in v.hint and "ethtool -K east" in v.hint
+    else:
+        # the sender computed it: the change came after it, and turning offload off is no remedy
+        assert "TX checksum offload is off" in v.hint and "ethtool -K" not in v.hint
+        assert "changed after it left npt-mbox/east" in v.hint

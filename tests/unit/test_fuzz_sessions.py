@@ -616,6 +616,7 @@ def _lookup_keys(name: str) -> list[list]:
             "etp_local": [[a, p] for a in addrs for p in ports],
             "route_iface": [[HOST_NS, a] for a in addrs],
             "iface_peer": [[HOST_NS, i] for i in (2, 3, 5)],
+            "peer_tx_csum": [[HOST_NS, i] for i in (2, 3, 5)],
             "nat_peer": [[e.saddr, e.sport, e.daddr, e.dport] for e in evs]
             + [[e.daddr, e.dport, e.saddr, e.sport] for e in evs],
             "nf_rule": [[HOST_NS, e.saddr, e.daddr, e.dport, e.daddr, e.dport, True, False]

@@ -112,6 +112,7 @@ class Scene:
             rst_name=lambda v: h("rst_name", "NO_SOCKET"),
             iface_name=lambda ns, i: h("iface_name", f"eth{i}"),
             iface_peer=lambda ns, i: h("iface_peer", "pods/web-1"),
+            peer_tx_csum=lambda ns, i: h("peer_tx_csum", True),
             service_of=lambda a, p: h("service_of", "default/web:80" if p == 30080 else None),
             endpoint_of=lambda a, p: h("endpoint_of", "default/web:80" if a == POD else None),
             etp_local=lambda a, p: h("etp_local", None),
@@ -135,7 +136,8 @@ class Scene:
 
 
 LOOKUPS = ("drop_name", "rst_name", "nat_peer", "nf_rule", "route_iface", "iface_peer",
-           "iface_name", "service_of", "endpoint_of", "etp_local", "pod_of", "pod_of_netns")
+           "peer_tx_csum", "iface_name", "service_of", "endpoint_of", "etp_local", "pod_of",
+           "pod_of_netns")
 
 
 # --- what the callbacks do ---------------------------------------------------------------
