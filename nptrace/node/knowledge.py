@@ -355,6 +355,8 @@ class NodeKnowledge:
 
     def stop_watch(self) -> None:
         self._stop.set()
+        if self.nft is not None:
+            self.nft.wake()
         if self._watch is not None:
             self._watch.join(timeout=5)
             self._watch = None

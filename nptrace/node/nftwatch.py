@@ -19,10 +19,10 @@ socket's buffer ends in ENOBUFS: the messages are lost, not the fact that someth
 from __future__ import annotations
 
 import errno
+import os
 import select
 import selectors
 import socket
-import time
 from typing import Callable
 
 from nptrace.kernel.nsenter import run_in
@@ -64,6 +64,9 @@ class NftChanges:
         self._socks: dict[int, socket.socket] = {}
         self.failed: dict[int, str] = {}      # inode -> why its listener could not be opened
         self.lost = 0                          # bursts past the socket buffer (ENOBUFS)
+        # wake(): a stop ends ready()'s wait at once, not when its timeout runs out
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
 
     def sync(self, wanted: dict[int, str | None]) -> None:
         """Listen in exactly the namespaces of `wanted`; a namespace whose listener failed is
@@ -85,11 +88,15 @@ class NftChanges:
 
     def ready(self, timeout: float) -> list[int]:
         """The namespaces whose listener has messages, waiting up to `timeout` s for one."""
-        if not self._socks:
-            if timeout > 0:
-                time.sleep(timeout)
-            return []
-        return [key.data for key, _ in self._sel.select(max(0.0, timeout))]
+        return [key.data for key, _ in self._sel.select(max(0.0, timeout)) if key.data is not None]
+
+    def wake(self) -> None:
+        """End a ready() waiting in another thread now (it returns what is ready, maybe
+        nothing); the wait after it returns at once too."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:    # closed, or already awake (a full pipe)
+            pass
 
     def drain(self, inodes) -> list[int]:
         """`inodes` that have a listener, each read until empty."""
@@ -141,3 +148,8 @@ class NftChanges:
         for inode in list(self._socks):
             self._drop(inode)
         self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -56,3 +56,22 @@ def test_a_listener_whose_peer_went_away_is_dropped():
     op.peers[None].close()
     assert w.drain(w.ready(1.0)) == [10] and w.watched() == set()
     w.close()
+
+
+def test_wake_ends_a_wait_at_once():
+    """A stop wakes the watch thread's wait (a second's timeout) instead of waiting it out,
+    with listeners or without."""
+    import threading
+    import time
+    for wanted in ({10: "/run/netns/a"}, {}):
+        w = NftChanges(Opener())
+        w.sync(wanted)
+        got = []
+        t = threading.Thread(target=lambda: got.append(w.ready(30.0)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.05)
+        w.wake()
+        t.join(timeout=5)
+        assert got == [[]] and time.monotonic() - t0 < 5
+        w.close()
