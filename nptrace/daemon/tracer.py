@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import os
 import signal
+import threading
 import time
 
 from nptrace import events as ev
@@ -96,8 +97,10 @@ class Tracer:
         check_ifaces(self.cfg)
         self.lock.acquire()
         check("instance lock")
-        self._sweep_leftovers()
-        check("leftovers of killed runs")
+        # killed runs' nft trace tables swept during the compile; its lines after (fd 2 is held)
+        swept: list[str] = []
+        sweep = threading.Thread(target=self._sweep_leftovers, args=(swept.append,), daemon=True)
+        sweep.start()
         from nptrace.kernel import headers     # bcc's compile needs some; which ones, said once
         hsrc = headers.find()
         if hsrc.kind == "none":
@@ -132,6 +135,10 @@ class Tracer:
         check("netfilter hook")
         attach.attach_kprobes(plan, self.probes, log)
         check("kprobes")
+        sweep.join()
+        for line in swept:
+            log(line)
+        check("leftovers of killed runs")
         self._fill_service_gate()
         self.names = names = Names()
         if self.ctx is None:
@@ -200,18 +207,16 @@ class Tracer:
             self.health.ready(what)
         return elapsed
 
-    def _sweep_leftovers(self) -> None:
+    def _sweep_leftovers(self, say=log) -> None:
         """nft trace tables a killed run left (tc filters are kernel/tc.py's recover(), at
-        attach). Under the instance lock: no other nptrace of this node is running."""
+        attach), under the node's instance lock; a private lock file (NPTRACE_LOCK_FILE) proves
+        nothing about other instances: then only tables whose comment names a dead run go."""
         from nptrace.kernel.netlink import named_netns
         from nptrace.node.nftrace_live import sweep_tables
         try:
-            # a private lock file (NPTRACE_LOCK_FILE) proves nothing about other instances:
-            # then only tables whose comment names a dead run are removed
-            sweep_tables([None] + named_netns(), log,
-                         node_lock="NPTRACE_LOCK_FILE" not in os.environ)
+            sweep_tables([None] + named_netns(), say, node_lock="NPTRACE_LOCK_FILE" not in os.environ)
         except Exception as e:       # a sweep that cannot run must not stop the start
-            log(f"warning: could not look for nft trace tables of killed runs: {e}")
+            say(f"warning: could not look for nft trace tables of killed runs: {e}")
 
     def _watch_losses(self) -> None:
         w = self.losses.watch
@@ -532,9 +537,8 @@ class Tracer:
             return close
 
         def final_scrape():
-            # Every incident is flushed into the counters by now (run()'s classifier flush)
-            # and the kernel maps are still open: one more scrape sees the run's final
-            # numbers, which a stop would otherwise take away from Prometheus.
+            # every incident is in the counters (run()'s flush) and the kernel maps are still
+            # open: one more scrape gives Prometheus the run's final numbers
             wait, srv = self.outputs.metrics_final_scrape_s, self.metrics_server
             if not wait or srv is None or not hasattr(srv, "wait_scrape") or not started:
                 return
@@ -563,8 +567,7 @@ class Tracer:
                   if sk not in self.recorders]
         steps += [("metrics server", closer("metrics_server")),
                   ("instance lock", self.lock.release)]
-        # An output that fails again while it closes (the disk is still full) is said once,
-        # as the error that ends the run, not as a warning per step.
+        # an output failing again as it closes (a full disk) is said once, as the run's error
         out_errors: list[OSError] = []
 
         def quiet_outputs(fn):
