@@ -196,6 +196,7 @@ class Names:
         self._links: dict[int, dict[int, str]] = {}
         self._veths: dict[int, dict[int, tuple]] = {}     # inode -> parse_links' veths
         self._nsids: dict[int, tuple[float, dict[int, int]]] = {}   # inode -> (when, nsid map)
+        self._csum: dict[tuple[int, int], tuple[float, bool | None]] = {}  # veth_peer_tx_csum's
         self._last_scan: dict[int, float] = {}
         try:
             self.host = host_inode()
@@ -264,19 +265,27 @@ class Names:
     def veth_peer_tx_csum(self, netns: int, ifindex: int) -> bool | None:
         """Whether the other end of the veth `ifindex` in `netns` offloads its TX checksums
         (`ethtool -k`'s tx-checksumming), asked of the kernel in that end's namespace; None
-        when that end cannot be named or asked. Asked on a checksum drop only, never cached:
-        the SRE may have just turned it off."""
+        when that end cannot be named or asked. Asked on checksum drops only, and again after
+        a second at most: the SRE may have just turned it off, and a storm of drops must not
+        cost a namespace switch each."""
+        now = time.monotonic()
+        hit = self._csum.get((netns, ifindex))
+        if hit is not None and now - hit[0] < 1.0:
+            return hit[1]
+        if len(self._csum) >= 4096:
+            self._csum.clear()
+        got = None
         end = self._veth_other_end(netns, ifindex)
-        if end is None or self.iface(*end) is None:
-            return None
-        found, path = self._path(end[0])
-        name = self._links.get(end[0], {}).get(end[1])
-        if not found or name is None:
-            return None
-        try:
-            return run_in(path, lambda: tx_csum_offload(name), "npt-ethtool")
-        except OSError:
-            return None
+        if end is not None and self.iface(*end) is not None:
+            found, path = self._path(end[0])
+            name = self._links.get(end[0], {}).get(end[1])
+            if found and name is not None:
+                try:
+                    got = run_in(path, lambda: tx_csum_offload(name), "npt-ethtool")
+                except OSError:
+                    pass
+        self._csum[(netns, ifindex)] = (now, got)
+        return got
 
     def _nsid_map(self, netns: int) -> dict[int, int]:
         """{nsid: inode} of the namable namespaces as `netns` numbers them, refreshed at most

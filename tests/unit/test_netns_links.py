@@ -59,3 +59,22 @@ def test_nsid_answer_and_request():
     req = netns.nsid_request(7, seq=3)
     assert struct.unpack_from("=IHHII", req) == (len(req), 90, 1, 3, 0)
     assert req[-4:] == struct.pack("=I", 7)
+
+
+def test_a_peers_offload_is_asked_once_a_second_not_once_a_drop(monkeypatch):
+    """A storm of checksum drops on one veth costs one namespace switch a second; a second
+    later the setting is asked again (the SRE may have turned it off)."""
+    from types import SimpleNamespace
+    asked = []
+    monkeypatch.setattr(netns, "run_in", lambda path, fn, name: asked.append(path) or True)
+    now = [100.0]
+    monkeypatch.setattr(netns, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    n = netns.Names.__new__(netns.Names)
+    n._csum, n._links = {}, {9: {4: "c0"}}
+    monkeypatch.setattr(n, "_veth_other_end", lambda ns, i: (9, 4), raising=False)
+    monkeypatch.setattr(n, "iface", lambda ns, i: "ns/c0", raising=False)
+    monkeypatch.setattr(n, "_path", lambda ns: (True, "/run/netns/ns"), raising=False)
+    assert [n.veth_peer_tx_csum(1, 7) for _ in range(50)] == [True] * 50
+    assert asked == ["/run/netns/ns"]
+    now[0] += 1.5
+    assert n.veth_peer_tx_csum(1, 7) is True and len(asked) == 2
