@@ -344,11 +344,21 @@ def decode(buf: bytes | bytearray | memoryview) -> Event:
     hold any msgpack value where a record's raw bytes belong)."""
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise DecodeError(f"record is a {type(buf).__name__}, not bytes")
+    if type(buf) is memoryview:
+        buf = _bytes_view(buf)
     if len(buf) < SIZE:
         raise DecodeError(f"record of {len(buf)} bytes, need {SIZE}")
     if type(buf) is not bytes or len(buf) != SIZE:
         buf = bytes(buf[:SIZE])
     return from_tuple(_unpack(buf), buf)
+
+
+def _bytes_view(buf: memoryview) -> memoryview | bytes:
+    """A view of wider items (array('I'), a 2-D buffer) as the bytes it holds: its len()
+    and slices count items, not bytes."""
+    if buf.itemsize == 1 and buf.ndim == 1:
+        return buf
+    return buf.cast("B") if buf.c_contiguous else buf.tobytes()
 
 
 def from_tuple(t: tuple, raw: bytes = b"") -> Event:
@@ -394,6 +404,8 @@ def decode_many(bufs) -> tuple[list[Event], int]:
     new = _new_event
     for buf in bufs:
         if type(buf) is not bytes or len(buf) != size:
+            if type(buf) is memoryview:
+                buf = _bytes_view(buf)
             if not isinstance(buf, (bytes, bytearray, memoryview)) or len(buf) < size:
                 bad += 1
                 continue

@@ -54,6 +54,9 @@ class NodeKnowledge:
         self._ct_drop: dict[int, int] = {}
         self._smaps: tuple = ()                  # the non-None maps, for _lookup
         self._hist: dict[int, list] = {}         # inode -> [(in force since ns, map)], oldest first
+        # namespaces that have had rules: still watched when their rules are all gone (a
+        # kube-proxy that deletes its table to write it anew), unlike the pods' rule-less ones
+        self._ruleful: set[int] = set()
         self._newest_ns = 0                      # the latest of those times
         self._asof: int | None = None            # the record time lookups answer for (at())
         self._etp_memo: dict[tuple[str, int], tuple] = {}   # etp_local's answers
@@ -96,6 +99,7 @@ class NodeKnowledge:
                 old = next(iter(self._maps))
                 del self._maps[old]
                 self._hist.pop(old, None)
+                self._ruleful.discard(old)
                 self.errors.pop(old, None)
                 self._checked.pop(old, None)
                 self._prints.pop(old, None)
@@ -144,6 +148,8 @@ class NodeKnowledge:
         none that stopped being in force more than HISTORY_NS before the newest began."""
         h = self._hist.setdefault(inode, [])
         h.append((since_ns, smap))
+        if smap:
+            self._ruleful.add(inode)
         while len(h) > HISTORY or (len(h) > 1 and h[1][0] < since_ns - HISTORY_NS):
             del h[0]
         if since_ns > self._newest_ns:
@@ -189,8 +195,8 @@ class NodeKnowledge:
         n = 0
         look_ns = time.monotonic_ns()
         for inode, (_, smap) in list(self._maps.items()):
-            if not smap or (only is not None and inode not in only) or \
-                    (legacy_only and inode not in self._legacy_ns):
+            if not (smap or inode in self._ruleful) or (only is not None and inode not in only) \
+                    or (legacy_only and inode not in self._legacy_ns):
                 continue
             ns = self._netns_arg(inode)
             if ns is False:
@@ -256,7 +262,7 @@ class NodeKnowledge:
         from nptrace.kernel.nsenter import path_of
         out = {}
         for inode, (_, smap) in list(self._maps.items()):
-            ns = self._netns_arg(inode) if smap else False
+            ns = self._netns_arg(inode) if smap or inode in self._ruleful else False
             if ns is not False:
                 out[inode] = path_of(ns)
         return out
@@ -371,6 +377,7 @@ class NodeKnowledge:
             for i in gone:
                 del self._maps[i]
                 self._hist.pop(i, None)
+                self._ruleful.discard(i)
                 self._checked.pop(i, None)
                 self._prints.pop(i, None)
                 self._legacy_next.pop(i, None)

@@ -43,6 +43,25 @@ def test_short_record_is_an_error():
         ev.decode(b"\0" * 10)
 
 
+def test_a_view_of_wider_items_is_read_as_its_bytes():
+    """A memoryview's len() and slices count items: a view of array('I') of a record's bytes
+    decodes as those bytes, and one too short is a DecodeError, never struct.error."""
+    import array
+    raw = ev.encode(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, saddr="192.0.2.1")
+    raw += bytes(-len(raw) % 4)
+    wide = memoryview(array.array("I", raw))
+    assert ev.decode(wide).saddr == "192.0.2.1"
+    assert ev.decode(memoryview(raw).cast("B", (len(raw) // 4, 4))).saddr == "192.0.2.1"
+    try:     # not contiguous: copied out; what it holds is no record, but said as one
+        ev.decode(memoryview(array.array("I", raw * 2))[::2])
+    except ev.DecodeError:
+        pass
+    got, bad = ev.decode_many([wide, memoryview(array.array("I", raw[:ev.SIZE // 2]))])
+    assert [e.saddr for e in got] == ["192.0.2.1"] and bad == 1
+    with pytest.raises(ev.DecodeError, match="need"):
+        ev.decode(memoryview(array.array("I", raw[:40])))
+
+
 def test_wrong_abi_is_an_error():
     raw = bytearray(ev.encode(type=1, hook=1))
     raw[22:24] = (99).to_bytes(2, "little")

@@ -78,6 +78,24 @@ def test_empty_namespaces_are_not_watched(monkeypatch):
     assert asked == [None]      # the host only: a pod's empty namespace costs nothing
 
 
+def test_a_namespace_whose_rules_all_went_is_still_watched(monkeypatch):
+    """kube-proxy deletes its table and writes it anew: the empty moment between must not
+    leave the namespace unwatched (listener and checks) until the 10 s refresh."""
+    rules = {"host": ((1, None), {}), "ns5": ((1, None), {"10.244.0.10": "default/web"})}
+    kn, now = _node(monkeypatch, rules)
+    kn.preload({1, 5})
+    assert set(kn.watched_paths()) == {5}
+    rules["ns5"] = ((2, None), {})                     # the table deleted
+    now[0] = 1.0
+    assert kn.check_changes() == 1 and kn.endpoint_of("10.244.0.10", 8080) is None
+    assert set(kn.watched_paths()) == {5}
+    rules["ns5"] = ((3, None), {"10.244.0.11": "default/web"})   # and written anew
+    now[0] = 2.0
+    assert kn.check_changes() == 1 and kn.endpoint_of("10.244.0.11", 8080) == "default/web"
+    kn.prune({1})
+    assert kn.watched_paths() == {}
+
+
 def test_the_watch_thread_starts_and_stops(monkeypatch):
     rules = {"host": ((1, None), {"10.244.0.10": "default/web"})}
     kn, _ = _node(monkeypatch, rules)
