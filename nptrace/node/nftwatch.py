@@ -23,6 +23,7 @@ import os
 import select
 import selectors
 import socket
+import threading
 from typing import Callable
 
 from nptrace.kernel.nsenter import run_in
@@ -64,8 +65,10 @@ class NftChanges:
         self._socks: dict[int, socket.socket] = {}
         self.failed: dict[int, str] = {}      # inode -> why its listener could not be opened
         self.lost = 0                          # bursts past the socket buffer (ENOBUFS)
-        # wake(): a stop ends ready()'s wait at once, not when its timeout runs out
+        # wake(): a stop ends ready()'s wait at once, not when its timeout runs out; the lock
+        # keeps a wake from writing to the fd number after close() gave it back
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
 
     def sync(self, wanted: dict[int, str | None]) -> None:
@@ -93,10 +96,12 @@ class NftChanges:
     def wake(self) -> None:
         """End a ready() waiting in another thread now (it returns what is ready, maybe
         nothing); the wait after it returns at once too."""
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:    # closed, or already awake (a full pipe)
-            pass
+        with self._wake_lock:
+            try:
+                if self._wake_w >= 0:
+                    os.write(self._wake_w, b"x")
+            except OSError:    # already awake (a full pipe)
+                pass
 
     def drain(self, inodes) -> list[int]:
         """`inodes` that have a listener, each read until empty."""
@@ -148,8 +153,10 @@ class NftChanges:
         for inode in list(self._socks):
             self._drop(inode)
         self._sel.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1

@@ -1,7 +1,10 @@
 """node/nftwatch.py NftChanges: listeners follow the namespaces asked for, wait() names the
 ones that committed (ready), drain() empties them, and a listener that cannot be opened is
 remembered."""
+import os
 import socket
+
+import pytest
 
 from nptrace.node.nftwatch import NftChanges
 
@@ -75,3 +78,17 @@ def test_wake_ends_a_wait_at_once():
         t.join(timeout=5)
         assert got == [[]] and time.monotonic() - t0 < 5
         w.close()
+
+
+def test_a_wake_after_close_writes_nowhere():
+    w = NftChanges(Opener())
+    w.close()
+    r, wr = os.pipe()         # may take the closed fd's number
+    try:
+        w.wake()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)      # nothing was written to whatever has that number now
+    finally:
+        os.close(r)
+        os.close(wr)
