@@ -14,12 +14,15 @@ demo: setup
 
 ## The README's second command (and .ci/run): set up, then every test (unit + privileged)
 ## but the few that run for minutes (marked long: a bench run, the soak, the container image
-## build), which test-all adds.
+## build), which test-all adds. Two pytest-xdist workers: one runs the privileged tests one
+## after another (they share the node's lock and kernel state: tests/conftest.py), the other
+## the unit tests meanwhile.
+XDIST := -n 2 --dist loadgroup
 test: setup
-	$(PYTEST) -ra -m "not long" tests/unit tests/privileged
+	$(PYTEST) -ra $(XDIST) -m "not long" tests/privileged tests/unit
 
 test-all: setup
-	$(PYTEST) -ra tests/unit tests/privileged
+	$(PYTEST) -ra $(XDIST) tests/privileged tests/unit
 
 test-unit: setup
 	$(PYTEST) -q tests/unit

@@ -76,7 +76,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "$needs_bcc" 2>/dev/null; 
     /usr/bin/python3 -m venv --system-site-packages .venv
 fi
 # py-spy is a binary, not a module: checked by its path, so an older venv picks it up
-if [ "$profile" = full ]; then probe="import pytest" && tool=.venv/bin/py-spy; else probe="" && tool=.venv/bin/python; fi
+if [ "$profile" = full ]; then probe="import pytest, xdist" && tool=.venv/bin/py-spy; else probe="" && tool=.venv/bin/python; fi
 if ! .venv/bin/python -c "import nptrace, pyroute2, msgpack, click, prometheus_client; $probe" 2>/dev/null \
    || [ ! -x "$tool" ] || [ pyproject.toml -nt .venv/.installed ] \
    || [ setup.py -nt .venv/.installed ] \

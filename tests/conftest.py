@@ -1,5 +1,9 @@
 """Test markers: privileged tests load BPF or build network namespaces. They run wherever the
-process can (CI runs as root) and skip, with the reason printed, only where it cannot."""
+process can (CI runs as root) and skip, with the reason printed, only where it cannot.
+
+Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the privileged tests are one group,
+run one after another by one worker: they share the node's instance lock, its conntrack
+limits and its tracepoints. The unit tests, which touch no kernel state, run on the other."""
 import os
 
 import pytest
@@ -18,5 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/privileged/" in str(item.fspath):
             item.add_marker(pytest.mark.privileged)
+            item.add_marker(pytest.mark.xdist_group("privileged"))
         if reason and "privileged" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -24,9 +24,10 @@ class Bench:
         return self.scale(10.0, 5.0)
 
     def nptrace(self, topo: Topology, section: str, tag: str, args: list[str],
-                stdout_path: Path | None = None) -> Nptrace:
+                stdout_path: Path | None = None, env: dict[str, str] | None = None) -> Nptrace:
         """Start `nptrace run` (returns once its ready file exists) and log its start-up."""
-        n = Nptrace(topo, self.logdir, tag, args, stdout_path, stop_wait=self.stop_wait)
+        n = Nptrace(topo, self.logdir, tag, args, stdout_path, stop_wait=self.stop_wait,
+                    env=env)
         self.launches.append((section, n))
         return n.start()
 

@@ -2,7 +2,11 @@
 
 Start-up: launch of `nptrace run` to its ready file (every probe attached), over every launch
 of this benchmark run (the other sections start nptrace many times), with nptrace's own
-`attached ... in X s` beside it. Stop: SIGINT to exit (nptrace drains its ring first).
+`attached ... in X s` beside it. Stop: SIGINT to exit (nptrace drains its ring first). And
+three kinds of start side by side, each the median of KIND_RUNS launches watching one veth:
+warm (the compiled object in the cache, kernel/objcache.py), cold (the page cache dropped
+before each launch, the object cached) and compiling (an empty object cache: a first start,
+the page cache warm).
 
 Memory: one nptrace watching a veth (tracepoints + tc), then a churn of distinct flows for
 10 minutes (quick: 20 s): SYNs at a steady rate to a closed port, each from a new (source
@@ -23,6 +27,10 @@ from nptrace.bench.topology import Topology
 from nptrace.bench.workloads import TRAFFIC
 
 STARTUP_TARGET_S = 2.0
+KIND_RUNS = 3
+# (kind, what the row says, target in s or None)
+KINDS = (("warm", "warm: object cached", 1.5), ("cold", "cold: page cache dropped, object cached", 3.0),
+         ("compile", "first start: no cached object (bcc compiles)", None))
 RSS_TARGET = 160 * 2**20
 FLAT = 0.10
 SRC_NET = "10.251.128.0/17"
@@ -40,6 +48,7 @@ def run(b: Bench) -> Section:
         t.ip(c, "route", "add", "local", SRC_NET, "dev", "lo")
         t.ip(s, "route", "add", SRC_NET, "via", "10.251.8.1")
         dmac = t.mac(s, "s0")
+        kinds = _start_kinds(b, t, ["--iface", f"{s}/s0", "--max-rate", "0"])
         # --max-rate 0: every flow reaches the classifier (by default the kernel would send a
         # sample of this churn), the worst case for its memory
         n = b.nptrace(t, "startup", "startup", ["--iface", f"{s}/s0", "--max-rate", "0"])
@@ -64,8 +73,35 @@ def run(b: Bench) -> Section:
             n.stop()
     launches = b.launch_records()
     sec.data = _data(samples, launches, secs, rate, sent)
+    sec.data["kinds"] = kinds
     sec.rows = rows(sec.data)
     return sec
+
+
+def _drop_page_cache() -> None:
+    subprocess.run(["sync"], check=False)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _start_kinds(b: Bench, t: Topology, args: list[str]) -> dict[str, dict]:
+    """kind -> spread() of launch -> ready over KIND_RUNS launches (KINDS); each launch in
+    an object cache of its own: a fresh empty folder for "compile", one a first start filled
+    for the others."""
+    import tempfile
+    out: dict[str, list[float]] = {k: [] for k, _, _ in KINDS}
+    with tempfile.TemporaryDirectory(prefix="npt-bench-cache-") as tmp:
+        filled = {"NPTRACE_BPF_CACHE": f"{tmp}/filled"}
+        b.nptrace(t, "startup", "su-fill", args, env=filled).stop()
+        for i in range(KIND_RUNS):
+            for kind, _, _ in KINDS:
+                env = filled if kind != "compile" else {"NPTRACE_BPF_CACHE": f"{tmp}/empty{i}"}
+                if kind == "cold":
+                    _drop_page_cache()
+                n = b.nptrace(t, "startup", f"su-{kind}{i}", args, env=env)
+                n.stop()
+                out[kind].append(n.startup_wall_s)
+    return {k: spread(v) for k, v in out.items()}
 
 
 def _data(samples, launches, secs, rate, sent) -> dict:
@@ -103,6 +139,14 @@ def rows(d: dict) -> list[Row]:
                        f"{s['median']:.2f} s self-reported" if s.get("n") else "",
                        f"< {STARTUP_TARGET_S:g} s", w["median"] < STARTUP_TARGET_S,
                        w["median"], s.get("median"), None, f"< {STARTUP_TARGET_S:g} s"))
+    for kind, what, target in KINDS:
+        k = d.get("kinds", {}).get(kind, {})
+        if k.get("n"):
+            out.append(Row("startup", f"start-up, {what} (median of {k['n']}, max "
+                           f"{k['max']:.2f}s)", f"{k['median']:.2f} s", "",
+                           f"< {target:g} s" if target else "info",
+                           None if target is None else k["median"] < target, k["median"],
+                           None, None, f"< {target:g} s" if target else ""))
     if st.get("n"):
         out.append(Row("startup", f"stop, SIGINT -> exit after load (max of {st['n']}, "
                        f"median {st['median']:.1f}s)", f"{st['max']:.1f} s",

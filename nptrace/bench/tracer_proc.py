@@ -21,8 +21,10 @@ class Nptrace:
     """One `nptrace run --json` in the root namespace; args add --iface/--host etc."""
 
     def __init__(self, topo: Topology, logdir: Path, tag: str, args: list[str],
-                 stdout_path: Path | None = None, stop_wait: float = 15.0):
+                 stdout_path: Path | None = None, stop_wait: float = 15.0,
+                 env: dict[str, str] | None = None):
         self.topo = topo
+        self.env = env or {}
         self.tag = tag
         self.args = args
         self.ready = logdir / f"{tag}.ready"
@@ -43,7 +45,7 @@ class Nptrace:
 
     def start(self) -> "Nptrace":
         self.ready.unlink(missing_ok=True)
-        env = dict(os.environ, NPTRACE_LOCK_FILE=str(self.lock))
+        env = dict(os.environ, NPTRACE_LOCK_FILE=str(self.lock), **self.env)
         out = self.topo.open_log(self.out_path) if self.out_path else subprocess.DEVNULL
         err = self.topo.open_log(self.err_path)
         argv = [PY, "-m", "nptrace.cli", "run", "--json", "--ready-file", str(self.ready),

@@ -126,7 +126,7 @@ class Tracer:
         self.cfg = plan.cfg
         check("plan")
         kflags = attach.kernel_flags(plan, kbtf, drops, rsts, log)
-        self.probes = attach.load(plan, kflags, drops)
+        self.probes = attach.load(plan, kflags, drops, log)
         check("compile")
         if plan.tc:
             self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)
@@ -197,8 +197,8 @@ class Tracer:
         if self.tc is not None:
             what += f" (tc via {self.tc.mode})"
         node = f" on node {self.outputs.node}" if self.outputs.node else ""
-        log(f"attached {what}{node} in {elapsed:.2f}s "
-            f"(kprobes: {'yes' if plan.kprobes else 'absent'})")
+        log(f"attached {what}{node} in {elapsed:.2f}s (BPF object {self.probes.origin}; "
+            f"kprobes: {'yes' if plan.kprobes else 'absent'})")
         check("attached")
         if self.ready_file:
             write_ready_file(self.ready_file)

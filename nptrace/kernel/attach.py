@@ -236,7 +236,7 @@ def trial(p: Plan, log: Log = lambda _: None) -> tuple[bool, str]:
     try:
         kbtf = btf.default()
         drops, rsts = reasons.load_tables(kbtf)
-        probes = load(p, kernel_flags(p, kbtf, drops, rsts, log), drops)
+        probes = load(p, kernel_flags(p, kbtf, drops, rsts, log), drops, log)
     except (LoadError, btf.BtfError, OSError) as e:
         return False, _first_error(e)
     try:
@@ -247,7 +247,8 @@ def trial(p: Plan, log: Log = lambda _: None) -> tuple[bool, str]:
         return False, _first_error(e)
     finally:
         probes.close()
-    return True, (f"compiled and loaded {len(p.tracepoints)} tracepoint and {n} kprobe "
+    how = "compiled" if probes.origin == "compiled" else "took from the object cache"
+    return True, (f"{how} and loaded {len(p.tracepoints)} tracepoint and {n} kprobe "
                   f"programs in {time.monotonic() - t0:.1f} s")
 
 
@@ -288,10 +289,15 @@ def all_cflags(p: Plan, kernel_flags: list[str]) -> list[str]:
     return loader.all_cflags(p.cfg, p.tracepoints, kernel_flags + tc_cflags(p), p.fields)
 
 
-def load(p: Plan, kernel_flags: list[str], drops, *, kskb: bool = True) -> loader.Probes:
-    """Compile and load the planned programs into one bcc object."""
-    return loader.Probes(p.cfg, kernel_flags + tc_cflags(p, kskb), drops, p.tracepoints,
-                         p.fields)
+def load(p: Plan, kernel_flags: list[str], drops, log: Log = lambda _: None, *,
+         kskb: bool = True) -> loader.Probes:
+    """Compile (or take from the object cache) and load the planned programs as one
+    object; what the cache had to say is logged."""
+    probes = loader.Probes(p.cfg, kernel_flags + tc_cflags(p, kskb), drops, p.tracepoints,
+                           p.fields)
+    for note in probes.notes:
+        log(note)
+    return probes
 
 
 # --- attach, fall back -----------------------------------------------------------------------
@@ -308,7 +314,7 @@ def attach_tc(p: Plan, probes, kernel_flags: list[str], drops, log: Log):
         log(f"tc programs refused ({str(e).splitlines()[0]}); retrying without kernel sk_buff reads "
             "(tc events carry no conntrack tuples)")
         probes.close()
-    probes = load(p, kernel_flags, drops, kskb=False)
+    probes = load(p, kernel_flags, drops, log, kskb=False)
     try:
         return probes, tc.attach(probes, p.cfg)
     except BaseException:

@@ -1,6 +1,7 @@
-"""The bpf(2) system call, for the commands bcc 0.26 does not wrap: link creation (tcx,
-netfilter), program queries, BPF_ENABLE_STATS, a raw program load (the bench's empty
-program). One place for the syscall number of each architecture."""
+"""The bpf(2) system call, for the commands bcc 0.26 does not wrap or wraps only inside a
+compile: link creation (tcx, netfilter), program queries, BPF_ENABLE_STATS, map creation and
+program loads of a compiled object (kernel/bpfobject.py), the bench's empty program. One
+place for the syscall number of each architecture."""
 from __future__ import annotations
 
 import ctypes as ct

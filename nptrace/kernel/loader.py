@@ -1,5 +1,10 @@
 """Compile, load and attach the BPF programs through bcc. The ONLY module that imports bcc.
 
+A start takes the compiled object from the cache where an earlier start made the same one
+(kernel/objcache.py), else bcc compiles it; either way the object is a kernel/bpfobject.py
+Snapshot loaded as a Loaded (bcc's BPF over the snapshot's maps and instructions), so a
+cached start and a compiling one run the same code from there on.
+
 One bcc BPF() object holds every hook family (the bpf/*.bpf.c files, concatenated), so all of
 them share one ring buffer, one exact-counter map and one stats array. They are concatenated
 rather than #included because bcc generates TRACEPOINT_PROBE argument structs only for probes
@@ -95,6 +100,69 @@ def _compiling(what: str):
         yield log
 
 
+def _load_object(text: str, cflags: list[str]):
+    """(kernel/bpfobject.py Loaded object, where it came from: "cache" or "compiled", notes
+    for the log: fd 2 is captured meanwhile). A
+    cached object of the same source, switches, bcc and kernel is loaded without compiling
+    (kernel/objcache.py); otherwise bcc compiles, the object is taken apart into a Snapshot
+    (the maps' fds kept, the module freed) and cached for the next start."""
+    import bcc
+
+    from nptrace.kernel import bpfobject, objcache
+    notes: list[str] = []
+    folder = objcache.cache_dir()
+    k = objcache.key(text, cflags, getattr(bcc, "__version__", "?"))
+    if folder is not None:
+        snap, why = objcache.load(folder, k)
+        if why:
+            notes.append(f"BPF object cache: {why}; compiling")
+        if snap is not None:
+            return bpfobject.loaded(_loaded_class(), snap), "cache", notes
+
+    class Compiled(bcc.BPF):
+        def _trace_autoload(self):      # programs are loaded from the snapshot, never here
+            pass
+
+    b = Compiled(text=text.encode(), cflags=cflags)
+    try:
+        from bcc.libbcc import lib
+        snap, fds = bpfobject.snapshot(b, lib)
+        own = [os.dup(fd) for fd in fds]     # the maps outlive bcc's module
+    finally:
+        b.cleanup()
+    obj = bpfobject.loaded(_loaded_class(), snap, own)
+    if folder is not None:
+        why = objcache.save(folder, k, snap)
+        if why:
+            notes.append(f"BPF object cache not written ({why}): every start compiles")
+    return obj, "compiled", notes
+
+
+_LOADED = None
+
+
+def _loaded_class():
+    """kernel/bpfobject.py's Loaded class over bcc's BPF (made once)."""
+    global _LOADED
+    if _LOADED is None:
+        from bcc import BPF, table
+        from bcc.utils import get_possible_cpus
+
+        from nptrace.kernel import bpfobject
+        _LOADED = bpfobject.define_loaded(BPF, table, get_possible_cpus)
+    return _LOADED
+
+
+def _attach_tracepoints(b) -> None:
+    """Load and attach every TRACEPOINT_PROBE program, as bcc's autoload does by name."""
+    from bcc import BPF
+    names = [n for n in b.function_names() if n.startswith("tracepoint__")]
+    b.load_funcs_at_once(names, BPF.TRACEPOINT)
+    for name in names:
+        tp = name[len("tracepoint__"):].replace("__", ":", 1)
+        b.attach_tracepoint(tp=tp.encode(), fn_name=name.encode())
+
+
 @dataclass
 class TrialResult:
     ok: bool
@@ -106,21 +174,22 @@ class Probes:
 
     def __init__(self, cfg: Config, offset_flags: list[str], drops: ReasonTable,
                  available_tracepoints: set[str], fields=None):
-        from bcc import BPF  # noqa: the only bcc import site
-
         self.cfg = cfg
         self.cflags = all_cflags(cfg, available_tracepoints, offset_flags, fields)
         self.attached: list[str] = []
         t0 = time.monotonic()
         with _compiling("BPF compile/load failed") as log:
             try:
-                self.bpf = BPF(text=source_text(), cflags=self.cflags)
+                self.bpf, self.origin, self.notes = _load_object(source_text(), self.cflags)
+                _attach_tracepoints(self.bpf)
             except Exception as e:
                 err = e
             else:
                 err = None
         if err is not None:
-            refused = map_failure(log["text"], {
+            if getattr(self, "bpf", None) is not None:
+                self.bpf.cleanup()
+            refused = map_failure(log["text"] + "\n" + str(err), {
                 "events": f"--ring-pages {cfg.ringbuf_pages} = {cfg.ringbuf_pages >> 8} MiB",
                 "pkt_scratch": f"--snaplen {cfg.snaplen}"})
             if refused:
@@ -200,8 +269,8 @@ class Probes:
         from bcc import BPF
         try:
             with _capture_stderr() as log:     # libbcc prints the verifier log on fd 2
-                ing = self.bpf.load_func("npt_tc_ingress", BPF.SCHED_CLS)
-                egr = self.bpf.load_func("npt_tc_egress", BPF.SCHED_CLS)
+                ing, egr = self.bpf.load_funcs_at_once(["npt_tc_ingress", "npt_tc_egress"],
+                                                       BPF.SCHED_CLS)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise LoadError(f"tc programs failed to load: {first}", _tail(log["text"])) from None

@@ -2,8 +2,9 @@
 
 The directives are read from the unit file; each is applied the way systemd.exec(5) says, in
 a private mount namespace (`unshare -m --propagation private`):
-  ProtectSystem=strict    / read-only, except ReadWritePaths=, StateDirectory= (/var/lib/X)
-                          and RuntimeDirectory= (/run/X), bound onto themselves first
+  ProtectSystem=strict    / read-only, except ReadWritePaths=, StateDirectory= (/var/lib/X),
+                          CacheDirectory= (/var/cache/X) and RuntimeDirectory= (/run/X),
+                          bound onto themselves first
   PrivateTmp=yes          fresh tmpfs on /tmp and /var/tmp
   ProtectHome=yes         empty read-only tmpfs on /home and /root
   ProtectKernelModules    empty read-only tmpfs on /usr/lib/modules (when set)
@@ -50,9 +51,10 @@ NOT_EMULATED = {
     "SystemCallArchitectures": "needs seccomp-bpf", "SystemCallFilter": "needs seccomp-bpf",
     "StateDirectoryMode": "applied with StateDirectory", "RuntimeDirectoryMode":
     "applied with RuntimeDirectory", "RuntimeDirectoryPreserve": "the directory is kept",
+    "CacheDirectoryMode": "applied with CacheDirectory",
     "Description": "", "After": "", "Wants": "", "WantedBy": "",
 }
-HANDLED = {"Type", "ExecStart", "ProtectSystem", "ReadWritePaths", "StateDirectory",
+HANDLED = {"Type", "ExecStart", "ProtectSystem", "ReadWritePaths", "StateDirectory", "CacheDirectory",
            "RuntimeDirectory", "PrivateTmp", "ProtectHome", "ProtectKernelModules",
            "ProtectKernelLogs", "ProtectControlGroups", "CapabilityBoundingSet",
            "NoNewPrivileges", "UMask", "Environment", "WatchdogSec"}
@@ -119,6 +121,7 @@ class Unit:
     def writable_paths(self) -> list[str]:
         out = [p.lstrip("-") for p in self.words("ReadWritePaths")]
         out += [f"/var/lib/{d}" for d in self.words("StateDirectory")]
+        out += [f"/var/cache/{d}" for d in self.words("CacheDirectory")]
         out += [f"/run/{d}" for d in self.words("RuntimeDirectory")]
         return list(dict.fromkeys(out))
 
@@ -132,9 +135,10 @@ class Unit:
         """The sh commands that build the unit's file-system view in a fresh mount namespace.
         `binds` moves a writable path's host side (e.g. the state directory into a test dir)."""
         sh = ["set -e", "mount --make-rprivate /"]
-        for key, mode_key in (("StateDirectory", "StateDirectoryMode"),
-                              ("RuntimeDirectory", "RuntimeDirectoryMode")):
-            base = "/var/lib" if key == "StateDirectory" else "/run"
+        bases = {"StateDirectory": "/var/lib", "CacheDirectory": "/var/cache",
+                 "RuntimeDirectory": "/run"}
+        for key, base in bases.items():
+            mode_key = key + "Mode"
             for d in self.words(key):
                 p = f"{base}/{d}"
                 src = binds.get(p, p)

@@ -576,6 +576,6 @@ def test_rss_under_churn_of_distinct_flows(churn_ns, tmp_path, daemon_env):
     assert rc == 0, run.stderr()
     assert "nptrace: stopped: " in run.stderr()
     assert made > RATE and refused > RATE // 2
-    ours = [e for e in run.events() if e["netns"] == inode]
+    ours = [e for e in run.events() if e.get("netns") == inode]   # not the loss/summary lines
     assert len(ours) >= refused // 2, "the churn was not traced"
     assert series
