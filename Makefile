@@ -17,7 +17,7 @@ demo: setup
 ## build), which test-all adds. Two pytest-xdist workers: one runs the privileged tests one
 ## after another (they share the node's lock and kernel state: tests/conftest.py), the other
 ## the unit tests meanwhile.
-XDIST := -n 2 --dist loadgroup
+XDIST := -n 2
 test: setup
 	$(PYTEST) -ra $(XDIST) -m "not long" tests/privileged tests/unit
 

@@ -1,9 +1,9 @@
 """Test markers: privileged tests load BPF or build network namespaces. They run wherever the
 process can (CI runs as root) and skip, with the reason printed, only where it cannot.
 
-Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the privileged tests are one group,
-run one after another by one worker: they share the node's instance lock, its conntrack
-limits and its tracepoints. The unit tests, which touch no kernel state, run on the other."""
+Under pytest-xdist (`make test`: -n 2) the privileged tests are one scope, run one after
+another by one worker: they share the node's instance lock, its conntrack limits and its
+tracepoints. The unit tests, which touch no kernel state, run on the other."""
 import os
 
 import pytest
@@ -17,11 +17,23 @@ def has_bpf_caps() -> bool:
         return os.geteuid() == 0
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with every privileged test in one scope, so one worker runs
+    them all, in order. (xdist's own `loadgroup` marks do not take effect under this pytest:
+    its workers never see the group in the node ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PrivilegedTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return "privileged" if "/privileged/" in nodeid else nodeid
+    return PrivilegedTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     reason = None if has_bpf_caps() else "needs root (CAP_BPF+CAP_PERFMON+CAP_NET_ADMIN)"
     for item in items:
         if "/privileged/" in str(item.fspath):
             item.add_marker(pytest.mark.privileged)
-            item.add_marker(pytest.mark.xdist_group("privileged"))
         if reason and "privileged" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -289,16 +289,18 @@ class TcAttachments:
 
     # Resolve every interface before changing anything.
     def resolve(self) -> list[tuple[IfaceSpec, int, int]]:
-        out = []
-        for spec in self.specs:
-            with self.open_netns(spec.netns) as r:
-                link = r.link(spec.name)
-                arphrd = getattr(link, "arphrd", 1)
-                if arphrd not in ETHERNET_LINK_TYPES:
-                    raise InterfaceError(f"--iface {spec}: link type {arphrd} has no Ethernet "
-                                         f"header; nptrace's tc parser needs one (watch the "
-                                         f"underlying Ethernet device instead)")
-                out.append((spec, link.ifindex, r.inode))
+        found: dict[int, tuple[int, int]] = {}
+        for netns, group in _by_netns(list(enumerate(self.specs)), lambda x: x[1].netns):
+            with self.open_netns(netns) as r:
+                for i, spec in group:
+                    link = r.link(spec.name)
+                    arphrd = getattr(link, "arphrd", 1)
+                    if arphrd not in ETHERNET_LINK_TYPES:
+                        raise InterfaceError(f"--iface {spec}: link type {arphrd} has no "
+                                             f"Ethernet header; nptrace's tc parser needs one "
+                                             f"(watch the underlying Ethernet device instead)")
+                    found[i] = (link.ifindex, r.inode)
+        out = [(spec, *found[i]) for i, spec in enumerate(self.specs)]
         seen = {}
         for spec, idx, ino in out:
             if (ino, idx) in seen:
@@ -314,8 +316,10 @@ class TcAttachments:
         targets = self.resolve()
         self.recovered = recover(self.state_dir, self.open_netns, proc=self.proc)
         try:
-            for spec, ifindex, inode in targets:
-                self._attach_one(spec, ifindex, inode)
+            for netns, group in _by_netns(targets, lambda t: t[0].netns):
+                with self.open_netns(netns) as r:
+                    for spec, ifindex, inode in group:
+                        self._attach_one(r, spec, ifindex, inode)
         except BaseException:
             self.detach()
             raise
@@ -327,25 +331,25 @@ class TcAttachments:
     def close(self) -> None:
         self.detach()
 
-    def _attach_one(self, spec: IfaceSpec, ifindex: int, inode: int) -> None:
-        with self.open_netns(spec.netns) as r:
-            self.recovered += _sweep_dead_filters(r, ifindex, spec.name, self.proc, self.pid)
-            entry = Attached(spec.netns, spec.name, ifindex, inode)
-            if self.mode != "clsact" and self._attach_tcx(spec, entry):
-                if self.on_attach is not None:
-                    self.on_attach(entry)
-                log.info("tc programs linked (tcx) to %s (ifindex %d)", spec, ifindex)
-                return
-            self.attached.append(entry)
-            if not r.has_clsact(ifindex):
-                r.add_clsact(ifindex)
-                entry.clsact_created = True
-                self.state.write(self.attached)
-            for parent in (PARENT_INGRESS, PARENT_EGRESS):
-                ref = r.add_bpf_filter(ifindex, parent, self.fds[parent],
-                                       filter_name(self.pid, parent))
-                entry.filters.append(ref.to_dict())
-                self.state.write(self.attached)
+    def _attach_one(self, r, spec: IfaceSpec, ifindex: int, inode: int) -> None:
+        """Attach to one interface; r: an open Rtnl of its namespace."""
+        self.recovered += _sweep_dead_filters(r, ifindex, spec.name, self.proc, self.pid)
+        entry = Attached(spec.netns, spec.name, ifindex, inode)
+        if self.mode != "clsact" and self._attach_tcx(spec, entry):
+            if self.on_attach is not None:
+                self.on_attach(entry)
+            log.info("tc programs linked (tcx) to %s (ifindex %d)", spec, ifindex)
+            return
+        self.attached.append(entry)
+        if not r.has_clsact(ifindex):
+            r.add_clsact(ifindex)
+            entry.clsact_created = True
+            self.state.write(self.attached)
+        for parent in (PARENT_INGRESS, PARENT_EGRESS):
+            ref = r.add_bpf_filter(ifindex, parent, self.fds[parent],
+                                   filter_name(self.pid, parent))
+            entry.filters.append(ref.to_dict())
+            self.state.write(self.attached)
         if self.on_attach is not None:
             self.on_attach(entry)
         log.info("tc programs attached to %s (ifindex %d)", spec, ifindex)
@@ -401,7 +405,8 @@ class TcAttachments:
                     except InterfaceError:
                         pass
         self.state.write(self.attached)
-        self._attach_one(spec, ifindex, inode)
+        with self.open_netns(spec.netns) as r:
+            self._attach_one(r, spec, ifindex, inode)
 
     def detach(self) -> list[str]:
         """Undo, in reverse order. An interface that fails stays in the state file for the
@@ -430,6 +435,15 @@ class TcAttachments:
         if not failed:
             self.state.remove()
         return removed
+
+
+def _by_netns(items: list, netns_of) -> list[tuple]:
+    """(namespace, its items) in first-seen order: one netlink socket per namespace, not per
+    interface (opening one in another namespace costs ~15 ms; a lab node has five devices)."""
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(netns_of(it), []).append(it)
+    return list(groups.items())
 
 
 def _dedupe(ifaces: Iterable[IfaceSpec]) -> list[IfaceSpec]:
