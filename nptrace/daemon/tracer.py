@@ -1,9 +1,7 @@
 """The live pipeline: probes -> decoder -> classifier -> sinks, with start-up checks and a clean
-stop. Status and start-up lines go to stderr; stdout belongs to the sinks.
-
-The Tracer orchestrates: what to attach is kernel/attach.py's plan (from features.probe() and
-the hook table), compiling and attaching is kernel/attach.py's, the extra outputs are
-sinks/outputs.py's."""
+stop. Status and start-up lines go to stderr; stdout belongs to the sinks. The Tracer
+orchestrates: what to attach is kernel/attach.py's plan (from features.probe() and the hook
+table), compiling and attaching is kernel/attach.py's, the extra outputs are sinks/outputs.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -557,6 +555,7 @@ class Tracer:
         steps = [("notify", self.notify.stopping), ("health", health_stop),
                  ("read counters", read_stats),
                  ("loss report", self._report_losses), ("final scrape", final_scrape),
+                 ("tracepoints", lambda: self.probes is not None and self.probes.begin_detach()),
                  ("tc programs", closer("tc")), ("netfilter links", closer("nf_links")),
                  ("rules watch", rules_watch_stop), ("nft trace tables", closer("nft")), ("pod names", closer("pods")),
                  ("ring reader", closer("reader"))]

@@ -415,29 +415,35 @@ class Probes:
                 except BufferError:
                     pass    # a memoryview of it is still referenced: unmapped when freed
             self._nat_mem = None
-        self._detach_tracepoints()
+        for t in self.begin_detach():
+            t.join()
         try:
             self.bpf.cleanup()
         except Exception:
             pass
 
-    def _detach_tracepoints(self) -> None:
-        """Detach every tracepoint at once, one thread each: closing a tracepoint's perf event
-        waits in the kernel for the probes in flight to end (~70 ms each here, 0.37 s for five
-        one after another), and concurrent waits overlap. bcc's cleanup() then finds none."""
+    def begin_detach(self) -> list:
+        """Start detaching every tracepoint, one thread each, and return the threads (close()
+        joins them): closing a tracepoint's perf event waits in the kernel for the probes in
+        flight to end (~70 ms each here, 0.37 s for five one after another), and concurrent
+        waits overlap, with each other and with the tc links' own (the tracer begins this
+        before it closes those). bcc's cleanup() then finds none."""
         import threading
+
+        if getattr(self, "_detaching", None) is not None:
+            return self._detaching
 
         def detach(tp):
             try:
                 self.bpf.detach_tracepoint(tp)
             except Exception:
-                pass      # cleanup() below tries once more
+                pass      # cleanup() tries once more
         threads = [threading.Thread(target=detach, args=(tp,), name="npt-detach")
                    for tp in list(getattr(self.bpf, "tracepoint_fds", {}))]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        self._detaching = threads
+        return threads
 
 
 def trial_load(kind: str) -> TrialResult:

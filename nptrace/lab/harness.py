@@ -55,13 +55,13 @@ def wait_ready(path: Path, proc: subprocess.Popen, timeout: float | None = None,
 def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=(),
                    prefix: str | None = None, settle: float = 1.0, watch: bool = True,
                    inode_sink: dict | None = None, variant: str | None = None,
-                   rounds: int = 1, pause: float = 1.5, wrap: tuple = ()):
+                   rounds: int = 1, pause: float = 1.5, wrap: tuple = (), after=None):
     """Up, trace, trigger (``rounds`` times, ``pause`` s apart), stop, down. ``wrap``: a
-    command prefix for nptrace (a mount namespace, ...). Returns (lab info, attempts, JSON
-    events, stderr)."""
+    command prefix for nptrace (a mount namespace, ...); ``after(case)``: as trace_labs'.
+    Returns (lab info, attempts, JSON events, stderr)."""
     [(info, attempts, inodes)], events, err = trace_labs(
         [Case(name, backend, variant, prefix)], count, extra_args=extra_args, settle=settle,
-        watch=watch, rounds=rounds, pause=pause, wrap=wrap)
+        watch=watch, rounds=rounds, pause=pause, wrap=wrap, after=after)
     if inode_sink is not None:
         inode_sink.update(inodes)
     return info, attempts, events, err

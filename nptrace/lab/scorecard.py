@@ -37,6 +37,7 @@ class Score:
     mislabeled: list = field(default_factory=list)
     hint_missing: int = 0      # events of the expected cause whose hint lacks a word of `hint`
     hint_example: str = ""     # the first such hint
+    tries: list = field(default_factory=list, repr=False)   # the attempts themselves
 
     @property
     def total(self) -> int:
@@ -51,15 +52,18 @@ class Score:
 
 def score(name: str, expected: str | None, count: int, backend: str = "iptables",
           variant: str | None = None, prefix: str | None = None, watch: bool = True,
-          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = ()) -> Score:
+          observe: float = 1.0, max_rate: int | None = 0, hint: tuple = (),
+          after=None) -> Score:
     """max_rate 0 (the yardstick): attribution given every record; None: nptrace's default
     storm sampling, which sends whole flows or none (bpf/npt_common.h npt_rate_ok). ``hint``:
-    words each incident of the expected cause must name (the scenario's ``hint``)."""
+    words each incident of the expected cause must name (the scenario's ``hint``).
+    ``after(case)``: called while the lab is still up, after the trigger (harness.trace_labs)."""
     inodes: dict = {}
     extra = () if max_rate is None else ("--max-rate", str(max_rate))
     info, attempts, events, err = trace_scenario(name, count, backend=backend, prefix=prefix,
                                                  watch=watch, variant=variant, settle=observe,
-                                                 inode_sink=inodes, extra_args=extra)
+                                                 inode_sink=inodes, extra_args=extra,
+                                                 after=after)
     return tally(Case(name, backend, variant, prefix), expected, attempts, events, inodes, err,
                  hint)
 
@@ -84,7 +88,8 @@ def tally(case: Case, expected: str | None, attempts, events, inodes: dict, err:
     mine = scenario_events(attempts, events, set(inodes.values()))
     s = Score(row_name(case.name, case.backend, case.variant), expected or HEALTHY,
               len(attempts), Counter(a.outcome for a in attempts), stderr=err,
-              as_expected=sum(1 for a in attempts if getattr(a, "expected", True)))
+              as_expected=sum(1 for a in attempts if getattr(a, "expected", True)),
+              tries=list(attempts))
     for e in mine:
         # an incident gathers several kernel events; each of them got this label
         n = e.get("events", 1)

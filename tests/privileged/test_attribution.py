@@ -6,7 +6,9 @@ the default storm sampling. At least 99% of the kernel events behind the scenari
 incidents carry the scenario's cause and Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
 printed (pytest -s, or the -rA summary) and kept in docs/confusion.md. Where a scenario
 names ``hint`` words (the interface, device or numbers at fault), 99% of its incidents' hints
-must contain them. The cases run one after another in this one process: conntrack-table-full
+must contain them. Each case also checks the lab's own symptom while it is up: what its
+client and its load balancer's health checks see (symptoms.py). The cases run one after
+another in this one process: conntrack-table-full
 lowers the host-wide nf_conntrack_max while it is up, and the lab refuses to bring up another
 scenario meanwhile (nptrace/lab/netns.py set_host_wide)."""
 import json
@@ -19,6 +21,7 @@ from nptrace import lab
 from nptrace.lab import model
 from nptrace.lab.errors import HostBusy, NotRunnable
 from nptrace.lab.scorecard import HEALTHY, FAULTLESS, cases, matrix_markdown, score
+from symptoms import check_symptom  # noqa: E402
 
 pytestmark = pytest.mark.privileged
 COUNT = int(os.environ.get("NPT_ATTRIBUTION_COUNT", "100"))
@@ -53,9 +56,11 @@ def matrix():
 @pytest.mark.parametrize("sc,backend,variant", [_case(*c) for c in CASES])
 def test_scenario_gets_its_cause(sc, backend, variant):
     hint = model.compile_spec(sc.name, variant).hint
+    views = []      # what the load balancer's health checks see, while the lab is up
     try:
         s = score(sc.name, sc.cause, COUNT, backend=backend, variant=variant, prefix=PREFIX,
-                  observe=sc.observe, hint=hint)
+                  observe=sc.observe, hint=hint,
+                  after=lambda c: views.append(lab.lb_view(c.name, prefix=c.prefix)))
     except HostBusy as e:   # a host-wide limit (conntrack-table-full) it may not lower now
         pytest.skip(str(e))
     except NotRunnable as e:   # the kernel lacks the backend (ipvs scenarios without ip_vs)
@@ -66,6 +71,7 @@ def test_scenario_gets_its_cause(sc, backend, variant):
             lab.runner, "expected_outcomes") else tuple(s.outcomes)
     SCORES.append(s)
     assert sum(s.outcomes[o] for o in expect) >= 0.98 * s.attempts, (s.outcomes, s.stderr[-500:])
+    check_symptom(sc.name, s.tries, views[0])     # the lab's own symptom (symptoms.py)
     if s.expected == HEALTHY or s.expected in FAULTLESS:
         faults = {c: n for c, n in s.labels.items() if c not in FAULTLESS}
         assert not faults, f"network fault labels on {sc.name}: {faults}"

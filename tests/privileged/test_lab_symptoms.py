@@ -1,4 +1,6 @@
-"""Each lab scenario, on the real kernel and without any tracer, shows its client-visible symptom.
+"""Each lab scenario, on the real kernel, shows its client-visible symptom. The yardstick
+(test_attribution.py) checks it in every case it runs (tests/privileged/symptoms.py); here,
+without any tracer, the lab cases it does not run, and the lab's own life cycle.
 
 Root only (network namespaces, iptables/nft inside them). Every namespace carries a prefix
 unique to this run and is removed even when a test fails.
@@ -14,6 +16,8 @@ import pytest
 from nptrace import lab
 from nptrace.lab import netns
 from nptrace.lab.errors import NotRunnable
+from nptrace.lab.scorecard import cases
+from symptoms import check_symptom  # noqa: E402
 
 pytestmark = pytest.mark.privileged
 
@@ -24,6 +28,8 @@ CASES = [(s.name, s.backends[0], v) for s in lab.scenarios() for v in (None, *s.
 CASES += [(s.name, "nft", None) for s in lab.scenarios() if "nft" in s.backends]
 CASES += [("etp-local-no-endpoint", "nft", "reject"), ("no-listener", "iptables-legacy", None)]
 assert all((n, "nft", None) in CASES for n in NFT_REQUIRED)
+YARDSTICK = {(sc.name, b, v) for sc, b, v in cases(lab.scenarios())}
+CASES = [c for c in CASES if c not in YARDSTICK]
 
 
 def _ours():
@@ -57,21 +63,7 @@ def test_symptom(name, backend, variant):
         lab.down(name, prefix=PREFIX)
     assert _ours() == []
     assert len(attempts) == 50
-    seen = collections.Counter(a.outcome for a in attempts)
-    if name == "healthy":
-        assert seen == {"ok": 50}
-        # eTP=Cluster is masqueraded (pods see a node address), eTP=Local keeps the client's
-        for a in attempts:
-            client_seen = f"peer={a.src}:" in a.reply
-            assert client_seen == (a.dport == 30081), a
-    else:
-        assert sum(a.expected for a in attempts) >= 49, seen
-        assert "ok" not in seen, seen
-    for v in view:
-        assert v["status"] == v["expect"], v
-        body = json.loads(v["body"])
-        assert body["service"] == {"namespace": "default", "name": body["service"]["name"]}
-        assert (body["localEndpoints"] > 0) == (v["status"] == 200)
+    check_symptom(name, attempts, view)
 
 
 def test_attempts_carry_ports_and_timing():
