@@ -111,7 +111,8 @@ def _load_object(text: str, cflags: list[str]):
     from nptrace.kernel import bpfobject, objcache
     notes: list[str] = []
     folder = objcache.cache_dir()
-    k = objcache.key(text, cflags, getattr(bcc, "__version__", "?"))
+    k = objcache.key(text, cflags, getattr(bcc, "__version__", "?"),
+                     objcache.include_identity(BPF_DIR, os.environ.get("BCC_KERNEL_SOURCE")))
     if folder is not None:
         snap, why = objcache.load(folder, k)
         if why:

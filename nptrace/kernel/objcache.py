@@ -6,9 +6,9 @@ Where: $NPTRACE_BPF_CACHE, else /var/cache/nptrace (the systemd unit's CacheDire
 DaemonSet's emptyDir); NPTRACE_BPF_CACHE=off (or empty) compiles every start. One file per
 key, `<sha256>.bpfobj`: b"NPTBPF1\\n", the SHA-256 of the payload, then the msgpack payload
 {"key", "object"}. The key covers everything the compiled code depends on: nptrace's BPF
-source and every -D switch (BTF offsets, tracepoint fields and reason values among them), bcc's
-version (its rewriter and helpers) and the kernel (release, build, machine: tracepoint
-argument layouts bcc reads from tracefs). The newest KEEP entries stay.
+source, the headers it includes (include_identity) and every -D switch (BTF offsets,
+tracepoint fields and reason values among them), bcc's version (its rewriter and helpers) and
+the kernel (release, build, machine: tracepoint argument layouts bcc reads from tracefs). The newest KEEP entries stay.
 
 The files hold code the kernel runs as root, so an entry is used only where this user owns
 it and its folder and neither is writable by group or others; anything else (a foreign owner,
@@ -42,13 +42,36 @@ def cache_dir() -> Path | None:
     return None if v.strip().lower() in ("", "off", "none", "0") else Path(v)
 
 
-def key(source: str, cflags, bcc_version: str) -> str:
+def key(source: str, cflags, bcc_version: str, includes=()) -> str:
+    """includes: what the compile reads besides `source` (the headers it #includes, as
+    include_identity() gives them)."""
     u = os.uname()
     h = hashlib.sha256()
-    for part in (str(FORMAT), bcc_version, u.release, u.version, u.machine, *cflags):
+    for part in (str(FORMAT), bcc_version, u.release, u.version, u.machine, *cflags, *includes):
         h.update(part.encode() + b"\0")
     h.update(source.encode())
     return h.hexdigest()
+
+
+def include_identity(bpf_dir: Path, kernel_source: str | None) -> list[str]:
+    """What identifies the headers a compile #includes: the digest of each header in nptrace's
+    bpf/ folder (an edited nptrace_events.h changes the code under the same file name), and
+    the kernel header tree bcc is pointed at ($BCC_KERNEL_SOURCE, with its SOURCE stamp's or
+    its own modification time; unset: the running kernel's, which uname already names)."""
+    out = []
+    for p in sorted(bpf_dir.glob("*.h")):
+        try:
+            out.append(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}")
+        except OSError:
+            out.append(f"{p.name}:unreadable")
+    if kernel_source:
+        stamp = Path(kernel_source) / "SOURCE"
+        try:
+            t = (stamp if stamp.exists() else Path(kernel_source)).stat().st_mtime_ns
+        except OSError:
+            t = 0
+        out.append(f"kernel headers:{kernel_source}:{t}")
+    return out
 
 
 def _untrusted(st: os.stat_result, what: str) -> str:

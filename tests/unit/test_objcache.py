@@ -203,3 +203,23 @@ def test_cache_dir_from_the_environment(monkeypatch):
         assert oc.cache_dir() is None
     monkeypatch.setenv(oc.ENV, "/tmp/x")
     assert str(oc.cache_dir()) == "/tmp/x"
+
+
+def test_an_edited_header_is_another_key(tmp_path):
+    """The BPF source #includes bpf/*.h: the same file names with other contents compile to
+    other code, so the key changes; so does the kernel header tree's stamp."""
+    bpf = tmp_path / "bpf"
+    bpf.mkdir()
+    (bpf / "nptrace_events.h").write_text("struct npt_event { int a; };\n")
+    kh = tmp_path / "kheaders"
+    kh.mkdir()
+    (kh / "SOURCE").write_text("linux-headers-6.1\n")
+    first = oc.key("src", [], "v", oc.include_identity(bpf, str(kh)))
+    assert first == oc.key("src", [], "v", oc.include_identity(bpf, str(kh)))
+    (bpf / "nptrace_events.h").write_text("struct npt_event { int a, b; };\n")
+    second = oc.key("src", [], "v", oc.include_identity(bpf, str(kh)))
+    assert second != first
+    os.utime(kh / "SOURCE", ns=(1, 1))
+    assert oc.key("src", [], "v", oc.include_identity(bpf, str(kh))) != second
+    assert oc.include_identity(bpf, None) == [
+        f"nptrace_events.h:{__import__('hashlib').sha256(b'struct npt_event { int a, b; };' + bytes([10])).hexdigest()}"]
