@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # nptrace/compiled.py imports nothing of nptrace: loaded by path, not as the package
 _spec = importlib.util.spec_from_file_location("_nptrace_compiled", "nptrace/compiled.py")
@@ -31,6 +32,16 @@ else:
         compiler_directives={"language_level": 3, "annotation_typing": False,
                              "binding": True, "embedsignature": False},
         # the generated C goes under build/, not beside the sources: nptrace/ holds no C
-        build_dir="build/cython", quiet=True)
+        build_dir="build/cython", quiet=True, nthreads=os.cpu_count() or 1)
 
-setup(ext_modules=ext_modules)
+
+class ParallelBuildExt(build_ext):
+    """The extensions compiled side by side, one per CPU (the build is most of `make setup`)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": ParallelBuildExt})

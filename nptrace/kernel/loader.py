@@ -102,10 +102,10 @@ def _compiling(what: str):
 
 def _load_object(text: str, cflags: list[str]):
     """(kernel/bpfobject.py Loaded object, where it came from: "cache" or "compiled", notes
-    for the log: fd 2 is captured meanwhile). A
-    cached object of the same source, switches, bcc and kernel is loaded without compiling
-    (kernel/objcache.py); otherwise bcc compiles, the object is taken apart into a Snapshot
-    (the maps' fds kept, the module freed) and cached for the next start."""
+    for the log: fd 2 is captured meanwhile). A cached object of the same source, headers,
+    switches, bcc and kernel is loaded without compiling (kernel/objcache.py); otherwise bcc
+    compiles, the object is taken apart into a Snapshot (the maps' fds kept, the module
+    freed) and cached for the next start."""
     import bcc
 
     from nptrace.kernel import bpfobject, objcache
