@@ -11,6 +11,7 @@ from nptrace.errors import one_line_errors
 
 from .errors import LabError, UsageError
 from .model import BACKENDS, load_scenarios
+from .slots import SLOTS
 
 EPILOG = """\b
 Examples:
@@ -61,11 +62,15 @@ def list_(as_json):
               help="kube-proxy mode: iptables (iptables-nft), iptables-legacy, nft or ipvs "
                    "[default: the scenario's first, iptables but for the ipvs-* scenarios].")
 @click.option("--variant", default=None, help="A variant of the scenario (see `lab list`).")
+@click.option("--slot", type=click.IntRange(0, SLOTS - 1), default=0, show_default=True,
+              help="Move the lab's addresses by this much (slot 1: 10.244.0.10 -> 10.245.0.10, "
+                   "192.168.10.11 -> 192.168.11.11, fd00:: -> fd01::), so that labs up at once "
+                   "under other prefixes stay apart for one tracer.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def up(obj, name, backend, variant, as_json):
+def up(obj, name, backend, variant, slot, as_json):
     """Build the scenario's namespaces, links, rules and servers."""
-    info = _call(runner.up, name, backend=backend, prefix=obj["prefix"], variant=variant)
+    info = _call(runner.up, name, backend=backend, prefix=obj["prefix"], variant=variant, slot=slot)
     if as_json:
         click.echo(json.dumps(info.as_dict(), indent=1))
         return
@@ -147,6 +152,7 @@ def status(obj, as_json):
         click.echo("nothing is up")
         return
     variant = f" variant {st['variant']}" if st.get("variant") else ""
+    variant += f" slot {st['slot']}" if st.get("slot") else ""
     click.echo(f"{st['scenario']}{variant} is up (backend {st['backend']}, prefix {st['prefix']}): "
                f"{len(st['namespaces'])} namespaces, {st['servers_alive']}/{len(st['pids'])} servers alive")
     if st["missing"]:

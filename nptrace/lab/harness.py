@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +70,14 @@ def trace_scenario(name: str, count: int, backend: str = "iptables", extra_args=
 
 @dataclass(frozen=True)
 class Case:
-    """One lab to bring up: a scenario, its rules backend and variant, under a prefix."""
+    """One lab to bring up: a scenario, its rules backend and variant, under a prefix, its
+    addresses in a slot (slots.py: labs up at once in different slots stay apart)."""
     name: str
     backend: str = "iptables"
     variant: str | None = None
     prefix: str | None = None
+    slot: int = 0
+    observe: float | None = None     # its own settle (trace_labs), else the run's
 
 
 def _own_ports(info, i: int) -> None:
@@ -88,19 +92,45 @@ def _own_ports(info, i: int) -> None:
 
 
 def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: bool = True,
-               rounds: int = 1, pause: float = 1.5, wrap: tuple = (), after=None):
+               rounds: int = 1, pause: float = 1.5, wrap: tuple = (), after=None,
+               overlap: bool = False):
     """Several labs up at once (each under its own prefix), one `nptrace run` watching all
-    of them, each triggered in turn (``rounds`` times, ``pause`` s apart), then stop and down.
-    A traced run's compile is paid once for all the cases: a minute or two in a guest under
-    TCG (the kernel matrix). ``after(case)``: called while the tracer is still attached, after
-    each case's last trigger and ``settle``. Returns ([(lab info, attempts, netns inodes)] in
-    the cases' order, JSON events of all of them, stderr); nptrace/lab/harness.py
-    scenario_events() tells each case's incidents by its inodes and client ports."""
+    of them, each triggered in turn (``rounds`` times, ``pause`` s apart), then stop and down;
+    ``overlap``: the next lab is triggered as soon as the last one's trigger returned, while
+    that one is still watched (its settle; labs in different slots, slots.py). Triggers never
+    run at the same time: measured, four bursts at once changed what the clients saw (41 of
+    100 IPv6 clients of no-endpoints timed out instead of being refused). A traced run's start
+    is paid once for all the cases: a minute or two in a guest under TCG (the kernel matrix).
+    ``after(case)``: called while the tracer is still attached, after the case's last trigger
+    and its settle (``Case.observe``, else ``settle``). Returns ([(lab info, attempts, netns inodes)] in the cases' order, JSON
+    events of all of them, stderr); scenario_events() tells each case's incidents by its
+    inodes and client ports."""
     from nptrace import lab
     ups: list = []
+
+    def run_case(c, info, inodes):
+        attempts = lab.trigger(c.name, count=count, prefix=c.prefix)
+        for _ in range(rounds - 1):
+            time.sleep(pause)
+            attempts += lab.trigger(c.name, count=count, prefix=c.prefix)
+        return c, info, inodes, attempts
+
+    def finish(c, info, inodes, attempts):
+        time.sleep(settle if c.observe is None else c.observe)  # the last records reach user space
+        if after is not None:
+            after(c)
+        # pods a scenario's steps (re)created
+        for ns in (lab.status(prefix=c.prefix) or {}).get("namespaces", []):
+            try:
+                inodes[f"{ns}@after"] = os.stat(f"/run/netns/{ns}").st_ino
+            except OSError:
+                pass
+        return info, attempts, inodes
+
     try:
         for c in cases:
-            info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant)
+            info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant,
+                          slot=c.slot)
             # netns inodes exist only while the lab is up
             ups.append((c, info, {ns: os.stat(f"/run/netns/{ns}").st_ino
                                   for ns in info.namespaces.values()}))
@@ -112,35 +142,27 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
             err = Path(tmp) / "stderr"
             ifaces = [a for _, info, _ in ups for w in (info.watch if watch else ())
                       for a in ("--iface", w)]
-            done = []
             with open(out, "w") as fo, open(err, "w") as fe:
                 proc = subprocess.Popen([*wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
                                                           *ifaces, *extra_args],
                                         stdout=fo, stderr=fe)
                 try:
                     wait_ready(ready, proc, stderr=err)
-                    for c, info, inodes in ups:
-                        attempts = lab.trigger(c.name, count=count, prefix=c.prefix)
-                        for _ in range(rounds - 1):
-                            time.sleep(pause)
-                            attempts += lab.trigger(c.name, count=count, prefix=c.prefix)
-                        time.sleep(settle)   # let the last records reach user space
-                        if after is not None:
-                            after(c)
-                        # pods a scenario's steps (re)created
-                        for ns in (lab.status(prefix=c.prefix) or {}).get("namespaces", []):
-                            try:
-                                inodes[f"{ns}@after"] = os.stat(f"/run/netns/{ns}").st_ino
-                            except OSError:
-                                pass
-                        done.append((info, attempts, inodes))
+                    if overlap and len(ups) > 1:
+                        with ThreadPoolExecutor(len(ups)) as pool:
+                            waits = [pool.submit(finish, *run_case(*u)) for u in ups]
+                            done = [w.result() for w in waits]
+                    else:
+                        done = [finish(*run_case(*u)) for u in ups]
                 finally:
                     interrupt(proc)
             events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
             return done, events, err.read_text()
     finally:
-        for c, _, _ in reversed(ups):     # an up that failed took its half-made lab down
-            lab.down(c.name, prefix=c.prefix)
+        # each its own namespaces and state; an up that failed took its half-made lab down
+        with ThreadPoolExecutor(max(1, len(ups))) as pool:
+            for f in [pool.submit(lab.down, c.name, prefix=c.prefix) for c, _, _ in ups]:
+                f.result()
 
 
 def _ports_of(detail: str) -> set[int]:

@@ -29,7 +29,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import dualstack
+from . import dualstack, slots
 from .errors import UsageError
 from .kuberules import FAULTS, Endpoint, Service
 
@@ -141,6 +141,7 @@ class Spec:
     cluster_cidr6: str = ""
     service_cidr6: str = ""
     hint: tuple[str, ...] = ()
+    slot: int = 0                  # where its address plan sits (slots.py)
 
     def host_ns(self, host: str, prefix: str) -> str:
         return f"{prefix}{host}"
@@ -157,7 +158,9 @@ class Spec:
         return self.hosts[host]["ifaces"][iface]["addrs"][0].split("/")[0]
 
 
-def compile_spec(name: str, variant: str | None = None) -> Spec:
+def compile_spec(name: str, variant: str | None = None, slot: int = 0) -> Spec:
+    """The scenario (and variant) ready to apply; ``slot``: its address plan moved there
+    (slots.py), for a lab up beside others under one tracer."""
     sc = get(name)
     raw = _load(sc.path)
     ipv6 = variant in sc.variants and (variant == dualstack.VARIANT or variant.endswith("+" + dualstack.VARIANT))
@@ -179,7 +182,8 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         for v in reversed(chain):
             raw = deep_merge(raw, {k: x for k, x in v.items() if k != "base"})
     raw.pop("variants", None)
-    topo = deep_merge(load_topology(), raw.get("topology", {}))
+    raw = slots.move(raw, slot)
+    topo = deep_merge(slots.move(load_topology(), slot), raw.get("topology", {}))
     services_raw = deep_merge(topo.get("services", {}), raw.get("services", {}))
     hosts, trigger = topo["hosts"], raw.get("trigger", [])
     if ipv6:
@@ -191,10 +195,11 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         cluster_cidr=topo["cluster_cidr"], service_cidr=topo["service_cidr"],
         hosts=hosts, networks=topo["networks"],
         services=_with_scale([_service(k, v, hosts) for k, v in sorted(services_raw.items())],
-                             int(kp.get("scale", 0)), topo["service_cidr"]),
+                             int(kp.get("scale", 0)), topo["service_cidr"], slot),
         trigger=trigger, lb_view=raw.get("lb_view", []),
         faults=frozenset(kp.get("faults", [])), no_local=kp.get("no_local", "drop"),
         backends=tuple(raw.get("backends", DEFAULT_BACKENDS)), hint=tuple(raw.get("hint", ())),
+        slot=slot,
     )
     if ipv6:
         m = dualstack.Mapper(topo.get("ipv6", {}))
@@ -209,7 +214,7 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
         if st.get("kind") == "rules":   # the Service tables after the change, compiled now
             after = deep_merge(services_raw, st.get("services", {}))
             st["compiled"] = _with_scale([_service(k, v, hosts) for k, v in sorted(after.items())],
-                                         int(kp.get("scale", 0)), topo["service_cidr"])
+                                         int(kp.get("scale", 0)), topo["service_cidr"], slot)
             if ipv6:
                 st["compiled6"] = _services6(m, after, hosts)
         spec.steps.append(st)
@@ -217,7 +222,7 @@ def compile_spec(name: str, variant: str | None = None) -> Spec:
     return spec
 
 
-def _with_scale(services: list[Service], n: int, service_cidr: str) -> list[Service]:
+def _with_scale(services: list[Service], n: int, service_cidr: str, slot: int = 0) -> list[Service]:
     """``[kube_proxy] scale = N``: N more ClusterIP+NodePort Services (``scale/svc-NNNN:http``)
     with nodePorts spread over 30000-32767 and one endpoint each outside the lab, so the
     ruleset has a real cluster's size (N=2000: about 26,000 rule lines) and most ports of the
@@ -233,7 +238,8 @@ def _with_scale(services: list[Service], n: int, service_cidr: str) -> list[Serv
     net = ipaddress.ip_network(service_cidr)
     extra = [Service(namespace="scale", name=f"svc-{i:04d}", port_name="http", port=80,
                      cluster_ip=str(net[4096 + i]), node_port=p,
-                     endpoints=(Endpoint(f"10.250.{i // 250}.{i % 250 + 1}", 8080, "node2"),))
+                     endpoints=(Endpoint(slots.move_text(f"10.200.{i // 250}.{i % 250 + 1}", slot),
+                                         8080, "node2"),))
              for i, p in enumerate(ports)]
     return services + extra
 

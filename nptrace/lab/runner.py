@@ -124,12 +124,14 @@ def ipvs_available(proc: Path = Path("/proc"), load=None) -> bool:
     return (proc / "net" / "ip_vs").exists()
 
 
-def up(name: str, backend: str | None = None, prefix: str | None = None, variant: str | None = None) -> LabInfo:
-    """Bring scenario ``name`` up with kube-proxy ``backend`` (None: the scenario's first)."""
+def up(name: str, backend: str | None = None, prefix: str | None = None, variant: str | None = None,
+       slot: int = 0) -> LabInfo:
+    """Bring scenario ``name`` up with kube-proxy ``backend`` (None: the scenario's first);
+    ``slot``: its address plan moved there (slots.py), to be up beside other labs."""
     prefix = netns.resolve_prefix(prefix)
     if backend is not None and backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
-    spec = model.compile_spec(name, variant)
+    spec = model.compile_spec(name, variant, slot)
     backend = backend or spec.backends[0]
     if backend not in spec.backends:
         raise UsageError(f"scenario {name!r} has no {backend} form (backends: {', '.join(spec.backends)})")
@@ -152,7 +154,7 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
     if leftovers:
         raise LabError(f"namespace(s) {', '.join(leftovers)} exist from an earlier run; "
                        f"run `nptrace lab down --all` first")
-    state = {"scenario": name, "variant": variant, "backend": backend, "prefix": prefix,
+    state = {"scenario": name, "variant": variant, "slot": slot, "backend": backend, "prefix": prefix,
              "namespaces": sorted(live.values()), "pids": [], "started": time.time()}
     netns.save_state(prefix, state)  # before anything exists, so `down` can clean a half-made lab
     try:
@@ -431,7 +433,7 @@ def trigger(name: str, count: int = 50, prefix: str | None = None,
     prefix = netns.resolve_prefix(prefix)
     netns.require_root()
     st = _state_for(name, prefix)
-    spec = model.compile_spec(name, st.get("variant"))
+    spec = model.compile_spec(name, st.get("variant"), st.get("slot", 0))
     entries = spec.trigger
     per = [count // len(entries) + (1 if i < count % len(entries) else 0) for i in range(len(entries))]
     by_host: dict[str, list[tuple[dict, dict]]] = {}
@@ -476,7 +478,7 @@ def lb_view(name: str, prefix: str | None = None) -> list[dict]:
     prefix = netns.resolve_prefix(prefix)
     netns.require_root()
     st = _state_for(name, prefix)
-    spec = model.compile_spec(name, st.get("variant"))
+    spec = model.compile_spec(name, st.get("variant"), st.get("slot", 0))
     out = []
     for v in spec.lb_view:
         target = {"dst": v["dst"], "port": v["port"], "count": 1, "timeout": 2.0, "read_all": True,

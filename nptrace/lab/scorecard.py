@@ -68,13 +68,16 @@ def score(name: str, expected: str | None, count: int, backend: str = "iptables"
                  hint)
 
 
-def score_labs(cases, count: int, observe: float = 1.0, after=None, raw: list | None = None) -> list[Score]:
+def score_labs(cases, count: int, observe: float = 1.0, after=None, raw: list | None = None,
+               overlap: bool = False) -> list[Score]:
     """The yardstick for several cases under one traced run (harness.trace_labs): ``cases``
     are (Case, expected cause, hint words); ``after(case)`` runs after each case's trigger
     while the tracer is attached; ``raw`` gets every event the run printed, the cases' own
-    or not. One Score per case, in order."""
+    or not; ``overlap``: each case triggered while the one before is still watched
+    (harness.trace_labs). One Score per case, in order."""
     done, events, err = trace_labs([c for c, _, _ in cases], count, settle=observe,
-                                   extra_args=("--max-rate", "0"), after=after)
+                                   extra_args=("--max-rate", "0"), after=after,
+                                   overlap=overlap)
     if raw is not None:
         raw.extend(events)
     return [tally(c, expected, attempts, events, inodes, err, hint)
