@@ -127,15 +127,30 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
                 pass
         return info, attempts, inodes
 
+    def bring_up(i, c):
+        info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant, slot=c.slot)
+        # netns inodes exist only while the lab is up
+        got = (c, info, {ns: os.stat(f"/run/netns/{ns}").st_ino for ns in info.namespaces.values()})
+        if len(cases) > 1:
+            _own_ports(info, i)
+        return got
+
     try:
-        for c in cases:
-            info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant,
-                          slot=c.slot)
-            # netns inodes exist only while the lab is up
-            ups.append((c, info, {ns: os.stat(f"/run/netns/{ns}").st_ino
-                                  for ns in info.namespaces.values()}))
-            if len(cases) > 1:
-                _own_ports(info, len(ups) - 1)
+        # With overlap, all but the first side by side: each lab its own namespaces, servers
+        # and state file. The first alone, so that `ip netns` sets up /run/netns once.
+        for i, c in enumerate(cases if not overlap else cases[:1]):
+            ups.append(bring_up(i, c))
+        if overlap and len(cases) > 1:
+            with ThreadPoolExecutor(len(cases) - 1) as pool:
+                futs = [pool.submit(bring_up, i, c) for i, c in enumerate(cases) if i]
+                failed = []
+                for f in futs:      # every lab that came up is taken down below
+                    try:
+                        ups.append(f.result())
+                    except Exception as e:
+                        failed.append(e)
+                if failed:
+                    raise failed[0]
         with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
             ready = Path(tmp) / "ready"
             out = Path(tmp) / "events.json"

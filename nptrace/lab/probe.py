@@ -22,6 +22,7 @@ cost one timeout, not 100. Outcome of one attempt, from what the socket API repo
 """
 import errno
 import json
+import random
 import resource
 import selectors
 import socket
@@ -66,13 +67,35 @@ def _errname(e):
     return errno.errorcode.get(e, str(e))
 
 
-def _start(a, sel):
-    s = socket.socket(socket.AF_INET6 if ":" in a.dst else socket.AF_INET, socket.SOCK_STREAM)
+def _ports():
+    """The namespace's ephemeral ports in a random order, each handed out once per run. Left
+    to the kernel, a port is free again the moment its connection is reset (a port bound as
+    0 is not held by the open socket), and a later attempt of the same burst got it: its SYN
+    met the first connection's state at the server, which answered with a RST (`refused`
+    instead of `reset`, and two attempts with one client port; measured: 7 of 1,200
+    wrong-interface attempts)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = map(int, f.read().split())
+    ports = list(range(lo, hi + 1))
+    random.shuffle(ports)
+    return iter(ports)
+
+
+def _start(a, sel, ports):
+    six = ":" in a.dst
+    s = socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM)
     s.setblocking(False)
     a.sock = s
     try:
-        if a.src:
-            s.bind((a.src, 0))
+        for port in ports:
+            try:
+                s.bind((a.src or ("::" if six else "0.0.0.0"), port))
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+        else:
+            raise OSError(errno.EADDRNOTAVAIL, "no free ephemeral port")
         err = s.connect_ex((a.dst, a.dport))
     except OSError as e:
         a.finish("error", _errname(e.errno))
@@ -145,8 +168,9 @@ def run(targets, control=None):
     sel = selectors.DefaultSelector()
     now = time.monotonic()
     attempts = [_Attempt(t, now) for t in targets for _ in range(int(t.get("count", 1)))]
+    ports = _ports()
     for a in attempts:
-        _start(a, sel)
+        _start(a, sel, ports)
     _loop(attempts, sel)
     held = [a for a in attempts if a.held and a.outcome is None]
     if any(a.then for a in attempts):

@@ -38,6 +38,8 @@ class Score:
     hint_missing: int = 0      # events of the expected cause whose hint lacks a word of `hint`
     hint_example: str = ""     # the first such hint
     tries: list = field(default_factory=list, repr=False)   # the attempts themselves
+    incidents: list = field(default_factory=list, repr=False)   # the case's own, whole
+    netns: dict = field(default_factory=dict, repr=False)   # its namespaces: name -> inode
 
     @property
     def total(self) -> int:
@@ -92,7 +94,7 @@ def tally(case: Case, expected: str | None, attempts, events, inodes: dict, err:
     s = Score(row_name(case.name, case.backend, case.variant), expected or HEALTHY,
               len(attempts), Counter(a.outcome for a in attempts), stderr=err,
               as_expected=sum(1 for a in attempts if getattr(a, "expected", True)),
-              tries=list(attempts))
+              tries=list(attempts), incidents=mine, netns=dict(inodes))
     for e in mine:
         # an incident gathers several kernel events; each of them got this label
         n = e.get("events", 1)

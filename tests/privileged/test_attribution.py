@@ -3,18 +3,21 @@
 100 connection attempts each (each dual-stack form, variant ipv6 or NAME+ipv6, on iptables and
 on a second rules backend, nft or else iptables-legacy: scorecard.runs); and one burst under
 the default storm sampling. At least 99% of the kernel events behind the scenario's own
-incidents carry the scenario's cause and Service; healthy and app-reset traffic gets no network-fault label. The confusion matrix is
-printed (pytest -s, or the -rA summary) and kept in docs/confusion.md. Where a scenario
-names ``hint`` words (the interface, device or numbers at fault), 99% of its incidents' hints
-must contain them. Each case also checks the lab's own symptom while it is up: what its
-client and its load balancer's health checks see (symptoms.py). The cases run in this one
-process, BATCH labs at a time under one traced run (a batch's labs triggered one after
-another, each while the one before is still watched: harness.trace_labs), each lab in its own
-address slot (nptrace/lab/slots.py: with one address plan, a lab's removed endpoint is
-another's live one in the tracer's node-wide view). A case that changes host-wide sysctls
-(conntrack-table-full lowers nf_conntrack_max, and the lab refuses to bring up another
-scenario meanwhile: nptrace/lab/netns.py set_host_wide) runs alone, as do those of ALONE. NPT_ATTRIBUTION_DUMP=DIR
-keeps each batch's events and the run's stderr there."""
+incidents carry the scenario's cause and Service; healthy and app-reset traffic gets no
+network-fault label. The confusion matrix is printed (pytest -s, or the -rA summary) and kept
+in docs/confusion.md. Where a scenario names ``hint`` words (the interface, device or numbers
+at fault), 99% of its incidents' hints must contain them. Each case also checks the lab's own
+symptom while it is up: what its client and its load balancer's health checks see
+(symptoms.py), and, for the scenarios whose lines come from both nodes, that each line names
+its own client (client_lines.py).
+
+The cases run in this one process, BATCH labs at a time under one traced run (a batch's labs
+triggered one after another, each while the one before is still watched: harness.trace_labs),
+each lab in its own address slot (nptrace/lab/slots.py: with one address plan, a lab's removed
+endpoint is another's live one in the tracer's node-wide view). A case that changes host-wide
+sysctls (conntrack-table-full lowers nf_conntrack_max, and the lab refuses to bring up another
+scenario meanwhile: nptrace/lab/netns.py set_host_wide) runs alone.
+NPT_ATTRIBUTION_DUMP=DIR keeps each batch's events and the run's stderr there."""
 import json
 import os
 import sys
@@ -28,6 +31,7 @@ from nptrace.lab.harness import Case
 from nptrace.lab.netns import HOST_WIDE
 from nptrace.lab.runner import NO_IPVS, ipvs_available
 from nptrace.lab.scorecard import HEALTHY, FAULTLESS, cases, matrix_markdown, score, score_labs
+import client_lines  # noqa: E402
 from symptoms import check_symptom  # noqa: E402
 
 pytestmark = pytest.mark.privileged
@@ -62,26 +66,16 @@ def matrix():
         print("\n" + matrix_markdown(SCORES))
 
 
-# Scenarios traced one lab at a time, and why.
-ALONE = {
-    # measured in batches: 2 to 4 of 100 clients refused instead of reset (a RST before the
-    # SYN-ACK: the lab's own timing; every event still labeled wrong_iface)
-    "wrong-interface": "its clients' outcome moves in a batch",
-}
-
-
-def _alone(sc, variant) -> bool:
-    """A case traced by itself: a scenario of ALONE, or one that changes host-wide sysctls."""
+def _host_wide(sc, variant) -> bool:
     spec = model.compile_spec(sc.name, variant)
-    return sc.name in ALONE or any(k in HOST_WIDE for d in spec.hosts.values()
-                                   for k in d.get("sysctl", {}))
+    return any(k in HOST_WIDE for d in spec.hosts.values() for k in d.get("sysctl", {}))
 
 
 def _batches(selected) -> list[list[tuple]]:
-    """The selected cases in order, BATCH at a time; one of _alone() by itself."""
+    """The selected cases in order, BATCH at a time; one that changes host-wide sysctls alone."""
     out, cur = [], []
     for c in selected:
-        if _alone(c[0], c[2]):
+        if _host_wide(c[0], c[2]):
             out += [cur, [c]] if cur else [[c]]
             cur = []
             continue
@@ -112,8 +106,8 @@ def _run_batch(batch) -> None:
         name = "+".join(s.scenario for s in got).replace("/", "_")
         with open(os.path.join(DUMP, f"{name}.json"), "w") as f:
             json.dump({"events": raw, "stderr": got[0].stderr}, f)
-    for slot, (case, s, (_, _, hint)) in enumerate(zip(batch, got, labs)):
-        RESULTS[_key(*case)] = (s, views.get(slot), hint)
+    for slot, (case, s, (c, _, hint)) in enumerate(zip(batch, got, labs)):
+        RESULTS[_key(*case)] = (s, views.get(slot), hint, c.prefix)
 
 
 def _key(sc, backend, variant) -> tuple:
@@ -146,7 +140,7 @@ def _scored(request, sc, backend, variant):
 
 @pytest.mark.parametrize("sc,backend,variant", [_case(*c) for c in CASES])
 def test_scenario_gets_its_cause(request, sc, backend, variant):
-    s, view, hint = _scored(request, sc, backend, variant)
+    s, view, hint, prefix = _scored(request, sc, backend, variant)
     expect = sc.expect
     if variant:   # a variant may change what the client sees (reject instead of drop)
         expect = tuple(lab.runner.expected_outcomes(sc.name, variant)) if hasattr(
@@ -154,6 +148,9 @@ def test_scenario_gets_its_cause(request, sc, backend, variant):
     SCORES.append(s)
     assert sum(s.outcomes[o] for o in expect) >= 0.98 * s.attempts, (s.outcomes, s.stderr[-500:])
     check_symptom(sc.name, s.tries, view)     # the lab's own symptom (symptoms.py)
+    if sc.name in client_lines.SCENARIOS and variant in client_lines.VARIANTS \
+            and backend in client_lines.BACKENDS:
+        client_lines.check_client_lines(s, prefix)     # every line names its own client
     if s.expected == HEALTHY or s.expected in FAULTLESS:
         faults = {c: n for c, n in s.labels.items() if c not in FAULTLESS}
         assert not faults, f"network fault labels on {sc.name}: {faults}"

@@ -10,11 +10,14 @@ import os
 
 import pytest
 
+from nptrace import lab
 from nptrace.lab.harness import scenario_events, trace_scenario
 
 pytestmark = pytest.mark.privileged
 PREFIX = f"npt-ao{os.getpid() % 10000}-"
 STALE = "to 10.244.0.10:8080, which default/web:http's rules no longer list"
+# the scenario's own watch after its trigger (the resets came before the trigger returned)
+OBSERVE = next(s.observe for s in lab.scenarios() if s.name == "rollout-in-flight")
 # Among 2,000 Services the view's re-read after the change (`nft -a list table` and its parse,
 # 0.45-0.5 s here; the legacy tables asked of the kernel and parsed, 0.2-0.4 s) is what the
 # labeling barrier waits for (BARRIER_S): the scale variant is the one that tells whether it
@@ -26,7 +29,7 @@ STALE = "to 10.244.0.10:8080, which default/web:http's rules no longer list"
 def test_every_reset_after_an_address_reuse_names_the_removed_endpoint(backend, variant):
     inodes: dict = {}
     _, attempts, events, err = trace_scenario("rollout-in-flight", 50, backend=backend, variant=variant,
-                                              prefix=PREFIX, inode_sink=inodes, settle=4.0)
+                                              prefix=PREFIX, inode_sink=inodes, settle=OBSERVE)
     assert sum(a.outcome == "reset" for a in attempts) == 50, [a.outcome for a in attempts]
     mine = scenario_events(attempts, events, set(inodes.values()))
     clients = {a.sport for a in attempts}
