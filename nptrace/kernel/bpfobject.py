@@ -31,6 +31,7 @@ import resource
 import struct
 from dataclasses import dataclass
 
+from nptrace.errors import LoadError
 from nptrace.kernel.bpfsys import bpf as bpf_syscall
 
 BPF_MAP_CREATE = 0
@@ -117,19 +118,26 @@ def relink(code: bytes, fds) -> bytes:
     return bytes(out)
 
 
+# libbcc's module accessors (bcc_common.h) this module calls, with their result types; each
+# takes the module, and all but the first an index. Every call goes through a declared
+# prototype: an undeclared one passes the module pointer as a C int, cut to 32 bits, which
+# works while the pointer is low (a non-PIE python's heap) and reads garbage when it is not.
+MODULE_CALLS = (("bpf_num_tables", ct.c_size_t), ("bpf_num_functions", ct.c_ulonglong),
+                ("bpf_table_name", ct.c_char_p), ("bpf_table_fd_id", ct.c_int),
+                ("bpf_table_type_id", ct.c_int), ("bpf_table_max_entries_id", ct.c_size_t),
+                ("bpf_table_flags_id", ct.c_int), ("bpf_table_key_desc_id", ct.c_char_p),
+                ("bpf_table_leaf_desc_id", ct.c_char_p), ("bpf_table_key_size_id", ct.c_size_t),
+                ("bpf_table_leaf_size_id", ct.c_size_t))
+
+
 def _module_calls():
-    """libbcc's module accessors (bcc_common.h), on a handle of our own: bcc's Python
-    declares only some of them, and its declarations are not ours to change."""
+    """MODULE_CALLS on a handle of our own: bcc's Python declares only some of them, and its
+    declarations are not ours to change."""
     lib = ct.CDLL("libbcc.so.0")
-    p, i, z = ct.c_void_p, ct.c_ulonglong, ct.c_size_t
-    for fn, res in (("bpf_num_tables", z), ("bpf_table_name", ct.c_char_p),
-                    ("bpf_table_fd_id", ct.c_int), ("bpf_table_type_id", ct.c_int),
-                    ("bpf_table_max_entries_id", z), ("bpf_table_flags_id", ct.c_int),
-                    ("bpf_table_key_desc_id", ct.c_char_p),
-                    ("bpf_table_leaf_desc_id", ct.c_char_p),
-                    ("bpf_table_key_size_id", z), ("bpf_table_leaf_size_id", z)):
+    for fn, res in MODULE_CALLS:
         f = getattr(lib, fn)
-        f.restype, f.argtypes = res, ([p] if fn == "bpf_num_tables" else [p, i])
+        f.restype = res
+        f.argtypes = [ct.c_void_p] if fn.startswith("bpf_num_") else [ct.c_void_p, ct.c_ulonglong]
     return lib
 
 
@@ -151,7 +159,10 @@ def snapshot(b, bcc_lib) -> tuple[Snapshot, list[int]]:
     progs = {}
     for i in range(lib.bpf_num_functions(m)):
         fn = bcc_lib.bpf_function_name(m, i)
-        code = ct.string_at(bcc_lib.bpf_function_start(m, fn), bcc_lib.bpf_function_size(m, fn))
+        start = bcc_lib.bpf_function_start(m, fn) if fn else None
+        if not start:            # never read through a null pointer
+            raise LoadError(f"bcc's compiled module has no code for its function {i} ({fn!r})")
+        code = ct.string_at(start, bcc_lib.bpf_function_size(m, fn))
         progs[fn.decode()] = relink(code, index)
     return Snapshot(bcc_lib.bpf_module_license(m), bcc_lib.bpf_module_kern_version(m),
                     tuple(maps), progs), fds

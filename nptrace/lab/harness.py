@@ -81,9 +81,10 @@ class Case:
 
 
 def _own_ports(info, i: int) -> None:
-    """Labs up together share one address plan: their clients get disjoint ephemeral ports
-    (4000 each from 10000), so that a connection of one (a SYN-ACK still retransmitted) never
-    has the 4-tuple of another's and the tracer keeps them apart, as scenario_events does."""
+    """Labs up together get disjoint ephemeral ports (4000 each from 10000): with one address
+    plan (the kernel matrix's labs), a connection of one (a SYN-ACK still retransmitted) never
+    has the 4-tuple of another's and the tracer keeps them apart, as scenario_events does,
+    which tells a case's incidents by client port in any slot."""
     lo = 10000 + 4000 * (i % 12)
     for ns in info.namespaces.values():
         subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
@@ -102,9 +103,9 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
     100 IPv6 clients of no-endpoints timed out instead of being refused). A traced run's start
     is paid once for all the cases: a minute or two in a guest under TCG (the kernel matrix).
     ``after(case)``: called while the tracer is still attached, after the case's last trigger
-    and its settle (``Case.observe``, else ``settle``). Returns ([(lab info, attempts, netns inodes)] in the cases' order, JSON
-    events of all of them, stderr); scenario_events() tells each case's incidents by its
-    inodes and client ports."""
+    and its settle (``Case.observe``, else ``settle``). Returns ([(lab info, attempts, netns
+    inodes)] in the cases' order, JSON events of all of them, stderr); scenario_events() tells
+    each case's incidents by its inodes and client ports."""
     from nptrace import lab
     ups: list = []
 

@@ -223,3 +223,21 @@ def test_an_edited_header_is_another_key(tmp_path):
     assert oc.key("src", [], "v", oc.include_identity(bpf, str(kh))) != second
     assert oc.include_identity(bpf, None) == [
         f"nptrace_events.h:{__import__('hashlib').sha256(b'struct npt_event { int a, b; };' + bytes([10])).hexdigest()}"]
+
+
+def test_every_libbcc_call_of_the_snapshot_has_a_prototype():
+    """An undeclared ctypes call passes bcc's module pointer as a C int, cut to 32 bits: it
+    works while python's heap is low and reads garbage (then a null function pointer: a
+    segfault) when the module sits above 4 GiB. Every accessor snapshot() calls on its own
+    handle is in MODULE_CALLS; those on bcc's are declared by bcc."""
+    import inspect
+    import re
+    src = inspect.getsource(bo.snapshot)
+    own = set(re.findall(r"\blib\.(\w+)\(", src))
+    assert own and own <= {name for name, _ in bo.MODULE_CALLS}, own
+    from pathlib import Path
+    declared = Path("/usr/lib/python3/dist-packages/bcc/libbcc.py")
+    if declared.exists():
+        text = declared.read_text()
+        for name in set(re.findall(r"\bbcc_lib\.(\w+)\(", src)):
+            assert f"lib.{name}.argtypes" in text, name
