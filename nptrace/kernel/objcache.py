@@ -8,7 +8,8 @@ key, `<sha256>.bpfobj`: b"NPTBPF1\\n", the SHA-256 of the payload, then the msgp
 {"key", "object"}. The key covers everything the compiled code depends on: nptrace's BPF
 source, the headers it includes (include_identity) and every -D switch (BTF offsets,
 tracepoint fields and reason values among them), bcc's version (its rewriter and helpers) and
-the kernel (release, build, machine: tracepoint argument layouts bcc reads from tracefs). The newest KEEP entries stay.
+the kernel (release, build, machine: tracepoint argument layouts bcc reads from tracefs). The
+newest KEEP entries stay.
 
 The files hold code the kernel runs as root, so an entry is used only where this user owns
 it and its folder and neither is writable by group or others; anything else (a foreign owner,
