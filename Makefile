@@ -69,6 +69,26 @@ test-kernels-short: setup
 vagrant-smoke: setup
 	$(PY) -m nptrace.lab.vmsmoke --markdown docs/vagrant-smoke.md $(SCENARIOS)
 
+## Kubernetes' own components for the lab's real tier (nptrace/lab/real/, docs/k8s.md): the
+## releases pinned in k8s/releases built from the Go module proxy into NPTRACE_K8S_CACHE
+## (default /var/cache/nptrace/k8s), from the go.mod and go.sum kept in k8s/<version>/; a
+## release already built from the same pins is found, not rebuilt. K8S_RELEASES picks some.
+K8S_RELEASES ?=
+.PHONY: k8s test-k8s test-k8s-short
+k8s:
+	bash k8s/build.sh $(K8S_RELEASES)
+
+## The real tier's yardstick: every service-proxy scenario with a real control plane and one
+## real kube-proxy per lab node, in iptables and nftables mode, scored per connection; the
+## table goes to docs/k8s.md. test-k8s-short is .ci/run's form: one release, three scenarios.
+test-k8s: setup k8s
+	$(PY) -m nptrace.lab.real.yardstick --release current --release older --form lab --form plain \
+		--markdown docs/k8s.md
+	$(PYTEST) -ra tests/k8s
+
+test-k8s-short: setup
+	$(PY) -m nptrace.lab.real.yardstick --release current no-listener etp-local-no-endpoint no-endpoints
+
 bench: setup
 	$(PY) -m nptrace.bench
 

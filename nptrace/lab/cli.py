@@ -19,6 +19,7 @@ Examples:
   sudo nptrace lab up no-listener
   sudo nptrace lab up etp-local-no-endpoint --backend nft
   sudo nptrace lab up ipvs-no-endpoints          # kube-proxy's IPVS mode (needs ip_vs)
+  sudo nptrace lab up no-listener --real --backend nft   # a real control plane and kube-proxy
   sudo nptrace lab trigger no-listener --count 100 --json
   sudo nptrace lab down no-listener
   sudo nptrace lab down --all          # after a crash: every lab namespace of the prefix
@@ -66,11 +67,20 @@ def list_(as_json):
               help="Move the lab's addresses by this much (slot 1: 10.244.0.10 -> 10.245.0.10, "
                    "192.168.10.11 -> 192.168.11.11, fd00:: -> fd01::), so that labs up at once "
                    "under other prefixes stay apart for one tracer.")
+@click.option("--real", is_flag=True,
+              help="The real tier: a real control plane (etcd, kube-apiserver, "
+                   "kube-controller-manager) and one real kube-proxy per node write the rules "
+                   "(`make k8s` builds them); backends iptables, nft and ipvs.")
+@click.option("--release", default=None, metavar="NAME",
+              help="With --real: the Kubernetes release (k8s/releases: current, older) [default: current].")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def up(obj, name, backend, variant, slot, as_json):
+def up(obj, name, backend, variant, slot, real, release, as_json):
     """Build the scenario's namespaces, links, rules and servers."""
-    info = _call(runner.up, name, backend=backend, prefix=obj["prefix"], variant=variant, slot=slot)
+    if release and not real:
+        raise click.UsageError("--release goes with --real")
+    info = _call(runner.up, name, backend=backend, prefix=obj["prefix"], variant=variant, slot=slot,
+                 real=real, release=release)
     if as_json:
         click.echo(json.dumps(info.as_dict(), indent=1))
         return

@@ -78,6 +78,8 @@ class Case:
     prefix: str | None = None
     slot: int = 0
     observe: float | None = None     # its own settle (trace_labs), else the run's
+    real: bool = False               # the real tier: a real control plane and kube-proxy
+    release: str | None = None       # with real: the Kubernetes release (k8s/releases)
 
 
 def _own_ports(info, i: int) -> None:
@@ -129,7 +131,8 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
         return info, attempts, inodes
 
     def bring_up(i, c):
-        info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant, slot=c.slot)
+        info = lab.up(c.name, backend=c.backend, prefix=c.prefix, variant=c.variant, slot=c.slot,
+                      real=c.real, release=c.release)
         # netns inodes exist only while the lab is up
         got = (c, info, {ns: os.stat(f"/run/netns/{ns}").st_ino for ns in info.namespaces.values()})
         if len(cases) > 1:
@@ -181,7 +184,7 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
                 f.result()
 
 
-def _ports_of(detail: str) -> set[int]:
+def ports_of(detail: str) -> set[int]:
     out = set()
     for part in detail.replace("(", " ").replace(")", " ").split():
         host, sep, port = part.rpartition(":")
@@ -205,5 +208,5 @@ def scenario_events(attempts, events, netns: set | None = None) -> list[dict]:
             return True
         if e.get("conntrack") and e["conntrack"]["orig"][1] in ports:
             return True
-        return any(_ports_of(x.get("detail", "")) & ports for x in e.get("evidence", ()))
+        return any(ports_of(x.get("detail", "")) & ports for x in e.get("evidence", ()))
     return [e for e in events if mine(e)]

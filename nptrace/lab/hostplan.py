@@ -178,7 +178,7 @@ def conntrack_fill_steps(spec: Spec, host: str) -> list[Step]:
             Step("run", ("conntrack", "-R", "/dev/stdin"), "\n".join(lines) + "\n")]
 
 
-def server_steps(spec: Spec, host: str) -> list[Step]:
+def server_steps(spec: Spec, host: str, real: bool = False) -> list[Step]:
     d = spec.hosts[host]
     listens = []
     srv = d.get("server")
@@ -187,7 +187,7 @@ def server_steps(spec: Spec, host: str) -> list[Step]:
         if mode == "delay":
             mode = f"delay:{srv['delay']}"
         listens.append(f"{srv['port']}:{mode}")
-    if d["kind"] == "node":
+    if d["kind"] == "node" and not real:   # the real tier: kube-proxy's own servers
         # kube-proxy's service health server: one listener per eTP=Local Service with a
         # healthCheckNodePort, answering with this node's count of local ready endpoints.
         for svc in spec.services:
@@ -209,17 +209,19 @@ def sysctl_steps(spec: Spec, host: str) -> list[Step]:
     return [Step("run", ("sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())))]
 
 
-def host_steps(spec: Spec, host: str, backend: str) -> list[Step]:
+def host_steps(spec: Spec, host: str, backend: str, real: bool = False) -> list[Step]:
+    """``real``: the lab's real tier, where a real kube-proxy writes the node's rules and
+    serves its health checks (nptrace/lab/real/), so neither is rendered here."""
     d = spec.hosts[host]
     ports = [pod_veth(p) for p in spec.pods(host)] if d["kind"] == "node" else []
     steps = _iface_steps(d, ports)
-    if d["kind"] == "node":
+    if d["kind"] == "node" and not real:
         steps += kube_proxy_steps(spec, host, backend)
     steps += firewall_steps(spec, host, backend)
     steps += conntrack_fill_steps(spec, host)
     # After the rules: nf_conntrack_* sysctls are per namespace and exist once conntrack is loaded.
     steps += sysctl_steps(spec, host)
-    steps += server_steps(spec, host)
+    steps += server_steps(spec, host, real)
     return steps
 
 

@@ -82,6 +82,7 @@ class Scenario:
     observe: float = 1.0       # seconds a tracer should keep watching after the trigger
     hint: tuple[str, ...] = ()  # words each incident's hint must contain (the yardstick checks)
     explain_gap: str = ""     # why `nptrace explain` cannot predict the cause from the node's state
+    real: tuple[str, ...] = ()  # its forms the real tier runs ("" the scenario itself, else variants)
 
 
 def _variants(raw: dict) -> list[str]:
@@ -101,7 +102,9 @@ def _scenario(raw: dict, path: Path) -> Scenario:
                     service=raw["service"], backends=tuple(raw.get("backends", DEFAULT_BACKENDS)),
                     variants=tuple(_variants(raw)), expect=expect, path=path,
                     observe=float(raw.get("observe", 1.0)), hint=tuple(raw.get("hint", ())),
-                    explain_gap=raw.get("explain_gap", ""))
+                    explain_gap=raw.get("explain_gap", ""),
+                    real=(("",) if raw.get("real") else ())
+                    + tuple(v for v, d in sorted(raw.get("variants", {}).items()) if d.get("real")))
 
 
 def load_scenarios() -> list[Scenario]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from . import model, netns
 from .errors import HostBusy, LabError, NotRunnable, NotUp, UsageError
 from . import ipvsrules
+from .real import lab as real_lab
 from .hostplan import host_steps, kube_proxy_steps, node_ips, pod_veth
 from nptrace.services import ipvs as ipvs_names
 from .model import BACKENDS, Spec
@@ -125,15 +126,19 @@ def ipvs_available(proc: Path = Path("/proc"), load=None) -> bool:
 
 
 def up(name: str, backend: str | None = None, prefix: str | None = None, variant: str | None = None,
-       slot: int = 0) -> LabInfo:
+       slot: int = 0, real: bool = False, release: str | None = None) -> LabInfo:
     """Bring scenario ``name`` up with kube-proxy ``backend`` (None: the scenario's first);
-    ``slot``: its address plan moved there (slots.py), to be up beside other labs."""
+    ``slot``: its address plan moved there (slots.py), to be up beside other labs; ``real``:
+    a real control plane and kube-proxy (Kubernetes ``release``, k8s/releases) write the rules
+    (nptrace/lab/real/) instead of the generated tier."""
     prefix = netns.resolve_prefix(prefix)
     if backend is not None and backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
     spec = model.compile_spec(name, variant, slot)
     backend = backend or spec.backends[0]
-    if backend not in spec.backends:
+    if real:
+        check_real(spec, backend)
+    elif backend not in spec.backends:
         raise UsageError(f"scenario {name!r} has no {backend} form (backends: {', '.join(spec.backends)})")
     netns.require_root()
     if backend == "ipvs" and not ipvs_available():
@@ -155,14 +160,14 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
         raise LabError(f"namespace(s) {', '.join(leftovers)} exist from an earlier run; "
                        f"run `nptrace lab down --all` first")
     state = {"scenario": name, "variant": variant, "slot": slot, "backend": backend, "prefix": prefix,
-             "namespaces": sorted(live.values()), "pids": [], "started": time.time()}
+             "namespaces": sorted(live.values()), "pids": [], "started": time.time(), "real": None}
     netns.save_state(prefix, state)  # before anything exists, so `down` can clean a half-made lab
     try:
         netns.make_namespaces(live.values(), ipv6=spec.ipv6)
         netns.wire(spec, ns)
         procs, wide = [], {}
         for host in sorted(set(spec.hosts) - pending, key=lambda h: _KIND_ORDER[spec.hosts[h]["kind"]]):
-            steps, host_wide = netns.split_host_wide(host_steps(spec, host, backend))
+            steps, host_wide = netns.split_host_wide(host_steps(spec, host, backend, real))
             wide.update(host_wide)
             for argv in netns.run_batched(ns[host], steps):
                 procs.append(netns.spawn(ns[host], argv, netns.log_dir(prefix) / f"{host}.log"))
@@ -171,7 +176,10 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
         netns.wait_ready(procs)
         # last: the lab's own tables are filled, and nothing of it is left half made
         netns.set_host_wide(wide, state, set(live.values()))
-        if backend == "ipvs":
+        if real:
+            real_lab.up(spec, ns, backend, state, lambda: netns.save_state(prefix, state),
+                        netns.log_dir(prefix), release)
+        elif backend == "ipvs":
             _write_ipvs_names(spec, ns)
         for pod in [h for h, d in spec.hosts.items() if d.get("gone")]:
             # deleted after kube-proxy last synced. Its veth goes first: a deleted namespace is
@@ -183,6 +191,22 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
         _teardown(prefix, state)
         raise
     return _info(spec, backend, prefix)
+
+
+REAL_BACKENDS = ("iptables", "nft", "ipvs")
+
+
+def check_real(spec: Spec, backend: str) -> None:
+    """What the real tier runs: kube-proxy's iptables, nftables and IPVS modes, IPv4 (the
+    dual-stack forms and the 2,000-Service scale stay on the generated tier)."""
+    if backend not in REAL_BACKENDS:
+        raise UsageError(f"the real tier runs kube-proxy in {', '.join(REAL_BACKENDS)} mode, not {backend}")
+    if spec.ipv6:
+        raise UsageError(f"scenario {spec.name}: the real tier is IPv4 only; its dual-stack form is generated")
+    if any(s.namespace == "scale" for s in spec.services):
+        raise UsageError(f"scenario {spec.name} variant {spec.variant}: the real tier has no scale form")
+    if backend == "ipvs" and not ipvs_available():
+        raise NotRunnable(NO_IPVS)
 
 
 def _write_ipvs_names(spec: Spec, ns: dict, services=None) -> None:
@@ -282,17 +306,25 @@ def run_steps(spec: Spec, state: dict, prefix: str) -> None:
     """Apply the scenario's [[step]] entries to the lab that is up (see model.py)."""
     ns = netns.lab_namespaces(spec, prefix)
     services = spec.services   # what the nodes' rules say now
-    for st in spec.steps:
+    real = bool(state.get("real"))
+    for i, st in enumerate(spec.steps):
         kind = st["kind"]
-        if kind == "rules" and state["backend"] == "ipvs":
+        if kind == "rules" and real:   # through the API: kube-proxy re-syncs at its own pace
+            real_lab.rules_step(spec, i, services, state)
+            services = st["compiled"]
+        elif kind == "rules" and state["backend"] == "ipvs":
             _ipvs_rules_step(spec, st, ns, services)
             services = st["compiled"]
         elif kind == "rules":
             _rules_step(spec, st, ns, state["backend"])
         elif kind == "delete_pod":
             _delete_pod(spec, st["host"], ns, state)
+            if real:
+                real_lab.pod_deleted(spec, st["host"], state)
         elif kind == "add_pod":
             _add_pod(spec, st["host"], ns, state["backend"], state)
+            if real:
+                real_lab.pod_added(spec, st["host"], state)
         elif kind == "wait":
             time.sleep(float(st["seconds"]))
         elif kind == "run":
@@ -302,6 +334,7 @@ def run_steps(spec: Spec, state: dict, prefix: str) -> None:
 
 def _teardown(prefix: str, state: dict) -> None:
     try:
+        real_lab.down(state)
         netns.restore_host_wide(state)
         _drop_ipvs_names(state.get("namespaces", []))
     finally:
@@ -369,6 +402,7 @@ def down_all(prefix: str | None = None) -> list[str]:
     names = {f"{prefix}{h}" for h in hosts} | set(st.get("namespaces", []))
     present = sorted(names & netns.existing_namespaces())
     try:
+        real_lab.down(st)
         netns.restore_host_wide(st)
         _drop_ipvs_names(names)
     finally:

@@ -1,0 +1,204 @@
+"""etcd, kube-apiserver and kube-controller-manager for one lab, in the root namespace.
+
+They are reached from the lab's node namespaces over a management link: a bridge in the root
+namespace (npk8s<slot>, 10.255.<slot>.1/24) with one veth into each node (k8s0,
+10.255.<slot>.<10+i>), as a node's management NIC reaches its control plane. The API server
+listens on 6443+slot, etcd on 2379+10*slot (clients) and the next port (peers), so labs in
+other slots run their own. TLS with client certificates, RBAC and the Node authorizer,
+ServiceAccount tokens: as a cluster has them. kube-controller-manager runs every controller but
+node lifecycle (nothing posts the nodes' heartbeats: the lab stands in for their kubelets only
+when it writes) with per-controller ServiceAccount credentials.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LabError
+from . import pki as pkimod
+from .api import Api
+from .releases import Release, binary
+
+BRIDGE = "npk8s{slot}"
+NODE_LINK = "k8s0"
+START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    slot: int
+    dir: Path               # certificates, kubeconfigs, etcd's data, logs
+
+    @property
+    def bridge(self) -> str:
+        return BRIDGE.format(slot=self.slot)
+
+    @property
+    def host_ip(self) -> str:
+        return f"10.255.{self.slot}.1"
+
+    def node_ip(self, i: int) -> str:
+        return f"10.255.{self.slot}.{10 + i}"
+
+    @property
+    def api_port(self) -> int:
+        return 6443 + self.slot
+
+    @property
+    def etcd_port(self) -> int:
+        return 2379 + 10 * self.slot
+
+    @property
+    def server(self) -> str:
+        return f"https://{self.host_ip}:{self.api_port}"
+
+    @property
+    def local_server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+
+def _sh(argv, input=None, check=True):
+    r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise LabError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()[:300]}")
+    return r
+
+
+def link_up(plan: Plan, node_ns: list[str]) -> None:
+    """The management bridge in the root namespace and a veth from it into each node."""
+    br = plan.bridge
+    _sh(["ip", "link", "add", br, "type", "bridge"])
+    _sh(["ip", "addr", "add", f"{plan.host_ip}/24", "dev", br])
+    _sh(["ip", "link", "set", br, "up"])
+    for i, ns in enumerate(node_ns):
+        host_end = f"{br}n{i}"
+        _sh(["ip", "link", "add", host_end, "type", "veth", "peer", "name", NODE_LINK, "netns", ns])
+        _sh(["ip", "link", "set", host_end, "master", br, "up"])
+        _sh(["ip", "-n", ns, "addr", "add", f"{plan.node_ip(i)}/24", "dev", NODE_LINK])
+        _sh(["ip", "-n", ns, "link", "set", NODE_LINK, "up"])
+
+
+def link_down(slot: int) -> None:
+    br = BRIDGE.format(slot=slot)
+    links = _sh(["ip", "-o", "link", "show"], check=False).stdout
+    for line in links.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name == br or name.startswith(f"{br}n"):
+            _sh(["ip", "link", "del", name], check=False)
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+
+
+def write_kubeconfig(plan: Plan, pki: pkimod.Pki, who: str, server: str | None = None) -> Path:
+    path = plan.dir / f"{who}.kubeconfig"
+    path.write_text(pkimod.kubeconfig(pki, who, server or plan.server))
+    return path
+
+
+def pki_of(plan: Plan) -> pkimod.Pki:
+    return pkimod.Pki(plan.dir / "pki")
+
+
+def admin_api(plan: Plan) -> Api:
+    pki = pki_of(plan)
+    return Api(plan.local_server, str(pki.ca), str(pki.cert("admin")), str(pki.key("admin")))
+
+
+def start(plan: Plan, rel: Release, service_cidr: str, on_pid) -> Api:
+    """etcd, the API server and the controller manager; ``on_pid(pid)`` records each process
+    at once (a failed start is still cleaned up). Returns the admin client once /readyz says
+    so and the default ServiceAccount exists (the controllers run)."""
+    plan.dir.mkdir(parents=True, exist_ok=True)
+    pki = pkimod.make(plan.dir / "pki", [plan.host_ip])
+    logs = plan.dir / "logs"
+    peer = plan.etcd_port + 1
+    etcd = _spawn([binary(rel, "etcd"), "--name", "lab", "--data-dir", str(plan.dir / "etcd"),
+                   "--listen-client-urls", f"http://127.0.0.1:{plan.etcd_port}",
+                   "--advertise-client-urls", f"http://127.0.0.1:{plan.etcd_port}",
+                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-cluster", f"lab=http://127.0.0.1:{peer}",
+                   "--listen-metrics-urls", "", "--unsafe-no-fsync", "--log-level", "warn"],
+                  logs / "etcd.log")
+    on_pid(etcd.pid)
+    apiserver = _spawn([
+        binary(rel, "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{plan.etcd_port}",
+        "--bind-address=0.0.0.0", f"--secure-port={plan.api_port}", f"--advertise-address={plan.host_ip}",
+        f"--service-cluster-ip-range={service_cidr}", "--service-node-port-range=30000-32767",
+        f"--client-ca-file={pki.ca}", f"--tls-cert-file={pki.cert('apiserver')}",
+        f"--tls-private-key-file={pki.key('apiserver')}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
+        "--authorization-mode=Node,RBAC", "--allow-privileged=true",
+        f"--cert-dir={plan.dir / 'apiserver-certs'}", "--profiling=false", "-v=1"],
+        logs / "kube-apiserver.log")
+    on_pid(apiserver.pid)
+    api = admin_api(plan)
+    _wait(api.ready, "kube-apiserver /readyz", [etcd, apiserver], logs)
+    kcm = _spawn([
+        binary(rel, "kube-controller-manager"),
+        f"--kubeconfig={write_kubeconfig(plan, pki, 'controller-manager', plan.local_server)}",
+        f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca}",
+        "--use-service-account-credentials=true", "--leader-elect=false",
+        "--controllers=*,-node-lifecycle-controller", "--bind-address=127.0.0.1",
+        f"--secure-port={10257 + plan.slot}", "-v=1"],
+        logs / "kube-controller-manager.log")
+    on_pid(kcm.pid)
+
+    def default_sa():
+        try:
+            return api.get("/api/v1/namespaces/default/serviceaccounts/default")
+        except LabError:
+            return None
+    _wait(default_sa, "kube-controller-manager (the default ServiceAccount)", [etcd, apiserver, kcm], logs)
+    return api
+
+
+def _wait(check, what: str, procs, logs: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not check():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            name = Path(dead[0].args[0]).name
+            tail = (logs / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            raise LabError(f"{name} exited ({dead[0].returncode}) while waiting for {what}: "
+                           f"{' | '.join(tail)[-400:]}")
+        if time.monotonic() > deadline:
+            raise LabError(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}; logs in {logs}")
+        time.sleep(0.1)
+
+
+def stop(pids) -> None:
+    """SIGTERM, then SIGKILL after 3 s, to the processes started here."""
+    import signal
+    live = []
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+            live.append(p)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 3
+    for p in live:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(p, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                try:
+                    os.kill(p, 0)
+                except ProcessLookupError:
+                    break
+            time.sleep(0.05)
+        else:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,210 @@
+"""The real tier's yardstick: each scenario a real control plane and a real kube-proxy set up,
+traced by `nptrace run --json` as the generated tier's yardstick traces it, scored per
+connection.
+
+    python -m nptrace.lab.real.yardstick [--release current] [--mode iptables --mode nft]
+        [--form lab --form plain] [--count 10] [--markdown docs/k8s.md] [SCENARIO[/VARIANT] ...]
+
+Forms: ``lab``, the lab's node devices given with -i (the yardstick's form); ``plain``, one
+`nptrace run` in the root namespace with no -i. Per case: the failed connections (the client
+saw anything but ok), how many of them every incident labels with the scenario's cause, how
+many name its Service, incidents per failed connection, and the wall time. A healthy
+scenario's row counts the incidents about its connections (there should be none).
+Exit 0 when every row is 100%, 1 otherwise, 2 when the release is not built.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import LabError, NotRunnable, UsageError
+from ..harness import Case, ports_of, scenario_events, trace_labs
+from ..model import load_scenarios
+from . import releases
+
+FORMS = ("lab", "plain")
+DEFAULT_MODES = ("iptables", "nft")
+
+
+@dataclass
+class Row:
+    release: str
+    mode: str
+    kernel: str
+    case: str
+    form: str
+    expected: str
+    connections: int = 0          # attempts
+    failed: int = 0               # attempts the client saw fail
+    right: int = 0                # failed connections whose every incident has the expected cause
+    named: int = 0                # failed connections whose every incident names the Service
+    incidents: int = 0            # incidents about failed connections
+    stray: int = 0                # incidents about connections that worked
+    seconds: float = 0.0
+    error: str = ""
+    examples: list = field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        if self.error:
+            return False
+        if self.expected == "none":
+            return self.failed == 0 and self.stray == 0
+        return self.failed > 0 and self.right == self.failed and self.named == self.failed
+
+    def cells(self) -> list[str]:
+        pct = (lambda n: f"{100 * n / self.failed:.0f}%" if self.failed else "-")
+        per = f"{self.incidents / self.failed:.2f}" if self.failed else "-"
+        return [self.release, self.mode, self.kernel, self.case, self.form, self.expected,
+                f"{self.failed}/{self.connections}", pct(self.right), pct(self.named), per,
+                str(self.stray), f"{self.seconds:.0f} s", "ok" if self.ok else (self.error or "FAIL")]
+
+
+HEADER = ["release", "mode", "kernel", "scenario", "form", "cause", "failed/conns", "cause right",
+          "Service named", "lines/conn", "stray", "time", "result"]
+
+
+def real_cases(names=()) -> list[tuple[str, str | None, str, str]]:
+    """(scenario, variant, expected cause, Service) of every form the real tier runs."""
+    out = []
+    for sc in load_scenarios():
+        for v in sc.real:
+            label = sc.name + (f"/{v}" if v else "")
+            if names and label not in names:
+                continue
+            out.append((sc.name, v or None, sc.cause or "none", sc.service))
+    if names and not out:
+        raise UsageError(f"no real-tier scenario {' '.join(names)}")
+    return out
+
+
+def _ports(e: dict) -> set[int]:
+    """The ports an incident shows: its tuple's, its conntrack entry's and its evidence's (a
+    --random-fully masquerade gives the pod side another port; the client side keeps it)."""
+    ports = {e.get("sport"), e.get("dport")}
+    if e.get("conntrack"):
+        ports.add(e["conntrack"]["orig"][1])
+    for x in e.get("evidence", ()):
+        ports |= ports_of(x.get("detail", ""))
+    return ports
+
+
+def score(row: Row, service: str, attempts, events, inodes: dict) -> Row:
+    mine = scenario_events(attempts, events, set(inodes.values()))
+    failed = {a.sport for a in attempts if a.outcome != "ok"}
+    row.connections, row.failed = len(attempts), len(failed)
+    by_port: dict[int, list[dict]] = {p: [] for p in failed}
+    for e in mine:
+        hit = _ports(e) & failed
+        if not hit:
+            row.stray += 1
+        for p in hit:
+            by_port[p].append(e)
+    for p, incs in by_port.items():
+        row.incidents += len(incs)
+        if incs and all(e["cause"] == row.expected for e in incs):
+            row.right += 1
+        elif len(row.examples) < 3:
+            row.examples.append((p, [(e["cause"], e.get("service"), e.get("summary_line") or e.get("hint", ""))
+                                     for e in incs]))
+        if incs and all(e.get("service") == service for e in incs):
+            row.named += 1
+    return row
+
+
+def run_case(rel: releases.Release, mode: str, form: str, name: str, variant: str | None,
+             expected: str, service: str, count: int) -> Row:
+    row = Row(rel.version, mode, platform.release(), name + (f"/{variant}" if variant else ""), form, expected)
+    t0 = time.monotonic()
+    try:
+        observe = next(s.observe for s in load_scenarios() if s.name == name)
+        done, events, _err = trace_labs([Case(name, mode, variant, observe=observe, real=True,
+                                              release=rel.name)], count, settle=observe,
+                                        extra_args=("--max-rate", "0"), watch=form == "lab")
+        _, attempts, inodes = done[0]
+        score(row, service, attempts, events, inodes)
+    except NotRunnable as e:
+        row.error = f"not runnable: {e}"
+    except (LabError, RuntimeError) as e:
+        row.error = str(e).splitlines()[0][:120]
+    row.seconds = time.monotonic() - t0
+    return row
+
+
+def markdown(rows: list[Row], commit: str) -> str:
+    day = datetime.date.today().isoformat()
+    lines = [f"Measured {day} on commit {commit} (`make test-k8s`).", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=releases.K8S_DIR.parent, timeout=10).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nptrace.lab.real.yardstick", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--release", action="append", help="k8s/releases name or version (repeatable) [current]")
+    ap.add_argument("--mode", action="append", choices=("iptables", "nft", "ipvs"),
+                    help="kube-proxy mode (repeatable) [iptables, nft]")
+    ap.add_argument("--form", action="append", choices=FORMS, help="tracer form (repeatable) [lab]")
+    ap.add_argument("--count", type=int, default=10, help="connections per case [10]")
+    ap.add_argument("--markdown", type=Path, help="write the table into this file (between its markers)")
+    ap.add_argument("cases", nargs="*", help="SCENARIO or SCENARIO/VARIANT [every real-tier form]")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("yardstick: needs root (network namespaces, BPF)", file=sys.stderr)
+        return 2
+    try:
+        rels = [releases.get(r) for r in (a.release or [None])]
+        for r in rels:
+            for comp in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-proxy"):
+                releases.binary(r, comp)
+        cases = real_cases(a.cases)
+    except (NotRunnable, UsageError) as e:
+        print(f"yardstick: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for rel in rels:
+        for mode in a.mode or DEFAULT_MODES:
+            for form in a.form or ("lab",):
+                for name, variant, expected, service in cases:
+                    row = run_case(rel, mode, form, name, variant, expected, service, a.count)
+                    rows.append(row)
+                    print("  ".join(row.cells()), flush=True)
+                    for p, incs in row.examples:
+                        print(f"    port {p}: {incs}", flush=True)
+    if a.markdown:
+        write_table(a.markdown, markdown(rows, _commit()))
+    bad = [r for r in rows if not r.ok]
+    print(f"yardstick: {len(rows) - len(bad)} passed, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+BEGIN, END = "<!-- real-tier table: begin -->", "<!-- real-tier table: end -->"
+
+
+def write_table(path: Path, table: str) -> None:
+    """The table between the file's markers (the rest of the page is prose kept as it is)."""
+    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
