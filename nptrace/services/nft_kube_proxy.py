@@ -21,6 +21,10 @@ from .model import LOCAL_ADDRS, AddrSet, Rule, canon, norm_proto, split_hostport
 from .nft_rules import NftTable, generic_nft_table, parse_element, parse_nft_rule
 
 _RE_DNAT = re.compile(r"\bdnat (?:ip6? )?to (\S+)")
+# kube-proxy >= 1.35 (nftables): no endpoint chains; the service (or local) chain DNATs
+# through one map, "dnat ip to numgen random mod 3 map { 0 : 10.244.0.10 . 8080, 1 : ... }"
+_RE_DNAT_MAP = re.compile(r"\bdnat (?:ip6? )?to numgen \w+ mod \d+ map \{([^}]*)\}")
+_RE_MAP_EP = re.compile(r"\d+\s*:\s*([0-9A-Fa-f.:]+)\s+\.\s+(\d+)")
 _RE_GOTO_EP = re.compile(r"goto (endpoint-[^\s,}]+)")
 _RE_KP_CHAIN = re.compile(r"^(service|local|external|endpoint|firewall)-[A-Z2-7]{8}-(.+)$")
 # an eTP=Local external chain sends pod and node traffic on to all endpoints (short-circuit)
@@ -34,6 +38,19 @@ def _nft_name(base: str) -> tuple[str, str] | None:
         return None
     ns, svc, proto, port = parts
     return (f"{ns}/{svc}:{port}" if port else f"{ns}/{svc}"), proto
+
+
+def map_endpoints(text: str) -> list[tuple[str, int]]:
+    """The endpoints a service chain's DNAT map picks among (kube-proxy >= 1.35)."""
+    m = _RE_DNAT_MAP.search(text)
+    if m is None:
+        return []
+    out = []
+    for host, port in _RE_MAP_EP.findall(m.group(1)):
+        h = canon(host)
+        if h is not None:
+            out.append((h, int(port)))
+    return out
 
 
 def kp_nft_table(t: NftTable, b: Builder) -> None:
@@ -107,12 +124,11 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
                     shortcuts.setdefault(nm, []).append((src, sm.group(2)))
     for prefix, inf, lst in policy_chains:
         for text, _ in lst:
-            for ep_chain in _RE_GOTO_EP.findall(text):
-                hp = ep_of_chain.get(ep_chain)
-                if hp is not None:
-                    inf.endpoints[hp] = None
-                    if prefix == "local":
-                        inf.local_eps[hp] = None
+            eps = [ep_of_chain[c] for c in _RE_GOTO_EP.findall(text) if c in ep_of_chain]
+            for hp in eps + map_endpoints(text):
+                inf.endpoints[hp] = None
+                if prefix == "local":
+                    inf.local_eps[hp] = None
 
     # service dispatch maps
     for _, key, _, value in elements("service-ips"):
@@ -163,8 +179,8 @@ def kp_nft_table(t: NftTable, b: Builder) -> None:
             a = None
             if reason == "no_local_endpoint":
                 for src, chain in shortcuts.get((name, proto), ()):
-                    if any(ep in ep_of_chain for text, _ in t.chains.get(chain, ())
-                           for ep in _RE_GOTO_EP.findall(text)):
+                    if any(any(ep in ep_of_chain for ep in _RE_GOTO_EP.findall(text)) or map_endpoints(text)
+                           for text, _ in t.chains.get(chain, ())):
                         cond.src.append((src, True))     # DNATed to an endpoint before the drop
             if nodeport:
                 if noep_scope.addrs is not None:

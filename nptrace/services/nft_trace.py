@@ -244,9 +244,10 @@ class NftTracer:
         if kind == "numgen":
             got = [self._run(target, pk, depth + 1, via) for target in action[1]]
             return _TERM if _TERM in got else _RET
-        if kind == "dnat":
-            if action[1] not in pk.res.dests:
-                pk.res.dests.append(action[1])
+        if kind in ("dnat", "dnats"):
+            for dest in (action[1],) if kind == "dnat" else action[1]:
+                if dest not in pk.res.dests:
+                    pk.res.dests.append(dest)
             return _TERM
         if kind in ("drop", "reject"):
             pk.res.verdict = kind
@@ -366,6 +367,23 @@ def _vmap_arms(toks: list[str], i: int) -> tuple[list[list[str]], int]:
     return [a for a in arms if a], k + 1
 
 
+MASQ_BIT = 0x4000   # kube-proxy's default --masquerade-bit 14
+
+
+def _sets_masq_bit(toks: list[str]) -> bool:
+    """``meta mark set meta mark | 0x00004000`` (or ``mark set mark or 0x4000``): the
+    masquerade bit ORed into the mark."""
+    for k, t in enumerate(toks[:-1]):
+        if t in ("|", "or"):
+            try:
+                return int(toks[k + 1], 0) & MASQ_BIT == MASQ_BIT
+            except ValueError:
+                return False
+        if t in _VERBS:
+            break
+    return False
+
+
 def compile_rule(text: str) -> tuple[list[tuple], tuple | None]:
     """(conditions, action) of one kube-proxy nft rule; action None: the rule decides nothing
     (a counter, a mark, a statement), or holds a match this walk does not read."""
@@ -448,7 +466,13 @@ def compile_rule(text: str) -> tuple[list[tuple], tuple | None]:
             k = i + 1
             if k < n and toks[k] in ("ip", "ip6"):
                 k += 1
-            if k + 1 < n and toks[k] == "to":
+            if k + 1 < n and toks[k] == "to" and toks[k + 1] == "numgen" and "map" in toks[k:]:
+                # kube-proxy >= 1.35: "dnat ip to numgen random mod N map { 0 : A . P, ... }",
+                # every endpoint it may pick (as numgen ... vmap's)
+                arms, _ = _vmap_arms(toks, toks.index("map", k) + 1)
+                action = ("dnats", tuple(f"[{a[2]}]:{a[4]}" if ":" in a[2] else f"{a[2]}:{a[4]}"
+                                         for a in arms if len(a) == 5 and a[1] == ":" and a[3] == "."))
+            elif k + 1 < n and toks[k] == "to":
                 action = ("dnat", toks[k + 1])
             break
         if tk == "comment":
@@ -458,6 +482,14 @@ def compile_rule(text: str) -> tuple[list[tuple], tuple | None]:
             i += 1
             while i + 1 < n and toks[i] in ("packets", "bytes"):
                 i += 2
+            continue
+        if tk in ("meta", "mark") and "set" in toks[i + 1:i + 3] and _sets_masq_bit(toks[i:]):
+            # kube-proxy >= 1.35 marks for masquerade in place ("meta mark set meta mark |
+            # 0x00004000"), where older ones jump to mark-for-masquerade
+            action = ("masq",)
+            i += 1
+            while i < n and toks[i] not in _VERBS:
+                i += 1
             continue
         if tk in _STMTS or (tk in ("meta", "ct", "mark") and "set" in toks[i + 1:i + 3]):
             # a statement that does not decide where the packet goes
