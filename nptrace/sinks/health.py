@@ -11,8 +11,11 @@
                      OpenMetrics, by the Accept header), plus nptrace_build_info.
 
 prometheus_client's start_http_server answers every path with the metrics, so it cannot say
-"not ready"; this is the same thing (a threading http.server, one daemon thread) with the
-health paths routed first. Model: the Kubernetes components' /livez, /readyz, /healthz.
+"not ready", and starts a thread per connection with no timeout. This is served by
+sinks/httpd.py instead: a bounded selector loop (connection cap, request and response
+deadlines, an 8 KiB request cap), the health paths answered on its thread while a scrape runs
+on its worker, and one registry read reused for SCRAPE_TTL_S (MetricsCache). Model: the
+Kubernetes components' /livez, /readyz, /healthz.
 
 Also here, pure: probe_states(), the nptrace_probe_up{probe} table: 1 for each attached hook,
 0 for every hook of the hook table that is not (missing on this kernel, refused, failed),
@@ -24,15 +27,18 @@ import errno
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from nptrace.config import parse_metrics_addr
 from nptrace.errors import NptraceError
+from nptrace.sinks import httpd
 
-__all__ = ["Health", "HealthServer", "Scrapes", "build_info_collector", "probe_states", "serve"]
+__all__ = ["Health", "HealthServer", "MetricsCache", "Scrapes", "build_info_collector",
+           "health_answer", "probe_states", "serve"]
 
 # Seconds without a main-loop turn after which the tracer is not live: the unit's WatchdogSec.
 LIVENESS_S = float(os.environ.get("NPTRACE_LIVENESS_S", "30"))
+# Seconds one read of the registry answers /metrics for (MetricsCache).
+SCRAPE_TTL_S = 1.0
 
 
 class Health:
@@ -119,8 +125,9 @@ def build_info_collector(version: str, node: str = "", **extra: str):
 
 
 class Scrapes:
-    """Which /metrics answers were read whole: a scrape's counts are those of when its
-    encoding began, so wait_after() waits for one that began after the call."""
+    """Which /metrics answers were read whole: an answer's counts are those of when its
+    registry read began (MetricsCache), so wait_after() waits for one that began after the
+    call."""
 
     def __init__(self):
         self.cond = threading.Condition()
@@ -143,55 +150,102 @@ class Scrapes:
             return self.cond.wait_for(lambda: self.last_served >= first, timeout)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "nptrace"
-    registry = None          # set per server (a subclass)
-    health: Health | None = None
-    scrapes: Scrapes | None = None
+class MetricsCache:
+    """One read of the registry answers every /metrics request for `ttl` seconds: a scrape
+    walks the per-CPU kernel maps (KernelCollector), so a flood of scrapes, or Prometheus
+    servers scraping side by side, cost one walk a second. Each encoding (text, OpenMetrics)
+    is made once per read. `scrapes` numbers each read when it begins; expire() makes the next
+    request read anew (the stop's final counts)."""
 
-    def do_GET(self):        # noqa: N802 (http.server's naming)
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        if path in ("/healthz", "/readyz", "/livez"):
-            h = self.health
-            ok, why = (True, "no health source") if h is None else \
-                (h.live() if path == "/livez" else h.readiness())
-            self._send(200 if ok else 503, f"{'ok' if ok else 'unhealthy'}: {why}\n".encode(),
-                       "text/plain; charset=utf-8")
-        elif path in ("/metrics", "/"):
-            from prometheus_client.exposition import choose_encoder
-            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
-            seq = self.scrapes.begin()
-            try:
-                body = encoder(self.registry)
-            except Exception as e:       # a collector failing must not take the port down
-                self._send(500, f"metrics: {e}\n".encode(), "text/plain; charset=utf-8")
-                return
-            self._send(200, body, ctype)
-            self.scrapes.served(seq)
-        else:
-            self._send(404, b"not found: /metrics, /healthz, /readyz, /livez\n", "text/plain")
+    def __init__(self, registry, scrapes: Scrapes, ttl: float = SCRAPE_TTL_S,
+                 clock=time.monotonic):
+        self.registry, self.scrapes, self.ttl, self.clock = registry, scrapes, ttl, clock
+        self.lock = threading.Lock()
+        self.read_at: float | None = None
+        self.seq = -1
+        self.families: list | None = None
+        self.error = ""
+        self.bodies: dict[str, bytes] = {}
 
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def expire(self) -> None:
+        # not under the lock: a stop must not wait for a scrape stuck in a collector; a read
+        # under way keeps its answer, the next one reads anew
+        self.read_at = None
 
-    def log_message(self, *args):    # no access log on stderr (that is the status lines')
-        pass
+    def answer(self, accept: str) -> tuple[int, bytes, str, int]:
+        """(status, body, content type, the number of the read it comes from)."""
+        from prometheus_client.exposition import choose_encoder
+        encoder, ctype = choose_encoder(accept)
+        with self.lock:
+            now = self.clock()
+            if self.read_at is None or now - self.read_at >= self.ttl:
+                self.seq = self.scrapes.begin()
+                self.bodies, self.read_at = {}, now
+                try:
+                    self.families, self.error = list(self.registry.collect()), ""
+                except Exception as e:    # a collector failing must not take the port down
+                    self.families, self.error = None, f"metrics: {type(e).__name__}: {e}\n"
+            if self.families is None:
+                return 500, self.error.encode(), "text/plain; charset=utf-8", self.seq
+            body = self.bodies.get(ctype)
+            if body is None:
+                try:
+                    body = self.bodies[ctype] = encoder(_Read(self.families))
+                except Exception as e:
+                    return 500, f"metrics: {type(e).__name__}: {e}\n".encode(), \
+                        "text/plain; charset=utf-8", self.seq
+            return 200, body, ctype, self.seq
+
+
+class _Read:
+    """The families of one registry read, as the encoders ask a registry for them."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+HEALTH_PATHS = ("/healthz", "/readyz", "/livez")
+METRICS_PATHS = ("/metrics", "/")
+
+
+def _route(path: str) -> str:
+    return path.rstrip("/") or "/"
+
+
+def health_answer(health: Health | None, req: httpd.Request) -> httpd.Answer | None:
+    """The health paths and 404, answered on the server's loop (never behind a scrape);
+    None for /metrics."""
+    path = _route(req.path)
+    if path in METRICS_PATHS:
+        return None
+    if path not in HEALTH_PATHS:
+        return httpd.Answer(404, b"not found: /metrics, /healthz, /readyz, /livez\n")
+    ok, why = (True, "no health source") if health is None else \
+        (health.live() if path == "/livez" else health.readiness())
+    return httpd.Answer(200 if ok else 503, f"{'ok' if ok else 'unhealthy'}: {why}\n".encode())
 
 
 class HealthServer:
-    """The metrics and health server: url, port, host, close."""
+    """The metrics and health server: url, port, host, close, stats (sinks/httpd.py)."""
 
-    def __init__(self, httpd, thread, host: str, port: int, scrapes: Scrapes | None = None):
-        self.httpd, self.thread, self.host, self.port = httpd, thread, host, port
-        self.scrapes = scrapes or Scrapes()
+    def __init__(self, server: httpd.Server | None, host: str, port: int, scrapes: Scrapes,
+                 cache: MetricsCache):
+        self.server, self.host, self.port = server, host, port
+        self.scrapes, self.cache = scrapes, cache
+
+    @property
+    def stats(self):
+        return self.server.stats if self.server is not None else {}
 
     def wait_scrape(self, timeout: float) -> bool:
         """True once a scrape that began after this call was answered, False after timeout."""
-        return self.httpd is not None and self.scrapes.wait_after(timeout)
+        if self.server is None:
+            return False
+        self.cache.expire()         # the next scrape reads the counts as they are now
+        return self.scrapes.wait_after(timeout)
 
     @property
     def url(self) -> str:
@@ -199,25 +253,25 @@ class HealthServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
-def serve(addr: str, registry, health: Health | None = None) -> HealthServer:
-    """Serve /metrics and the health paths on a daemon thread; port 0 picks a free port."""
-    import socket
+def serve(addr: str, registry, health: Health | None = None, *,
+          limits: httpd.Limits = httpd.Limits(), ttl: float = SCRAPE_TTL_S) -> HealthServer:
+    """Serve /metrics and the health paths (sinks/httpd.py: one loop thread, one scrape
+    worker, bounded connections); port 0 picks a free port."""
     host, port = parse_metrics_addr(addr)
     scrapes = Scrapes()
-    handler = type("Handler", (_Handler,), {"registry": registry, "health": health,
-                                            "scrapes": scrapes})
+    cache = MetricsCache(registry, scrapes, ttl)
 
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    def metrics(req: httpd.Request) -> httpd.Answer:
+        code, body, ctype, seq = cache.answer(req.headers.get("accept", ""))
+        return httpd.Answer(code, body, ctype,
+                            (lambda: scrapes.served(seq)) if code == 200 else None)
     try:
-        httpd = Server((host, port), handler)
+        sock = httpd.bind(host, port)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise NptraceError(f"metrics address {addr} in use: stop the other exporter or "
@@ -227,6 +281,5 @@ def serve(addr: str, registry, health: Health | None = None) -> HealthServer:
         raise NptraceError(f"cannot serve metrics on {addr}: {e.strerror or e}") from None
     except (ValueError, UnicodeError) as e:   # unresolvable host name
         raise NptraceError(f"bad metrics address {addr!r}: {e}") from None
-    t = threading.Thread(target=httpd.serve_forever, name="nptrace-metrics", daemon=True)
-    t.start()
-    return HealthServer(httpd, t, host, httpd.server_address[1], scrapes)
+    server = httpd.Server(sock, lambda req: health_answer(health, req), metrics, limits).start()
+    return HealthServer(server, host, sock.getsockname()[1], scrapes, cache)
