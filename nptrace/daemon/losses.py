@@ -24,6 +24,8 @@ MESSAGES = {
     "rules_late": "record batches labeled before the rules view had applied an nf_tables "
                   "commit, or looked at the legacy tables, after them (the labeling barrier's "
                   "bound passed)",
+    "rules_bad_names": "nf_tables tables left out of the rules view: their names are not nft "
+                       "identifiers, so nft is never given them (each said once)",
 }
 # stages that count event records (the others count messages or failures)
 RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped"})

@@ -227,6 +227,10 @@ class Tracer:
         if self.knowledge is not None:
             kn = self.knowledge
             w("rules_late", lambda: kn.barrier_late)
+            from nptrace.node import rules_source
+            refused = rules_source.REFUSED
+            refused.log = log         # each refused table name said once, on the status stream
+            w("rules_bad_names", lambda: refused.count)
         if self.nft is not None:
             nft = self.nft
             w("nft_trace_malformed", nft.malformed)

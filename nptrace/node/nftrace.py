@@ -9,7 +9,7 @@ traced too, while iptables-legacy's are not (they log TRACE through nf_log inste
 Pure decoding and bookkeeping, no sockets: tests feed it recorded bytes. A datagram is
 kernel input, but decode() never raises on a short or odd one (a truncated attribute is
 absent; tests/unit/test_fuzz_netlink.py fuzzes it), and names are kept as sent: whoever
-prints one escapes it, whoever passes one to nft checks it (nftrace_live.nft_name).
+prints one escapes it, whoever passes one to nft checks it (rules_source.nft_name).
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ import collections
 import errno
 import ipaddress
 import os
-import re
 import select
 import socket
 import struct
@@ -34,7 +33,7 @@ from nptrace.text import hostport
 from nptrace.node import nftrace
 from nptrace.node.nlmsg import (NFGENMSG_LEN, NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE,
                                 NLMSG_ERROR, attrs, error_of, messages, request)
-from nptrace.node.rules_source import RulesSourceError, in_netns, is_xt, run_in_netns
+from nptrace.node.rules_source import RulesSourceError, in_netns, is_xt, nft_name, run_in_netns
 
 TABLE = "nptrace_trace"
 ARM_FOR_S = 60          # a destination stays traced this long after its last drop
@@ -45,20 +44,10 @@ SOCK_RCVBUF = 1 << 20
 MAX_NAMESPACES = 1024   # namespaces with a session or a reason kept (one fd per session)
 
 
-# An nft identifier as nft's scanner reads one (scanner.l: `string`): a letter, '_' or '.',
-# then letters, digits and '/', '-', '_', '.'; at most NFT_NAME_MAXLEN - 1 bytes. Table and
-# chain names in trace messages come from the kernel, where any bytes but NUL are allowed
-# (`nft add table 'x; flush ruleset'` works), and nft joins its arguments into one line and
-# parses it: a name that is not an identifier could be read as more commands. Such names are
-# refused, not quoted (nft's quoting cannot hold every byte), and the answer says the rule
-# text was not read.
-_NFT_IDENT = re.compile(r"[A-Za-z_.][A-Za-z0-9/_.\-]{0,254}\Z")
+# Table and chain names in trace messages come from the kernel, any bytes but NUL: one that
+# is not an nft identifier (rules_source.nft_name) is never an nft argument, and the answer
+# says the rule text was not read.
 NFT_FAMILIES = frozenset(nftrace.NFPROTO_NAMES.values())
-
-
-def nft_name(name: str) -> str | None:
-    """`name` if nft reads it as one identifier, else None."""
-    return name if isinstance(name, str) and _NFT_IDENT.match(name) else None
 
 
 def table_script() -> str:

@@ -16,6 +16,10 @@ iptables-nft ruleset 11.8 s. Hence:
     generation id (NFT_MSG_GETGEN over netlink, about a millisecond), which moves on every
     committed nft or iptables-nft transaction and not on counter updates. iptables-legacy has no
     generation, so its dump is hashed with counters removed.
+
+What a namespace holds is its pod's to write: a table name is passed to nft only when nft reads
+it as one identifier (nft_name; others are counted and said once, REFUSED), and every tool's
+output is read up to MAX_OUTPUT bytes (run_bounded), its text decoded whatever the bytes.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import selectors
 import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +53,7 @@ __all__ = [
     "legacy_digest",
     "load_service_map",
     "nft_generation",
+    "nft_name",
     "parse_dump",
     "read_all",
     "read_rules",
@@ -57,6 +64,60 @@ BACKENDS = ("nft", "iptables-nft", "iptables-legacy", "none")
 _XT_TABLES = frozenset({"filter", "nat", "mangle", "raw", "security"})
 _TIMEOUT = 60.0
 _NETNS_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")
+# What one tool may print before it is killed and the read fails: every dump is read whole
+# into memory (bytes, then text: twice this at the peak), and a namespace's rules are the
+# pod's to make. The kube-proxy fixture pattern at 10,002 Services (tests/unit/test_services.py
+# synth_*) is 13 MiB as iptables-save prints it and 12 MiB as nft commands: this leaves five
+# times that, within the 768 MiB the shipped unit and DaemonSet allow.
+MAX_OUTPUT = 64 << 20
+MAX_STDERR = 64 << 10       # only its first line is said
+
+
+# An nft identifier as nft's scanner reads one (scanner.l: `string`): a letter, '_' or '.',
+# then letters, digits and '/', '-', '_', '.'; at most NFT_NAME_MAXLEN - 1 bytes. Table and
+# chain names come from the kernel, where any bytes but NUL are allowed (`nft add table
+# 'x; flush ruleset'` works), and nft joins its arguments into one line and parses it: a name
+# that is not an identifier could be read as more commands (`;`, a newline, `include "..."`).
+# Such names are refused, not quoted (nft's quoting cannot hold every byte). The one check of
+# a name before it is an nft argument: rules dumps here, trace lookups (nftrace_live.py).
+_NFT_IDENT = re.compile(r"[A-Za-z_.][A-Za-z0-9/_.\-]{0,254}\Z")
+
+
+def nft_name(name: str) -> str | None:
+    """`name` if nft reads it as one identifier, else None."""
+    return name if isinstance(name, str) and _NFT_IDENT.match(name) else None
+
+
+class RefusedNames:
+    """Tables left out of a rules dump because their names are not nft identifiers (nft_name):
+    `count` of distinct (namespace, family, name), each said once through `log`. A pod must
+    not hide a table from the rules view by its name unnoticed; the tracer counts these as
+    the user-space loss `rules_bad_names`."""
+
+    MAX_SEEN = 4096
+
+    def __init__(self, log=None):
+        self.log = log or (lambda msg: print(f"nptrace: {msg}", file=sys.stderr))
+        self.count = 0
+        self._seen: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def refuse(self, netns: str | None, family: str, name: str) -> None:
+        key = (netns, family, name)
+        with self._lock:
+            if key in self._seen:
+                return
+            self.count += 1
+            if len(self._seen) >= self.MAX_SEEN:
+                return               # counted, no longer said: a flood of names is not a flood of lines
+            self._seen.add(key)
+        where = "the host namespace" if netns is None else f"netns {netns}"
+        self.log(f"warning: nf_tables table {family} {name[:80]!r}{'...' if len(name) > 80 else ''}"
+                 f" in {where} not listed: its name is not an nft identifier, so it cannot be "
+                 "passed to nft safely; its rules are missing from the rules view")
+
+
+REFUSED = RefusedNames()
 
 
 class RulesSourceError(Exception):
@@ -99,14 +160,63 @@ def run_in_netns(netns: str | None, argv: list[str], *, check: bool = True) -> s
             raise RulesSourceError("ip not found: install the Debian package iproute2")
         argv = ["ip", "netns", "exec", netns, *argv]
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT)
+        r = run_bounded(argv, _TIMEOUT, MAX_OUTPUT)
     except subprocess.TimeoutExpired:
         raise RulesSourceError(f"{' '.join(argv)} took more than {_TIMEOUT:.0f} s") from None
+    except OutputTooLarge:
+        raise RulesSourceError(f"{tool}{' in netns ' + netns if netns else ''} printed more "
+                               f"than {MAX_OUTPUT >> 20} MiB: not read (nptrace's bound on a "
+                               "namespace's rules)") from None
     except OSError as e:
         raise RulesSourceError(f"cannot run {tool}: {e.strerror}") from None
     if check and r.returncode != 0:
         raise RulesSourceError(_failure(tool, netns, r.stderr))
     return r
+
+
+class OutputTooLarge(Exception):
+    """A child printed more than its bound; it was killed."""
+
+
+def run_bounded(argv: list[str], timeout: float, limit: int,
+                err_limit: int = MAX_STDERR) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, capture_output=True, text=True, timeout=timeout) that reads at
+    most `limit` bytes of stdout (past it: the child is killed, OutputTooLarge) and keeps the
+    first `err_limit` bytes of stderr. Text is UTF-8, undecodable bytes replaced (a rule's
+    comment is the pod's to write). TimeoutExpired and OSError as subprocess raises them."""
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    out, err = bytearray(), bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(p.stdout, selectors.EVENT_READ, (out, limit))
+            sel.register(p.stderr, selectors.EVENT_READ, (err, err_limit))
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf, cap = key.data
+                    if len(buf) + len(chunk) > cap:
+                        if buf is out:
+                            raise OutputTooLarge(f"{argv[0]} printed more than {cap} bytes")
+                        chunk = chunk[:max(cap - len(buf), 0)]    # stderr: its start is enough
+                    buf += chunk
+        p.wait(max(deadline - time.monotonic(), 0.01))
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        p.stdout.close()
+        p.stderr.close()
+    return subprocess.CompletedProcess(argv, p.returncode, out.decode("utf-8", "replace"),
+                                       err.decode("utf-8", "replace"))
 
 
 def _failure(tool: str, netns: str | None, stderr: str) -> str:
@@ -139,8 +249,8 @@ def _tables_here() -> list[tuple[str, str]]:
                     continue
                 family = _NFT_FAMILIES.get(data[start + NLMSG.size])
                 for atype, payload in attrs(data, start + NLMSG.size + NFGENMSG_LEN, end):
-                    if atype == _NFTA_TABLE_NAME and family:
-                        tables.append((family, payload.split(b"\0", 1)[0].decode()))
+                    if atype == _NFTA_TABLE_NAME and family:   # any bytes: checked at use
+                        tables.append((family, payload.split(b"\0", 1)[0].decode(errors="replace")))
     return tables
 
 
@@ -155,8 +265,8 @@ def _nft_tables(netns: str | None) -> list[tuple[str, str]]:
     out = run_in_netns(netns, ["nft", "list", "tables"]).stdout
     tables = []
     for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "table":
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0] == "table":     # a name with a space too: checked at use
             tables.append((parts[1], parts[2]))
     return tables
 
@@ -293,12 +403,21 @@ def detect_backend(netns: str | None = None) -> str:
 
 
 def _read_nft(netns: str | None, tables: list[tuple[str, str]]) -> str:
+    """The native tables' listing: `list ruleset` when there is no iptables-nft table to
+    leave out (no name on the command line), else `list table` one by one, each name checked
+    (nft_name) and a refused one counted and said (REFUSED)."""
     native = [(f, n) for f, n in tables if not is_xt(f, n)]
     if not native:
         return ""
     if len(native) == len(tables):
         return run_in_netns(netns, ["nft", "-a", "list", "ruleset"]).stdout
-    return "".join(run_in_netns(netns, ["nft", "-a", "list", "table", f, n]).stdout for f, n in native)
+    parts = []
+    for f, n in native:
+        if nft_name(n) is None or nft_name(f) is None:
+            REFUSED.refuse(netns, f, n)
+            continue
+        parts.append(run_in_netns(netns, ["nft", "-a", "list", "table", f, n]).stdout)
+    return "".join(parts)
 
 
 def _read_xt(netns: str | None, tools: tuple[str, str], families: set[str] | None) -> str:
@@ -442,8 +561,8 @@ def local_addresses(netns: str | None = None) -> tuple[str, ...]:
     """The addresses configured in a namespace (``ip -o addr``), empty when unreadable."""
     cmd = (["ip", "-n", netns] if netns else ["ip"]) + ["-o", "addr", "show"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        out = run_bounded(cmd, 5, MAX_OUTPUT).stdout
+    except (OSError, subprocess.TimeoutExpired, OutputTooLarge):
         return ()
     addrs = []
     for line in out.splitlines():
