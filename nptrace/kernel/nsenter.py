@@ -4,6 +4,7 @@ netfilter links and the node's netlink readers all work this way."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from pathlib import Path
@@ -46,7 +47,7 @@ def setns_fd(fd: int) -> None:
 def run_in(path: str | None, fn, name: str = "npt-netns"):
     """fn() run in the namespace at `path` (an nsfs file) by a short-lived thread: setns moves
     only the calling thread (and needs CAP_SYS_ADMIN). None: here. OSError when the namespace
-    cannot be entered."""
+    cannot be entered, or no thread can be started to enter it."""
     if path is None:
         return fn()
     result: list = []
@@ -63,7 +64,11 @@ def run_in(path: str | None, fn, name: str = "npt-netns"):
             result.append((False, e))
 
     t = threading.Thread(target=worker, name=name, daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError as e:     # "can't start new thread": at the process's thread limit
+        raise OSError(errno.EAGAIN, f"cannot start a thread to enter the network namespace "
+                                    f"at {path}: {e}") from None
     t.join(5.0)
     if not result:
         raise OSError(0, f"timed out entering the network namespace at {path}")

@@ -12,6 +12,7 @@ import fcntl
 import os
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -190,8 +191,15 @@ def nsids_seen_from(path: str | None, candidates: dict[int, str]) -> dict[int, i
 
 
 class Names:
+    """Interface and namespace names by (netns inode, ifindex), cached. Shared by the main
+    loop (the classifier's lookups) and the metrics server's scrape worker (the collectors'
+    iface labels): every public method holds one lock, since both evict from the same dicts
+    (two evictions of one oldest entry raised KeyError in the main loop). Only the namespace
+    switch of veth_peer_tx_csum runs outside it."""
+
     def __init__(self, refresh_s: float = 2.0):
         self.refresh_s = refresh_s
+        self._lock = threading.RLock()      # re-entered: iface() runs inside veth_peer()
         self._ns: dict[int, str] = {}
         self._links: dict[int, dict[int, str]] = {}
         self._veths: dict[int, dict[int, tuple]] = {}     # inode -> parse_links' veths
@@ -210,9 +218,10 @@ class Names:
             self._ns.setdefault(self.host, "")
 
     def netns_name(self, inode: int) -> str | None:
-        if inode not in self._ns:
-            self._rescan_ns()
-        name = self._ns.get(inode)
+        with self._lock:
+            if inode not in self._ns:
+                self._rescan_ns()
+            name = self._ns.get(inode)
         return "host" if name == "" else name
 
     def _pid_in(self, inode: int) -> int | None:
@@ -259,8 +268,9 @@ class Names:
     def veth_peer(self, netns: int, ifindex: int) -> str | None:
         """The name (as iface() gives it) of the other end of the veth `ifindex` in `netns`,
         or None (not a veth, or its peer's namespace is not one nptrace can name)."""
-        end = self._veth_other_end(netns, ifindex)
-        return self.iface(*end) if end else None
+        with self._lock:
+            end = self._veth_other_end(netns, ifindex)
+            return self.iface(*end) if end else None
 
     def veth_peer_tx_csum(self, netns: int, ifindex: int) -> bool | None:
         """Whether the other end of the veth `ifindex` in `netns` offloads its TX checksums
@@ -269,22 +279,25 @@ class Names:
         a second at most: the SRE may have just turned it off, and a storm of drops must not
         cost a namespace switch each."""
         now = time.monotonic()
-        hit = self._csum.get((netns, ifindex))
-        if hit is not None and now - hit[0] < 1.0:
-            return hit[1]
-        if len(self._csum) >= 4096:
-            self._csum.clear()
+        found = name = path = None
+        with self._lock:
+            hit = self._csum.get((netns, ifindex))
+            if hit is not None and now - hit[0] < 1.0:
+                return hit[1]
+            end = self._veth_other_end(netns, ifindex)
+            if end is not None and self.iface(*end) is not None:
+                found, path = self._path(end[0])
+                name = self._links.get(end[0], {}).get(end[1])
         got = None
-        end = self._veth_other_end(netns, ifindex)
-        if end is not None and self.iface(*end) is not None:
-            found, path = self._path(end[0])
-            name = self._links.get(end[0], {}).get(end[1])
-            if found and name is not None:
-                try:
-                    got = run_in(path, lambda: tx_csum_offload(name), "npt-ethtool")
-                except OSError:
-                    pass
-        self._csum[(netns, ifindex)] = (now, got)
+        if found and name is not None:       # a thread in that namespace: not under the lock
+            try:
+                got = run_in(path, lambda: tx_csum_offload(name), "npt-ethtool")
+            except OSError:
+                pass
+        with self._lock:
+            if len(self._csum) >= 4096:
+                self._csum.clear()
+            self._csum[(netns, ifindex)] = (now, got)
         return got
 
     def _nsid_map(self, netns: int) -> dict[int, int]:
@@ -306,6 +319,10 @@ class Names:
 
     def prune(self, alive) -> int:
         """Forget the namespaces not in `alive` (live_namespaces()); returns how many."""
+        with self._lock:
+            return self._prune(alive)
+
+    def _prune(self, alive) -> int:
         gone = [i for i in self._links if i not in alive]
         for i in gone:
             self._links.pop(i, None)
@@ -317,6 +334,10 @@ class Names:
         return len(gone)
 
     def iface(self, netns: int, ifindex: int) -> str | None:
+        with self._lock:
+            return self._iface(netns, ifindex)
+
+    def _iface(self, netns: int, ifindex: int) -> str | None:
         links = self._links.get(netns)
         if links is None or ifindex not in links:
             now = time.monotonic()

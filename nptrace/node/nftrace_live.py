@@ -345,6 +345,7 @@ class TracedRules:
             sess = self._session(inode, smap)
             if isinstance(sess, str):
                 return _annotate(got, "ruleset", sess)
+            self._start_reader()         # started with the first session; again if it could not be
             sess.drain(now)
             dests = [(daddr, int(dport))] + ([(odst, int(oport))] if (odst, oport) != (daddr, dport) else [])
             d = sess.book.lookup(saddr, dests, now, ARM_FOR_S)
@@ -422,8 +423,18 @@ class TracedRules:
         the socket buffer holds only fresh ones and the lookup above finds them in time."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._reader, name="npt-nftrace", daemon=True)
-        self._thread.start()
+        t = threading.Thread(target=self._reader, name="npt-nftrace", daemon=True)
+        try:
+            t.start()
+        except RuntimeError as e:     # "can't start new thread": tried again at the next drop
+            self.reader_not_started += 1
+            if self.reader_not_started == 1:
+                self.log(f"warning: nft trace reader not started ({e}): no flow is traced "
+                         "until it is (tried again at each netfilter drop)")
+            return
+        self._thread = t
+
+    reader_not_started = 0
 
     def _reader(self) -> None:
         while not self._stop.is_set():

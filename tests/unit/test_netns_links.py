@@ -70,7 +70,7 @@ def test_a_peers_offload_is_asked_once_a_second_not_once_a_drop(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(netns, "time", SimpleNamespace(monotonic=lambda: now[0]))
     n = netns.Names.__new__(netns.Names)
-    n._csum, n._links = {}, {9: {4: "c0"}}
+    n._csum, n._links, n._lock = {}, {9: {4: "c0"}}, netns.threading.RLock()
     monkeypatch.setattr(n, "_veth_other_end", lambda ns, i: (9, 4), raising=False)
     monkeypatch.setattr(n, "iface", lambda ns, i: "ns/c0", raising=False)
     monkeypatch.setattr(n, "_path", lambda ns: (True, "/run/netns/ns"), raising=False)
