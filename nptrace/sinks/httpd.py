@@ -265,16 +265,23 @@ class Server:
                 return True
         return False
 
-    def _read(self, c: _Conn) -> None:
+    def _io(self, c: _Conn, op, arg):
+        """op(arg) on c's socket (recv, send): its result, or None when it would block or
+        the client is gone (then counted as aborted and closed)."""
         try:
-            data = c.sock.recv(_READ)
+            return op(arg)
         except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
+            return None
+        except OSError:            # reset, broken pipe: that client's loss
             self.stats["aborted"] += 1
             self._drop(c)
+            return None
+
+    def _read(self, c: _Conn) -> None:
+        data = self._io(c, c.sock.recv, _READ)
+        if data is None:
             return
-        if not data:
+        if not data:               # closed before its request was whole
             self.stats["aborted"] += 1
             self._drop(c)
             return
@@ -345,13 +352,8 @@ class Server:
 
     def _write(self, c: _Conn) -> None:
         while c.out:
-            try:
-                n = c.sock.send(c.out[0])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self.stats["aborted"] += 1
-                self._drop(c)
+            n = self._io(c, c.sock.send, c.out[0])
+            if n is None:
                 return
             if n < len(c.out[0]):
                 c.out[0] = c.out[0][n:]
