@@ -42,18 +42,55 @@ SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 WATCH_TIMEOUT_S = 300          # the server closes a watch after this; we resume from its RV
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 MAX_ENTRIES = 65536            # addresses held (a pod with dual-stack IPs holds two)
+LIST_PAGE = 500                # items per LIST response (client-go's pager uses 500)
+
+
+TOKEN_RELOAD_S = 60.0          # client-go re-reads a projected token this often
 
 
 @dataclass(frozen=True)
 class ApiConfig:
     base: str                     # https://10.96.0.1:443
-    token: str
+    token: str                    # the token read at start (or given)
     ca_file: str | None = None    # None: the system's trust store (a test's plain http ignores it)
+    token_file: str | None = None  # re-read: the kubelet rotates a projected token in place
 
     def context(self) -> ssl.SSLContext | None:
         if not self.base.startswith("https:"):
             return None
         return ssl.create_default_context(cafile=self.ca_file)
+
+
+class Token:
+    """The bearer token to send: ``cfg.token`` until ``cfg.token_file`` is read again, every
+    TOKEN_RELOAD_S and at once after a 401 (the old token expired or its object went), as
+    client-go's cached file token source does. An unreadable or empty file keeps the last."""
+
+    def __init__(self, cfg: ApiConfig, reload_s: float = TOKEN_RELOAD_S, clock=time.monotonic):
+        self.cfg, self.reload_s, self.clock = cfg, reload_s, clock
+        self._value, self._read_at = cfg.token, clock()
+        self._lock = threading.Lock()
+
+    def value(self, force: bool = False) -> str:
+        with self._lock:
+            if self.cfg.token_file and (force or self.clock() - self._read_at >= self.reload_s):
+                self._read_at = self.clock()
+                try:
+                    got = Path(self.cfg.token_file).read_text().strip()
+                except OSError:
+                    got = ""
+                if got:
+                    self._value = got
+            return self._value
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """An API server answers these requests itself; a redirect (to another host, say) would
+    carry the bearer token along (urllib copies every header but the body's), so none is
+    followed: the 3xx is an error."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
 
 
 def from_env(env=os.environ, sa_dir: Path = SA_DIR) -> ApiConfig | None:
@@ -70,7 +107,8 @@ def from_env(env=os.environ, sa_dir: Path = SA_DIR) -> ApiConfig | None:
     ca = sa_dir / "ca.crt"
     if ":" in host:
         host = f"[{host}]"        # an IPv6 service address
-    return ApiConfig(f"https://{host}:{port}", token, str(ca) if ca.exists() else None)
+    return ApiConfig(f"https://{host}:{port}", token, str(ca) if ca.exists() else None,
+                     str(sa_dir / "token"))
 
 
 class Gone(Exception):
@@ -148,6 +186,9 @@ class PodWatch:
         self.watch_timeout_s = watch_timeout_s
         self.backoff = backoff
         self._ssl = api.context()
+        self._token = Token(api)
+        self._open = urllib.request.build_opener(
+            _NoRedirect, *((urllib.request.HTTPSHandler(context=self._ssl),) if self._ssl else ())).open
         self.pods = Table(lambda p: {ip: _key(p) for ip in pod_ips(p)}, max_entries)
         self.slices = Table(slice_pods, max_entries)
         self._stop = threading.Event()
@@ -184,23 +225,39 @@ class PodWatch:
     # -- the watch loop (one thread per resource) --------------------------------------------
     def _get(self, path: str, params: dict, timeout: float):
         url = f"{self.api.base}{path}?{urllib.parse.urlencode(params)}"
-        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.api.token}",
-                                                   "Accept": "application/json"})
-        try:
-            return urllib.request.urlopen(req, timeout=timeout, context=self._ssl)
-        except urllib.error.HTTPError as e:
-            if e.code == 410:
-                raise Gone() from None
-            raise
+        for attempt in (0, 1):
+            req = urllib.request.Request(url, headers={
+                "Authorization": f"Bearer {self._token.value(force=attempt == 1)}",
+                "Accept": "application/json"})
+            try:
+                return self._open(req, timeout=timeout)
+            except urllib.error.HTTPError as e:
+                if e.code == 410:
+                    raise Gone() from None
+                if e.code == 401 and attempt == 0 and self.api.token_file:
+                    continue                     # rotated: read the token again, once
+                raise
+        raise AssertionError("unreachable")
 
     def _list(self, path: str, table: Table, params: dict) -> str:
-        with self._get(path, params, timeout=30) as r:
-            doc = json.load(r)
-        table.replace(doc.get("items") or [])
+        """Every item, LIST_PAGE at a time (limit/continue: a large cluster's pods in pages,
+        not one response), then the collection's resourceVersion to watch from."""
+        items: list[dict] = []
+        cont = ""
+        while True:
+            q = {**params, "limit": str(LIST_PAGE), **({"continue": cont} if cont else {})}
+            with self._get(path, q, timeout=30) as r:
+                doc = json.load(r)
+            items += doc.get("items") or []
+            meta = doc.get("metadata") or {}
+            cont = meta.get("continue") or ""
+            if not cont:
+                break
+        table.replace(items)
         self.lists[path] += 1
         if all(self.lists.values()):
             self.synced.set()
-        return (doc.get("metadata") or {}).get("resourceVersion", "")
+        return meta.get("resourceVersion", "")
 
     def _watch(self, path: str, table: Table, params: dict, rv: str) -> str:
         q = {**params, "watch": "1", "resourceVersion": rv, "allowWatchBookmarks": "true",

@@ -190,7 +190,8 @@ def test_in_cluster_config(tmp_path):
     (tmp_path / "token").write_text("abc\n")
     (tmp_path / "ca.crt").write_text("")
     c = kubeapi.from_env(env, tmp_path)
-    assert c == kubeapi.ApiConfig("https://10.96.0.1:443", "abc", str(tmp_path / "ca.crt"))
+    assert c == kubeapi.ApiConfig("https://10.96.0.1:443", "abc", str(tmp_path / "ca.crt"),
+                                  str(tmp_path / "token"))
     c6 = kubeapi.from_env({**env, "KUBERNETES_SERVICE_HOST": "fd00::1"}, tmp_path)
     assert c6.base == "https://[fd00::1]:443"
 
@@ -312,3 +313,89 @@ def test_pod_of_a_namespace_from_crictl_and_by_address():
                                   {"cni-1234": ("127.0.0.1", "10.244.1.5"),
                                    "npt-node1": ("192.168.10.11",)}.get)
     assert got == {11: "shop/web-1"}
+
+
+def test_list_pages_with_limit_and_continue(api):
+    """A LIST in pages: limit on each request, continue until the server gives none."""
+    def page(q):
+        if q.get("continue") == "p2":
+            return 200, {"metadata": {"resourceVersion": "9"}, "items": [pod("b", "two", "10.1.0.2", 2)]}
+        return 200, {"metadata": {"resourceVersion": "9", "continue": "p2"},
+                     "items": [pod("a", "one", "10.1.0.1", 1)]}
+    a = api({("/api/v1/pods", False): [page], ("/api/v1/pods", True): [(200, [1.0])],
+             ("/apis/discovery.k8s.io/v1/endpointslices", False): [(200, {"metadata": {"resourceVersion": "1"},
+                                                                         "items": []})],
+             ("/apis/discovery.k8s.io/v1/endpointslices", True): [(200, [1.0])]})
+    w = kubeapi.PodWatch(kubeapi.ApiConfig(a.base, "tok"), "node-1", backoff=(0.05, 0.1)).start()
+    try:
+        assert wait_for(lambda: w.pod_of("10.1.0.2") == "b/two" and w.pod_of("10.1.0.1") == "a/one")
+        lists = [q for p, q, _ in a.requests if p == "/api/v1/pods" and "watch" not in q]
+        assert [q.get("continue") for q in lists[:2]] == [None, "p2"]
+        assert all(q["limit"] == str(kubeapi.LIST_PAGE) for q in lists)
+    finally:
+        w.close()
+
+
+def test_a_rotated_token_is_read_again_after_a_401(api, tmp_path):
+    """The kubelet rotates a projected token in place; the old one stops working (expired, or
+    its bound object deleted): a 401 makes the client read the file again and retry."""
+    tok = tmp_path / "token"
+    tok.write_text("old")
+
+    def answer(ok):
+        def step(q):
+            sent = a.requests[-1][2]        # this request's Authorization header
+            return (200, ok) if sent == "Bearer new" else (401, {"kind": "Status", "code": 401})
+        return step
+    empty = {"metadata": {"resourceVersion": "1"}, "items": [pod("a", "p", "10.1.0.7", 1)]}
+    a = api({("/api/v1/pods", False): [answer(empty)], ("/api/v1/pods", True): [(200, [1.0])],
+             ("/apis/discovery.k8s.io/v1/endpointslices", False): [answer(empty)],
+             ("/apis/discovery.k8s.io/v1/endpointslices", True): [(200, [1.0])]})
+    tok.write_text("new")                 # rotated before the first request: the start's is stale
+    w = kubeapi.PodWatch(kubeapi.ApiConfig(a.base, "old", None, str(tok)), "node-1",
+                         backoff=(0.05, 0.1)).start()
+    try:
+        assert wait_for(lambda: w.pod_of("10.1.0.7") == "a/p")
+        sent = [h for _, _, h in a.requests]
+        assert sent[0] == "Bearer old" and "Bearer new" in sent
+    finally:
+        w.close()
+
+
+def test_token_reload_interval():
+    t = [0.0]
+    cfg = kubeapi.ApiConfig("https://x", "one", None, "/nonexistent/token")
+    tok = kubeapi.Token(cfg, reload_s=60, clock=lambda: t[0])
+    assert tok.value() == "one"
+    t[0] = 61.0
+    assert tok.value() == "one"           # unreadable: the last token is kept
+
+
+def test_a_redirect_is_not_followed_with_the_token(api):
+    """An answer that redirects (to another host, say) is an error, never a second request
+    carrying the bearer token."""
+    b = api({("/api/v1/pods", False): [(200, {"metadata": {"resourceVersion": "1"}, "items": []})]})
+    import http.server
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *x):
+            pass
+
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", b.base + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    logs = []
+    w = kubeapi.PodWatch(kubeapi.ApiConfig(f"http://127.0.0.1:{srv.server_address[1]}", "secret"), "n",
+                         log=logs.append, backoff=(0.05, 0.1)).start()
+    try:
+        assert wait_for(lambda: logs)
+        time.sleep(0.2)
+        assert not b.requests             # the token never went to the other host
+    finally:
+        w.close()
+        srv.shutdown()
+        srv.server_close()
