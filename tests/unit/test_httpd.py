@@ -122,12 +122,15 @@ def test_hundreds_of_half_open_connections_keep_threads_and_memory_bounded(serve
         code, body, _ = get(base + "/livez", timeout=2)
         assert code == 200 and body.startswith("ok"), body
         assert time.monotonic() - t0 < 1.0
-        assert threading.active_count() <= threads0          # no thread per connection
+        # no thread per connection (a few spare: other threads of a test worker come and go)
+        assert threading.active_count() <= threads0 + 3
         grew = rss_kib() - rss0
         assert grew < 16 << 10, f"RSS grew {grew} KiB under 300 half-open connections"
         st = srv.stats
         assert sum(srv.server.connections().values()) <= FAST.max_conns
-        assert st["evicted"] + st["refused"] >= 300 - FAST.max_conns
+        # past the cap each was closed: evicted by a newer one, or at its deadline already
+        # (a loaded machine takes over request_s to open 300)
+        assert st["evicted"] + st["refused"] + st["timed_out"] >= 300 - FAST.max_conns
         # the ones still held are closed at the request deadline, not kept for ever
         for s in socks[-FAST.max_conns:]:
             assert closed_within(s, FAST.request_s + 2.0) is not None
@@ -284,7 +287,7 @@ def test_concurrent_scrapes_share_one_read(served):
             yield c
     reg = CollectorRegistry()
     reg.register(Counting())
-    srv = served(reg)
+    srv = served(reg, ttl=30)       # the flood's requests all inside one read's life, however slow
     got = []
     threads = [threading.Thread(target=lambda: got.append(get(srv.url, timeout=8)))
                for _ in range(40)]
@@ -298,8 +301,43 @@ def test_concurrent_scrapes_share_one_read(served):
     code, body, hdrs = get(srv.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert code == 200 and "openmetrics" in hdrs["Content-Type"] and body.endswith("# EOF\n")
     assert len(calls) == 1
-    time.sleep(health.SCRAPE_TTL_S + 0.1)
-    assert "npt_walks_total 2.0" in get(srv.url)[1] and len(calls) == 2
+
+
+def test_a_read_is_reused_for_its_ttl_then_read_anew():
+    reads = []
+
+    class Reg:
+        def collect(self):
+            reads.append(1)
+            from prometheus_client.core import CounterMetricFamily
+            c = CounterMetricFamily("npt_reads", "x")
+            c.add_metric([], len(reads))
+            yield c
+    now = [100.0]
+    scrapes = health.Scrapes()
+    cache = health.MetricsCache(Reg(), scrapes, ttl=1.0, clock=lambda: now[0])
+    first = cache.answer("")
+    assert first[0] == 200 and b"npt_reads_total 1.0" in first[1]
+    now[0] += 0.9
+    assert cache.answer("") == first                     # same read, same bytes, same number
+    now[0] += 0.2
+    again = cache.answer("")
+    assert b"npt_reads_total 2.0" in again[1] and again[3] == first[3] + 1
+    cache.expire()                                       # the stop's final scrape: read anew
+    assert b"npt_reads_total 3.0" in cache.answer("")[1]
+
+
+def test_a_failing_collector_answers_500_and_is_not_read_per_request():
+    class Broken:
+        calls = 0
+
+        def collect(self):
+            Broken.calls += 1
+            raise RuntimeError("map gone")
+    cache = health.MetricsCache(Broken(), health.Scrapes(), ttl=60)
+    assert cache.answer("")[:2] == (500, b"metrics: RuntimeError: map gone\n")
+    cache.answer("")
+    assert Broken.calls == 1
 
 
 def test_connection_cap_refuses_extra_ones_quickly(served):
@@ -322,9 +360,9 @@ def test_connection_cap_refuses_extra_ones_quickly(served):
             time.sleep(0.01)
         threads0 = threading.active_count()
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as extra:
-            took = closed_within(extra, 1.0)
-        assert took is not None and took < 0.5
-        assert srv.stats["refused"] >= 1 and threading.active_count() == threads0
+            took = closed_within(extra, 2.0)
+        assert took is not None and took < 1.0          # not at response_s (5 s), not a slot later
+        assert srv.stats["refused"] >= 1 and threading.active_count() <= threads0 + 3
     finally:
         slow.release.set()
         for s in socks:
