@@ -2,10 +2,11 @@
 its schema (sessions/schema.py), so what leaves this module has the types the readers expect,
 and what was lost said once per kind and file (Problem). The format: sessions/format.py.
 
-A record that fails its schema is counted and skipped, never passed on. Frames, their resync
-and the bounds of unpacking one are sessions/framing.py: a frame msgpack refuses within them is
-counted and skipped too, named by its index and byte offset. Only regular files are read (a
-FIFO or /dev/zero given as a session is refused, not waited on).
+A record that fails its schema is counted and skipped, never passed on; so is a lookup the
+schema's table does not hold, or a record kind it does not know (a newer writer's). Frames,
+their resync and the bounds of unpacking one are sessions/framing.py: a frame msgpack refuses
+within them is counted and skipped too, named by its index and byte offset. Only regular
+files are read (a FIFO or /dev/zero given as a session is refused, not waited on).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Iterator, NamedTuple
 from nptrace import events as ev
 from nptrace.sessions.framing import FRAME, MAGIC, MAX_PAYLOAD, Refused, Resync, unpack, valid_frame
 from nptrace.sessions.header import FORMAT, FORMAT_VERSION, SessionError, read_head, session_files
-from nptrace.sessions.schema import Invalid, check_header, check_record
+from nptrace.sessions.schema import Invalid, Unknown, check_header, check_record
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
         problems.append(Problem(str(path), "unreadable", 0, 0, str(e)))
         return
     loss = _FileLoss(str(path))
+    loss.unknown.update(header.get("_unknown", {}))    # lookup tables of the header left out
     size = len(buf)
     resync = Resync(size)
     stopped: dict | None = None
@@ -261,8 +263,8 @@ def _records_of(path: Path, header: dict, problems: list) -> Iterator[Record]:
                 continue      # files are never concatenated by us; tolerate it if someone did
             try:
                 data = check_record(kind, rec)
-            except KeyError:
-                loss.unknown[kind[:32]] = loss.unknown.get(kind[:32], 0) + 1
+            except Unknown as e:
+                loss.unknown[str(e)] = loss.unknown.get(str(e), 0) + 1
                 continue
             except Invalid as e:
                 loss.invalid += 1

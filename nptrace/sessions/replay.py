@@ -8,7 +8,7 @@ daemon restart starts a new run. No root, no bcc.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, NamedTuple
 
 from nptrace import events as ev
@@ -59,8 +59,12 @@ class _Run:
             put(name, rows)
 
 
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(Context))
+
+
 def context_from_header(h: dict, known: LookupTables) -> Context:
-    """The live Context rebuilt from recorded facts; lookups read the (changing) tables."""
+    """The live Context rebuilt from recorded facts: each lookup of the schema's table
+    (schema.LOOKUPS, every answer checked against it when read) reads the (changing) tables."""
     drops = ReasonTable(h.get("drop_reasons", {}), "")
     rsts = ReasonTable(h.get("rst_reasons", {}), "")
     get = known.get
@@ -68,9 +72,7 @@ def context_from_header(h: dict, known: LookupTables) -> Context:
     def recorded(name):
         return lambda *args: get(name, args)
     return Context(drop_name=drops.name, rst_name=rsts.name,
-                   iface_name=lambda ns, i: get(IFACE, (ns, i)),
-                   service_of=lambda a, p: get(SERVICE, (a, p)),
-                   **{name: recorded(name) for name in LOOKUPS})
+                   **{name: recorded(name) for name in LOOKUPS if name in _CONTEXT_FIELDS})
 
 
 class Replay:

@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from nptrace.sessions.lookups import IFACE, SERVICE
+from nptrace.sessions.schema import LOOKUPS
 from nptrace.sessions.writer import SessionWriter
 
 CountersFn = Callable[[], "tuple[dict, dict]"]
@@ -45,6 +46,7 @@ class Recorder:
             if needs(IFACE, (netns, ifindex), name):
                 self.writer.write_names({netns: {ifindex: name}})
             return name
+        recorded.recorded_as = IFACE
         return recorded
 
     def service_of(self, lookup: Callable[[str, int], str | None]) -> Callable[[str, int], str | None]:
@@ -55,11 +57,21 @@ class Recorder:
             if needs(SERVICE, (addr, port), name):
                 self.writer.write_services([(addr, port, name)])
             return name
+        recorded.recorded_as = SERVICE
         return recorded
 
     def lookup(self, name: str, fn: Callable) -> Callable:
-        """Any other Context lookup (nf_rule, endpoint_of, route_iface, nat_peer): record each
-        answer that differs from what the session holds, keyed by the call's arguments."""
+        """Any Context lookup of the session schema's table (sessions/schema.py LOOKUPS),
+        recorded in the record kind the table names for it: each answer that differs from what
+        the session holds, keyed by the call's arguments. A lookup already recorded is
+        returned as it is (so wrapping every lookup of the table records each once)."""
+        if getattr(fn, "recorded_as", None) == name:
+            return fn
+        via = LOOKUPS[name].record
+        if via == "names":
+            return self.iface_name(fn)
+        if via == "services":
+            return self.service_of(fn)
         needs = self.writer.needs_write
 
         def recorded(*args):
@@ -67,6 +79,7 @@ class Recorder:
             if needs(name, args, value):
                 self.writer.write_lookup(name, args, value)
             return value
+        recorded.recorded_as = name
         return recorded
 
     # -- pipeline ------------------------------------------------------------------------

@@ -9,17 +9,22 @@ record kind, the Context's lookups recorded) and damages it at three levels:
             field of the wrong type, a huge int, nested garbage, a missing or extra key
   files     FIFOs, /dev/zero, directories of mixed files, 1 MiB of fake frame headers
 
-and, crafted: every Context lookup answered with a value of the wrong type, values nested a
-thousand levels deep, packet records whose lengths overflow, frames built to make msgpack
-allocate far more than their bytes, and summary records, each through every output form.
+and cases made from the schema's own tables (sessions/schema.py LOOKUPS, SCHEMAS, HEADER):
+every place of every lookup's key and answer, of every record kind and of the header, given
+every wrong type (int, negative and huge ints, float, list, map, bytes, a string with control
+characters or past its bound, None, bool, deep nesting), so a lookup or record kind added to a
+table is fuzzed with no case written for it. And, crafted: values nested a thousand levels
+deep, packet records whose lengths overflow, frames built to make msgpack allocate far more
+than their bytes, and summary records, each through every output form.
 
 Every run must end with exit 0 (warnings allowed), or exit 2 with ONE error line; never a
 traceback, never past the time limit, and nothing but printable text on a terminal. Runs in
 a process of their own also keep their peak RSS within RSS_MULTIPLE times the input's size
 plus RSS_SLACK_MB over an intact session's.
 
-`make test` runs a fixed few hundred cases (a few seconds); `make fuzz` sets
-NPTRACE_FUZZ_SECONDS and runs new seeds for that long.
+`make test` runs a fixed few hundred cases (a few seconds) and every place of the tables once;
+`make fuzz` sets NPTRACE_FUZZ_SECONDS and runs every place with every wrong type, then new
+seeds for that long.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import msgpack
 import pytest
@@ -606,62 +612,311 @@ def _insert_after_header(data: bytes, *frames: bytes) -> bytes:
     return data[:end] + b"".join(frames) + data[end:]
 
 
-def _lookup_keys(name: str) -> list[list]:
-    """Keys of `name` that the seed's events ask, so a hostile answer reaches the classifier."""
-    evs = [ev.decode(r) for r in seed_events()]
-    addrs = sorted({a for e in evs for a in (e.saddr, e.daddr)} | {"192.0.2.10"})
-    ports = sorted({p for e in evs for p in (e.sport, e.dport)} | {50000})
-    return {"pod_of": [[a] for a in addrs], "pod_of_netns": [[HOST_NS]],
-            "endpoint_of": [[a, p] for a in addrs for p in ports],
-            "etp_local": [[a, p] for a in addrs for p in ports],
-            "route_iface": [[HOST_NS, a] for a in addrs],
-            "iface_peer": [[HOST_NS, i] for i in (2, 3, 5)],
-            "peer_tx_csum": [[HOST_NS, i] for i in (2, 3, 5)],
-            "nat_peer": [[e.saddr, e.sport, e.daddr, e.dport] for e in evs]
-            + [[e.daddr, e.dport, e.saddr, e.sport] for e in evs],
-            "nf_rule": [[HOST_NS, e.saddr, e.daddr, e.dport, e.daddr, e.dport, True, False]
-                        for e in evs]}[name]
+# Cases made from the schema's tables (sessions/schema.py): every lookup of LOOKUPS, every
+# record kind of SCHEMAS and every header field, each place in them (schema_paths) given every
+# wrong type. Nothing here names a lookup or a field: one added to a table is fuzzed as it is.
+WRONG_TYPES = {"int": 7, "negative int": -1, "huge int": 2**64 - 1, "float": 1.5,
+               "list": ["eth0", 1], "map": {"service": "x", "a": 1}, "bytes": b"\xffeth0",
+               "control str": "\x1b[2J\x1b]0;pwn\x07\x00", "None": None, "bool": True,
+               "deep": deep(200), "long str": "x" * 5000}   # 1000 levels: a test of its own
 
 
-WRONG = [5, -1, 2**64 - 1, 1.5, float("nan"), True, b"eth0", [1, 2], ["eth0"], {"a": 1},
-         {"service": 5}, {"service": "x", "no_local": [1]}, {"tag": ["x"]}, "x" * 5000,
-         ["1.2.3.4", "x", "y", "z"], ["999.1.1.1", 1, "2", 3], deep(1000)]
+class Case(NamedTuple):
+    what: str               # "lookup NAME" (lookup records), "record KIND", "header"
+    path: tuple             # where the wrong value is, in what that schema checks
+    wrong: str              # a name of WRONG_TYPES
+    records: tuple = ()     # records written before each of the seed's events and at its end
+    header: tuple = ()      # or (the header written instead of the seed's,)
+
+    def __str__(self) -> str:
+        return f"{self.what} {'.'.join(map(str, self.path)) or '(whole)'} = {self.wrong}"
+
+    __repr__ = __str__          # its values may be nested a thousand levels deep
 
 
-def _lookup_cases():
-    for name in sorted(LOOKUPS):
-        for i, value in enumerate(WRONG):
-            yield name, i, value
+def schema_paths(check, at=()):
+    """Every place in a value of `check` where another value can go: the whole, then its parts."""
+    yield at
+    for k, part in check.parts().items():
+        yield from schema_paths(part, at + (k,))
 
 
-def test_every_lookup_of_the_wrong_type_is_skipped_and_counted(tmp_path, seed_dir):
-    """Every Context lookup answered with a value of each wrong type, in a lookup record and
-    in the header's table, and as interface and Service names: counted (exit 2, one line) or
-    refused with the file, never a traceback in a formatter."""
+def put(v, check, path, new):
+    """v with `new` at path; containers on the way that v lacks come from the schema's
+    examples."""
+    if not path:
+        return new
+    k, part = path[0], check.parts()[path[0]]
+    base = check.example()
+    if type(v) is not type(base) or (isinstance(v, list) and len(v) <= k):
+        v = base
+    out = dict(v) if isinstance(v, dict) else list(v)
+    out[k] = put(v[k] if k in (v if isinstance(v, dict) else range(len(v))) else part.example(),
+                 part, path[1:], new)
+    return out
+
+
+class Seed(NamedTuple):
+    """What the fuzz starts from: the seed session's header and first record of each kind,
+    each lookup's recorded answer and the keys its replay asks (so answers reach the
+    classifier)."""
+    data: bytes
+    events: frozenset       # offsets of its event records
+    header: dict
+    first: dict
+    answers: dict
+    asked: dict
+
+
+def seed_of(seed_dir) -> Seed:
+    from nptrace.sessions.lookups import LookupTables
+    from nptrace.sessions.replay import Replay
     _f, data = _seed_file(seed_dir)
-    head_end = frames_of(data)[0][1]
-    header = msgpack.unpackb(data[S.FRAME.size:head_end], raw=False, strict_map_key=False)
-    failures: dict[str, list] = {}
+    offsets = [o for o, _n in frames_of(data)]
+    recs = [msgpack.unpackb(data[o + S.FRAME.size:o + n], raw=False, strict_map_key=False)
+            for o, n in frames_of(data)]
+    first, answers = {}, {}
+    for r in recs[1:]:
+        first.setdefault(r["rec"], {k: v for k, v in r.items() if k != "rec"})
+        if r["rec"] == "lookup" and r["value"] is not None:
+            answers.setdefault(r["name"], r["value"])
+    asked: dict[str, list] = {}
+    get = LookupTables.get
+
+    def asking(self, name, key, default=None):
+        if key not in asked.setdefault(name, []):
+            asked[name].append(key)
+        return get(self, name, key, default)
+    LookupTables.get = asking
+    try:
+        list(Replay([seed_dir]).items())
+    finally:
+        LookupTables.get = get
+    return Seed(data, frozenset(o for o, r in zip(offsets, recs) if r["rec"] == "event"),
+                recs[0], first, answers, {n: [list(k) for k in ks] for n, ks in asked.items()})
+
+
+def table_cases(seed: Seed, wrong_types=WRONG_TYPES):
+    """Every case the tables make: (lookup, key or value place) x wrong type, (record kind,
+    field) x wrong type, (header field, the header's lookup tables included) x wrong type."""
+    from nptrace.sessions.schema import HEADER, LOOKUPS, SCHEMAS
+    keys_of, answer_of = {}, {}
+    for name, lk in sorted(LOOKUPS.items()):
+        keys = keys_of[name] = seed.asked.get(name, [])[:4] or [lk.key.example()]
+        answer = answer_of[name] = seed.answers.get(name) or lk.value.example()
+        for path in schema_paths(lk.key):
+            for w, wrong in wrong_types.items():
+                yield Case(f"lookup {name}", ("key", *path), w, ({
+                    "rec": "lookup", "name": name, "key": put(keys[0], lk.key, path, wrong),
+                    "value": answer},))
+        for path in schema_paths(lk.value):
+            for w, wrong in wrong_types.items():
+                bad = put(answer, lk.value, path, wrong)
+                yield Case(f"lookup {name}", ("value", *path), w, tuple(
+                    {"rec": "lookup", "name": name, "key": k, "value": bad} for k in keys))
+    for kind, schema in sorted(SCHEMAS.items()):
+        base = seed.first.get(kind) or schema.example()
+        for path in schema_paths(schema):
+            for w, wrong in wrong_types.items():
+                rec = put(base, schema, path, wrong)
+                yield Case(f"record {kind}", path, w,
+                           ({"rec": kind, **rec} if isinstance(rec, dict) else rec,))
+    header = {**seed.header, "lookups": {n: [[keys_of[n][0], answer_of[n]]] for n in keys_of}}
+    for path in schema_paths(HEADER):
+        for w, wrong in wrong_types.items():
+            yield Case("header", path, w, header=(put(header, HEADER, path, wrong),))
+
+
+def case_file(seed: Seed, case: Case, f: Path) -> Path:
+    head_end = frames_of(seed.data)[0][1]
+    if case.header:
+        f.write_bytes(S.frame(pack(case.header[0])) + seed.data[head_end:])
+    else:
+        # before every event and at the end: replay classifies an event once the records up
+        # to the next one are applied, so the case's answer is the last one it gets
+        extra = b"".join(S.frame(pack(r)) for r in case.records)
+        f.write_bytes(b"".join((extra if o in seed.events else b"") + seed.data[o:o + n]
+                               for o, n in frames_of(seed.data)) + extra)
+    return f
+
+
+def schema_says(case: Case) -> str:
+    """What the reader must make of the case's records (or header) as the file holds them, by
+    the tables: "refused" (a header, or a frame that is no record within msgpack's limits),
+    "invalid" (a record counted and skipped), "unknown" (a kind or lookup not in the tables),
+    "kept"."""
+    from nptrace.sessions.framing import Refused, unpack
+    from nptrace.sessions.schema import Invalid, Unknown, check_header, check_record
+    try:
+        for r in case.header or case.records:
+            r = unpack(pack(r))
+            if r is None:
+                return "refused"
+            kind = r.pop("rec")
+            if case.header:
+                return "kept" if kind == "header" and check_header(r) else "refused"
+            check_record(kind, r)
+    except Refused:
+        return "refused"
+    except Invalid:
+        return "refused" if case.header else "invalid"
+    except Unknown:
+        return "unknown"
+    return "kept"
+
+
+def check_table_case(seed: Seed, case: Case, tmp: Path) -> list[str]:
+    """The contract of check_case, and what the tables say: a refused header is exit 2 for
+    every command; an invalid record is counted as "invalid and skipped" (exit 2); one the
+    tables keep is never called invalid."""
+    f = case_file(seed, case, tmp / "nptrace-case.nps")
+    says = schema_says(case)
+    bad = []
+    for cmd, extra in COMMANDS:
+        r = run(cmd, [f, *extra])
+        why = verdict_of(r)
+        if why is None and says in ("refused", "invalid") and r.exit_code != 2:
+            why = f"{says} by the schema, exit {r.exit_code}"
+        if why is None and says == "invalid" and "and skipped" not in r.stderr:
+            why = "invalid by the schema, not counted as invalid"
+        if why is None and says == "kept" and "invalid and skipped" in r.stderr:
+            why = "kept by the schema, counted invalid"
+        if why is not None:
+            bad.append(f"{case}: {cmd.name} {' '.join(map(str, extra))}: {why}")
+    f.unlink()
+    return bad
+
+
+def quick_cases(cases) -> list[Case]:
+    """`make test`'s share, deterministic: every place of every lookup, and each record kind's
+    and the header's own fields, once, each with the next wrong type in turn (every place with
+    every wrong type is make fuzz's, and the schema's own test)."""
+    out, places = [], {}
+    for c in cases:
+        if not c.what.startswith("lookup ") and len(c.path) > 1:
+            continue
+        i = places.setdefault((c.what, c.path), len(places))
+        if c.wrong == list(WRONG_TYPES)[i % len(WRONG_TYPES)]:
+            out.append(c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def seed(seed_dir):
+    return seed_of(seed_dir)
+
+
+def test_every_table_place_of_every_wrong_type_is_refused_or_kept_typed(seed):
+    """The whole product at the schema: each case is refused (Invalid) or unknown, or what is
+    kept checks again to itself (nothing else raised, nothing half-normalised)."""
+    from nptrace.sessions.schema import Invalid, Unknown, check_header, check_record
     n = 0
-    for name, i, value in _lookup_cases():
-        keys = _lookup_keys(name)
-        records = _insert_after_header(data, *(S.frame(pack({"rec": "lookup", "name": name,
-                                                             "key": k, "value": value}))
-                                               for k in keys))
-        in_header = S.frame(pack({**header, "lookups": {name: [[k, value] for k in keys]}})) \
-            + data[head_end:]
-        names = _insert_after_header(data, S.frame(pack(
-            {"rec": "names", "ifnames": {HOST_NS: {3: value, 5: value}}})), S.frame(pack(
-                {"rec": "services", "services": [[k[0], 30080, value] for k in keys[:4]]})))
-        for where, blob in (("record", records), ("header", in_header), ("names", names)):
-            f = tmp_path / f"nptrace-{name}-{i}-{where}.nps"
-            f.write_bytes(blob)
-            for why in check_case([f]):
-                failures.setdefault(why, []).append((name, show(value), where))
-            f.unlink()
-            n += 1
-    assert n == len(LOOKUPS) * len(WRONG) * 3
-    assert not failures, "\n".join(f"{k}: {v[:3]}" for k, v in failures.items())
+    for case in table_cases(seed):
+        n += 1
+        for r in case.header or case.records:
+            if not isinstance(r, dict):
+                continue
+            try:
+                out = check_header(dict(r)) if case.header else check_record(r["rec"], dict(r))
+            except (Invalid, Unknown):
+                continue
+            again = check_header(out) if case.header else check_record(r["rec"], out)
+            assert again == out, case
+    assert n > 2000
+
+
+def test_table_cases_through_every_command(seed, tmp_path):
+    """`make test`'s share of the table cases through replay/report/merge (every form)."""
+    cases = quick_cases(table_cases(seed))
+    assert {c.what for c in cases} >= {f"lookup {n}" for n in LOOKUPS}
+    assert {c.wrong for c in cases} == set(WRONG_TYPES)
+    failures = [why for c in cases for why in check_table_case(seed, c, tmp_path)]
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} in all)"
+
+
+@pytest.mark.skipif(not SECONDS, reason="the long fuzz: make fuzz (NPTRACE_FUZZ_SECONDS)")
+def test_table_cases_long(seed, tmp_path):
+    """`make fuzz`: every table case through every command, then random hostile values at
+    random places of the tables until NPTRACE_FUZZ_SECONDS is spent."""
+    deadline = time.monotonic() + SECONDS
+    cases = list(table_cases(seed))
+    failures = []
+    for c in cases:
+        failures += check_table_case(seed, c, tmp_path)
+        if time.monotonic() > deadline:
+            break
+    rng = random.Random()
+    start = rng.randrange(10**9)
+    n = 0
+    while time.monotonic() < deadline:
+        r = random.Random(start + n)
+        wild = {f"hostile {start + n}": hostile(r)}
+        for c in r.sample(list(table_cases(seed, wild)), 20):
+            failures += check_table_case(seed, c, tmp_path)
+        n += 1
+    print(f"\n{len(cases)} table cases, then {n} draws of 20 from seed {start}")
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} in all)"
+
+
+def test_a_lookup_added_to_the_table_is_fuzzed(seed, tmp_path, monkeypatch):
+    """A lookup added to LOOKUPS, and nothing else: its records and its header table are
+    checked against it and fuzzed at every place with every wrong type."""
+    from nptrace.sessions import schema as sch
+    dummy = sch.Lookup(sch.Tuple(sch.ADDR, sch.PORT),
+                       sch.Opt(sch.Record({"name": sch.NAME}, {"hops": sch.ListOf(sch.U32, 8)})))
+    valid = Case("lookup dummy_of", (), "valid", ({
+        "rec": "lookup", "name": "dummy_of", "key": ["10.0.0.2", 80], "value": {"name": "a"}},))
+    assert schema_says(valid) == "unknown"       # a newer writer's lookup, until it is in the table
+    monkeypatch.setitem(sch.LOOKUPS, "dummy_of", dummy)
+    assert schema_says(valid) == "kept"
+    cases = [c for c in table_cases(seed) if "dummy_of" in c.what + str(c.path)]
+    mine = [c for c in cases if c.what == "lookup dummy_of"]
+    places = {("key",), ("key", 0), ("key", 1), ("value",), ("value", "name"), ("value", "hops"),
+              ("value", "hops", 0)}
+    assert {(c.path, c.wrong) for c in mine} == {(p, w) for p in places for w in WRONG_TYPES}
+    assert {c.path[2:] for c in cases if c.what == "header"} >= {(), (0, 0, 1), (0, 1, "hops", 0)}
+    said = [schema_says(c) for c in mine]
+    assert "unknown" not in said and said.count("invalid") > len(mine) * 3 // 4, said
+    failures = [why for c in quick_cases(cases) for why in check_table_case(seed, c, tmp_path)]
+    assert not failures, "\n".join(failures[:20])
+    r = run(replay_command, [case_file(seed, valid, tmp_path / "nptrace-v.nps")])
+    assert r.exit_code == 0 and "invalid" not in r.stderr and "not know" not in r.stderr, r.output
+
+
+def test_a_lookup_not_in_the_table_is_skipped_and_counted(seed, tmp_path):
+    valid = {"rec": "lookup", "name": "dummy_of", "key": ["10.0.0.2", 80], "value": {"a": 1}}
+    f = case_file(seed, Case("", (), "", (valid, valid)), tmp_path / "nptrace-u.nps")
+    r = run(replay_command, [f])
+    assert r.exit_code == 0 and "does not know: lookup dummy_of (" in r.stderr, r.stderr
+    header = {**seed.header, "lookups": {"dummy_of": [[["10.0.0.2", 80], {"a": [1]}]]}}
+    f = case_file(seed, Case("", (), "", header=(header,)), f)
+    r = run(report_command, [f, "-o", "json"])
+    assert r.exit_code == 0 and "lookup dummy_of (1)" in r.stderr, r.stderr
+
+
+def test_every_answer_replay_gives_is_in_the_table():
+    """The table holds every lookup the classifier's Context asks (the reason tables come
+    from the header's own fields), so no answer reaches it unchecked."""
+    from dataclasses import fields
+    asked = {f.name for f in fields(Context) if "Callable" in str(f.type)}
+    assert asked - {"drop_name", "rst_name", "at"} == set(LOOKUPS)
+
+
+def test_recording_a_lookup_twice_records_it_once(tmp_path):
+    """tracer.py wraps iface_name and service_of, then every lookup of the table: each is
+    recorded once, in the record kind its row names."""
+    w = S.SessionWriter(tmp_path / "r", header=S.make_header(epoch_offset_ns=E0),
+                        log=lambda m: None)
+    rec = Recorder(w)
+    iface = rec.iface_name(lambda ns, i: "eth1")
+    assert rec.lookup("iface_name", iface) is iface
+    pod = rec.lookup("pod_of", lambda a: "ns/p")
+    assert rec.lookup("pod_of", pod) is pod
+    svc = rec.lookup("service_of", lambda a, p: "ns/s:http")
+    iface(HOST_NS, 3), pod("10.0.0.1"), svc("10.0.0.2", 80)
+    rec.close()
+    kinds = [r.kind for r in S.read_session(tmp_path / "r")[1]]
+    assert sorted(kinds) == ["lookup", "names", "services"], kinds
 
 
 @pytest.mark.parametrize("where", ["event", "lookup value", "lookup key", "summary", "unknown",
@@ -674,7 +929,8 @@ def test_a_thousand_levels_of_lists_are_one_line(tmp_path, seed_dir, where):
            "lookup key": {"rec": "lookup", "name": "nf_rule", "key": d, "value": None},
            "summary": {"rec": "summary", "cause": d, "kind": "rst", "repeat": 1},
            "unknown": {"rec": "newer", "x": d},
-           "nf_rule field": {"rec": "lookup", "name": "nf_rule", "key": _lookup_keys("nf_rule")[0],
+           "nf_rule field": {"rec": "lookup", "name": "nf_rule",
+                             "key": LOOKUPS["nf_rule"].key.example(),
                              "value": {"tag": d}}}.get(where)
     f = tmp_path / "nptrace-deep.nps"
     if rec is None:
