@@ -11,6 +11,7 @@ when it writes) with per-controller ServiceAccount credentials.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -111,10 +112,11 @@ def admin_api(plan: Plan) -> Api:
     return Api(plan.local_server, str(pki.ca), str(pki.cert("admin")), str(pki.key("admin")))
 
 
-def start(plan: Plan, rel: Release, service_cidr: str, on_pid) -> Api:
+def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: tuple = ()) -> Api:
     """etcd, the API server and the controller manager; ``on_pid(pid)`` records each process
     at once (a failed start is still cleaned up). Returns the admin client once /readyz says
-    so and the default ServiceAccount exists (the controllers run)."""
+    so and the default ServiceAccount exists (the controllers run). ``apiserver_extra``: more
+    kube-apiserver flags (a test's --watch-cache=false)."""
     plan.dir.mkdir(parents=True, exist_ok=True)
     pki = pkimod.make(plan.dir / "pki", [plan.host_ip])
     logs = plan.dir / "logs"
@@ -137,8 +139,9 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid) -> Api:
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
         "--authorization-mode=Node,RBAC", "--allow-privileged=true",
-        f"--cert-dir={plan.dir / 'apiserver-certs'}", "--profiling=false", "-v=1"],
+        f"--cert-dir={plan.dir / 'apiserver-certs'}", "--profiling=false", "-v=1", *apiserver_extra],
         logs / "kube-apiserver.log")
+    (plan.dir / "kube-apiserver.argv").write_text(json.dumps(apiserver.args))
     on_pid(apiserver.pid)
     api = admin_api(plan)
     _wait(api.ready, "kube-apiserver /readyz", [etcd, apiserver], logs)
@@ -159,6 +162,26 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid) -> Api:
             return None
     _wait(default_sa, "kube-controller-manager (the default ServiceAccount)", [etcd, apiserver, kcm], logs)
     return api
+
+
+def restart_apiserver(plan: Plan, down_s: float = 0.0) -> int:
+    """The API server stopped (SIGTERM) and started again with the same flags, ``down_s``
+    seconds later, as a control-plane upgrade or a crash-looping server does; returns the new
+    process's pid once /readyz answers."""
+    argv = json.loads((plan.dir / "kube-apiserver.argv").read_text())
+    old = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == argv]
+    stop(old)
+    time.sleep(down_s)
+    proc = _spawn(argv, plan.dir / "logs" / "kube-apiserver.log")
+    _wait(admin_api(plan).ready, "kube-apiserver /readyz after its restart", [proc], plan.dir / "logs")
+    return proc.pid
+
+
+def _cmdline(p: Path) -> list[str]:
+    try:
+        return p.joinpath("cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def _wait(check, what: str, procs, logs: Path) -> None:
