@@ -2,6 +2,8 @@
 change through the API, the pinned releases and kube-proxy's sync wait."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nptrace.lab import model
@@ -98,7 +100,7 @@ def test_shipped_releases_pin_a_current_and_an_older_one():
     assert max(minors) >= 36 and min(minors) <= 32
     for r in rels:
         gomod = (releases.K8S_DIR / r.version / "go.mod").read_text()
-        assert f"require k8s.io/kubernetes {r.version}" in gomod
+        assert re.search(rf"^(require |\t)k8s\.io/kubernetes {re.escape(r.version)}$", gomod, re.M)
         assert f"k8s.io/client-go => k8s.io/client-go v0.{r.version[3:]}" in gomod
 
 
