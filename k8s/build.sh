@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes releases named in k8s/releases from the Go module proxy into a
-# cache outside the checkout (NPTRACE_K8S_CACHE, default /var/cache/nptrace/k8s), one folder
+# cache outside the checkout (NPTRACE_K8S_CACHE, default /var/lib/nptrace/k8s), one folder
 # per release: bin/ holds the binaries, stamp the hash of what they were built from.
 #
 #   k8s/build.sh                 every release in k8s/releases
@@ -15,7 +15,7 @@
 # with its go.sum, in the project. What it cannot do is said in one line, with exit 2.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-cache="${NPTRACE_K8S_CACHE:-/var/cache/nptrace/k8s}"
+cache="${NPTRACE_K8S_CACHE:-/var/lib/nptrace/k8s}"
 
 die() { echo "k8s/build.sh: $*" >&2; exit 2; }
 

@@ -91,6 +91,9 @@ def up(obj, name, backend, variant, slot, real, release, as_json):
     if info.notes:
         click.echo(f"  notes: {info.notes}")
     click.echo("  watch (NETNS/IFNAME): " + " ".join(info.watch))
+    if info.env:   # the real tier: a tracer reads its API with the shipped ServiceAccount
+        click.echo("  a tracer's API access (nptrace run reads these): "
+                   + " ".join(f"{k}={v}" for k, v in info.env.items()))
     click.echo("enter:")
     for e in info.enter:
         click.echo(f"  {e}")

@@ -161,10 +161,12 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
             err = Path(tmp) / "stderr"
             ifaces = [a for _, info, _ in ups for w in (info.watch if watch else ())
                       for a in ("--iface", w)]
+            # the real tier's API, as the DaemonSet's ServiceAccount reads it (lab/real/lab.py)
+            env = {**os.environ, **{k: v for _, info, _ in ups for k, v in info.env.items()}}
             with open(out, "w") as fo, open(err, "w") as fe:
                 proc = subprocess.Popen([*wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
                                                           *ifaces, *extra_args],
-                                        stdout=fo, stderr=fe)
+                                        stdout=fo, stderr=fe, env=env)
                 try:
                     wait_ready(ready, proc, stderr=err)
                     if overlap and len(ups) > 1:

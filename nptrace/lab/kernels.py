@@ -302,6 +302,33 @@ def batches(items, size: int, alone) -> list[list]:
     return out + ([cur] if cur else [])
 
 
+def prepare_guest() -> None:
+    """In a guest: the modules the lab needs, bpf_stats, bpffs."""
+    for m in GUEST_MODULES:
+        _run(["modprobe", m])
+    _run(["sysctl", "-qw", "kernel.bpf_stats_enabled=1"])
+    if not os.path.ismount("/sys/fs/bpf"):
+        _run(["mount", "-t", "bpf", "bpf", "/sys/fs/bpf"])
+
+
+def run_in_guest(name: str, module_args: str, out: Path, timeout: float = BOOT_TIMEOUT) -> tuple[str, str]:
+    """``python -m <module_args>`` in kernel ``name`` booted under qemu (KVM where a guest
+    really runs under it), from this checkout, its output in ``out``/guest.log; returns
+    (the kernel's release, the accelerator). MatrixError when the machine cannot boot it."""
+    vng = ensure_tools()
+    k = fetch(name)
+    kvm = kvm_works(vng, k)
+    out.mkdir(parents=True, exist_ok=True)
+    top = Path(__file__).resolve().parents[2]
+    cmd = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 NPT_LAB_SERVER_TIMEOUT=300 {sys.executable} -m "
+           f"{module_args} > {out}/guest.log 2>&1")
+    try:
+        _run(vng_command(vng, k, cmd, out, kvm), timeout=timeout, env=_env(vng))
+    except subprocess.TimeoutExpired:
+        raise MatrixError(f"the {k.release} guest did not finish within {timeout:.0f} s") from None
+    return k.release, "KVM" if kvm else "TCG"
+
+
 def guest(argv) -> int:
     ap = argparse.ArgumentParser(prog="nptrace-kernels guest")
     ap.add_argument("--out", required=True)
@@ -309,11 +336,7 @@ def guest(argv) -> int:
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("scenarios", nargs="*")
     a = ap.parse_args(argv)
-    for m in GUEST_MODULES:
-        _run(["modprobe", m])
-    _run(["sysctl", "-qw", "kernel.bpf_stats_enabled=1"])
-    if not os.path.ismount("/sys/fs/bpf"):
-        _run(["mount", "-t", "bpf", "bpf", "/sys/fs/bpf"])
+    prepare_guest()
     out = Path(a.out)
     for old in out.parent.glob("batch*.log"):
         old.unlink()

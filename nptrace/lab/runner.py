@@ -59,6 +59,7 @@ class LabInfo:
     enter: list[str] = field(default_factory=list)   # shell commands to get a shell in each host
     try_: list[str] = field(default_factory=list)    # what to try next
     notes: str = ""
+    env: dict = field(default_factory=dict)          # a tracer's environment (the real tier's API)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -190,7 +191,9 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
     except BaseException:
         _teardown(prefix, state)
         raise
-    return _info(spec, backend, prefix)
+    info = _info(spec, backend, prefix)
+    info.env = real_lab.kube_env(state)
+    return info
 
 
 REAL_BACKENDS = ("iptables", "nft", "ipvs")

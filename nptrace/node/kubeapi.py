@@ -4,8 +4,10 @@ names the pods of other nodes a Service sends to), in a background thread.
 
 In-cluster only: KUBERNETES_SERVICE_HOST/PORT and the service account's token and CA
 (/var/run/secrets/kubernetes.io/serviceaccount/); without them `from_env` gives None and pods
-are named from the node alone (nptrace/node/pods.py). The RBAC it needs (get/list/watch of
-pods and endpointslices.discovery.k8s.io) is in deploy/daemonset.yaml.
+are named from the node alone (nptrace/node/pods.py). With ``services``, a watch of Services
+too: their frontends name IPVS virtual servers, which carry no name on the node
+(service_frontends). The RBAC it needs (get/list/watch of pods, services and
+endpointslices.discovery.k8s.io) is in deploy/daemonset.yaml.
 
 The watch protocol (Kubernetes API concepts, "Efficient detection of changes"): LIST gives the
 items and a resourceVersion; GET ...?watch=1&resourceVersion=RV streams one JSON object a line,
@@ -40,6 +42,7 @@ __all__ = ["ApiConfig", "PodWatch", "from_env", "SA_DIR"]
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PODS = "/api/v1/pods"
 SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
+SERVICES = "/api/v1/services"
 WATCH_TIMEOUT_S = 300          # the server closes a watch after this; we resume from its RV
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 MAX_ENTRIES = 65536            # addresses held (a pod with dual-stack IPs holds two)
@@ -95,7 +98,17 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def from_env(env=os.environ, sa_dir: Path = SA_DIR) -> ApiConfig | None:
-    """The in-cluster API, as client-go's rest.InClusterConfig() finds it; None outside."""
+    """The in-cluster API, as client-go's rest.InClusterConfig() finds it; outside a pod,
+    NPTRACE_KUBE_API (https://HOST:PORT) with NPTRACE_KUBE_TOKEN_FILE and NPTRACE_KUBE_CA (a
+    node's agent token, or a ServiceAccount token made for nptrace); None otherwise."""
+    if env.get("NPTRACE_KUBE_API"):
+        tf = env.get("NPTRACE_KUBE_TOKEN_FILE", "")
+        try:
+            token = Path(tf).read_text().strip() if tf else ""
+        except OSError:
+            token = ""
+        return ApiConfig(env["NPTRACE_KUBE_API"].rstrip("/"), token, env.get("NPTRACE_KUBE_CA") or None,
+                         tf or None) if token else None
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
         return None
@@ -137,6 +150,40 @@ def slice_pods(es: dict) -> dict[str, str]:
         name = f"{ref.get('namespace') or (es.get('metadata') or {}).get('namespace', '')}/{ref['name']}"
         for a in ep.get("addresses") or []:
             out[a] = name
+    return out
+
+
+def service_frontends(svc: dict) -> dict[str, str]:
+    """{"PROTO ADDR:PORT": "ns/name:port KIND [local]"} of a Service's frontends, the lines of
+    the IPVS names table (services/ipvs.py parse_names): its ClusterIPs, external IPs and
+    load-balancer IPs with each port, and each NodePort as ``*:PORT`` (every node address).
+    IPVS programs these virtual servers and names none of them: on such a node the API is
+    where a Service's name comes from."""
+    meta, spec = svc.get("metadata") or {}, svc.get("spec") or {}
+    name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    local = " local" if spec.get("externalTrafficPolicy") == "Local" else ""
+    ips = [ip for ip in (spec.get("clusterIPs") or [spec.get("clusterIP")]) if ip and ip != "None"]
+    ext = list(spec.get("externalIPs") or [])
+    lbs = [i.get("ip") for i in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+           if i.get("ip")]
+    out = {}
+    for p in spec.get("ports") or []:
+        if not isinstance(p, dict) or not isinstance(p.get("port"), int):
+            continue
+        proto = str(p.get("protocol") or "TCP").lower()
+        svc_port = f"{name}:{p['name']}" if p.get("name") else name
+
+        def put(addr, port, kind, tail=""):
+            host = f"[{addr}]" if ":" in addr else addr
+            out[f"{proto} {host}:{port}"] = f"{svc_port} {kind}{tail}"
+        for ip in ips:
+            put(ip, p["port"], "clusterip")
+        for ip in ext:
+            put(ip, p["port"], "externalip", local)
+        for ip in lbs:
+            put(ip, p["port"], "loadbalancer", local)
+        if isinstance(p.get("nodePort"), int) and p["nodePort"]:
+            put("*", p["nodePort"], "nodeport", local)
     return out
 
 
@@ -197,7 +244,7 @@ class PodWatch:
 
     def __init__(self, api: ApiConfig, node: str, log: Callable[[str], None] = lambda m: None,
                  max_entries: int = MAX_ENTRIES, watch_timeout_s: int = WATCH_TIMEOUT_S,
-                 backoff: tuple[float, float] = (BACKOFF_MIN_S, BACKOFF_MAX_S)):
+                 backoff: tuple[float, float] = (BACKOFF_MIN_S, BACKOFF_MAX_S), services: bool = False):
         self.api, self.node, self.log = api, node, log
         self.watch_timeout_s = watch_timeout_s
         self.backoff = backoff
@@ -207,21 +254,31 @@ class PodWatch:
             _NoRedirect, *((urllib.request.HTTPSHandler(context=self._ssl),) if self._ssl else ())).open
         self.pods = Table(lambda p: {ip: _key(p) for ip in pod_ips(p)}, max_entries)
         self.slices = Table(slice_pods, max_entries)
+        self.services = Table(service_frontends, max_entries)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._responses: set = set()
         self._logged: set[str] = set()
-        self.lists = {PODS: 0, SLICES: 0}      # how many LISTs each resource needed (tests)
+        # how many LISTs each resource needed (tests); Services only when asked for
+        self.lists = {PODS: 0, SLICES: 0, **({SERVICES: 0} if services else {})}
         self.synced = threading.Event()        # set once both first LISTs arrived
 
     # -- lookups (the classifier's thread) ------------------------------------------------
     def pod_of(self, addr: str) -> str | None:
         return self.pods.addrs.get(addr) or self.slices.addrs.get(addr)
 
+    def service_names(self) -> str:
+        """The Services' frontends as the IPVS names table's text (services/ipvs.py); "" until
+        the first LIST."""
+        return "".join(f"{k} {v}\n" for k, v in list(self.services.addrs.items()))
+
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "PodWatch":
         sel = {"fieldSelector": f"spec.nodeName={self.node}"} if self.node else {}
-        for path, table, params in ((PODS, self.pods, sel), (SLICES, self.slices, {})):
+        for path, table, params in ((PODS, self.pods, sel), (SLICES, self.slices, {}),
+                                    (SERVICES, self.services, {})):
+            if path not in self.lists:
+                continue
             t = threading.Thread(target=self._loop, args=(path, table, params), daemon=True,
                                  name=f"nptrace-watch{path.replace('/', '-')}")
             t.start()

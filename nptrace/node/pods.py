@@ -119,7 +119,7 @@ class PodNames:
         self.source = "none"
         if api is not None:
             from nptrace.node.kubeapi import PodWatch
-            self.watch = PodWatch(api, node, log=log)
+            self.watch = PodWatch(api, node, log=log, services=True)
             self.source = f"kubernetes API {api.base} (pods of node {node})"
         elif shutil.which("crictl") is not None or crictl is not node_pods:
             self._crictl = crictl
@@ -127,7 +127,9 @@ class PodNames:
 
     def start(self) -> "PodNames":
         if self.watch is not None:
+            from nptrace.node.rules_source import set_api_names
             self.watch.start()
+            set_api_names(self.watch.service_names)   # IPVS virtual servers' Service names
             target, name = self._refresh_netns, "nptrace-netns-pods"
         elif self.source.startswith("crictl"):
             target, name = self._refresh, "nptrace-crictl-pods"
@@ -167,6 +169,8 @@ class PodNames:
     def close(self) -> None:
         self._stop.set()
         if self.watch is not None:
+            from nptrace.node.rules_source import set_api_names
+            set_api_names(None)
             self.watch.close()
         if self._thread is not None:
             self._thread.join(timeout=2)

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from nptrace.kernel.nsenter import path_of, run_in
 from nptrace.node.nlmsg import (NFGENMSG_LEN, NLM_F_DUMP, NLM_F_REQUEST, NLMSG, NLMSG_DONE, NLMSG_ERROR, attrs,
@@ -523,6 +524,28 @@ def _ipvs_raw(netns: str | None) -> tuple[str, dict] | None:
         return None
 
 
+# Where the virtual servers' names come from when no names table lies beside them: the
+# Kubernetes API's Services (node/kubeapi.py PodWatch.service_names), set by the tracer when
+# it watches the API. One process-wide source, as the API is one per node.
+_api_names: Callable[[], str] | None = None
+
+
+def set_api_names(source: Callable[[], str] | None) -> None:
+    global _api_names
+    _api_names = source
+
+
+def ipvs_names(netns: str | None) -> tuple[str, str]:
+    """(the names table's text, where it came from: "table" beside the namespace, "api" from
+    the Kubernetes API's Services, "" none)."""
+    try:
+        return ipvs.names_path(netns).read_text(), "table"
+    except OSError:
+        pass
+    text = _api_names() if _api_names is not None else ""
+    return (text, "api") if text else ("", "")
+
+
 def ipvs_digest(netns: str | None = None) -> str | None:
     """A digest of the namespace's virtual servers, real servers and weights (not their
     connection counters), IPVS sysctls and names table; None without virtual servers."""
@@ -531,10 +554,7 @@ def ipvs_digest(netns: str | None = None) -> str | None:
     if not servers:
         return None
     reals = [(str(v), v.scheduler, [(str(r), r.weight) for r in v.reals]) for v in servers]
-    try:
-        names = ipvs.names_path(netns).read_text()
-    except OSError:
-        names = ""
+    names = ipvs_names(netns)
     return hashlib.sha256(repr((reals, sorted(raw[1].items()), names)).encode()).hexdigest()
 
 
@@ -550,11 +570,8 @@ def read_ipvs(netns: str | None = None) -> "ipvs.IpvsState | None":
             sets = run_in_netns(netns, ["ipset", "save"], check=False).stdout
         except RulesSourceError:
             sets = ""
-    try:
-        names = ipvs.names_path(netns).read_text()
-    except OSError:
-        names = ""
-    return ipvs.state_of(raw[0], names_text=names, ipset_text=sets, sysctl=raw[1])
+    names, source = ipvs_names(netns)
+    return ipvs.state_of(raw[0], names_text=names, ipset_text=sets, sysctl=raw[1], names_from=source)
 
 
 def local_addresses(netns: str | None = None) -> tuple[str, ...]:

@@ -166,7 +166,8 @@ def parse_names(text: str) -> dict[tuple[str, str, int], Name]:
         f = line.split()
         if len(f) < 3 or f[0].startswith("#"):
             continue
-        ep = _endpoint(f[1])
+        ep = ("*", int(f[1][2:])) if f[1].startswith("*:") and f[1][2:].isascii() and f[1][2:].isdigit() \
+            else _endpoint(f[1])
         if ep is None:
             continue
         kind = f[3] if len(f) > 3 else "clusterip"
@@ -181,13 +182,16 @@ class IpvsState:
     names: dict[tuple[str, str, int], Name] = field(default_factory=dict)
     sets: dict[str, list[str]] = field(default_factory=dict)
     sysctl: dict[str, int] = field(default_factory=dict)   # expire_nodest_conn, conn_reuse_mode, ...
+    names_from: str = ""       # "table" (beside the namespace), "api" (the Kubernetes API), ""
 
     def server(self, addr: str, port: int, proto: str = "tcp") -> VirtualServer | None:
         a = canon(addr) if addr else None
         return self.servers.get((proto, a, int(port))) if a else None
 
     def name_of(self, vs: VirtualServer) -> Name | None:
-        return self.names.get((vs.proto, vs.addr, vs.port))
+        """The virtual server's Service; a NodePort named for every address (``*:PORT``, as
+        the API gives it) answers for each of the node's."""
+        return self.names.get((vs.proto, vs.addr, vs.port)) or self.names.get((vs.proto, "*", vs.port))
 
     def etp_local(self, vs: VirtualServer) -> bool:
         """An eTP=Local NodePort: the names table says so, or kube-proxy's -LOCAL port set."""
@@ -204,9 +208,10 @@ class IpvsState:
 
 
 def state_of(ipvs_text: str, *, names_text: str = "", ipset_text: str = "",
-             sysctl: dict | None = None) -> IpvsState:
+             sysctl: dict | None = None, names_from: str = "") -> IpvsState:
     servers = {(v.proto, v.addr, v.port): v for v in parse_ipvs(ipvs_text)}
-    return IpvsState(servers, parse_names(names_text), parse_ipset_save(ipset_text), dict(sysctl or {}))
+    return IpvsState(servers, parse_names(names_text), parse_ipset_save(ipset_text), dict(sysctl or {}),
+                     names_from if names_text else "")
 
 
 def build_map(state: IpvsState):
@@ -215,7 +220,7 @@ def build_map(state: IpvsState):
     b = Builder("ipvs")
     scopes: dict[str, list[str]] = {}
     for key, vs in state.servers.items():
-        n = state.names.get(key)
+        n = state.name_of(vs)
         if n is None:
             continue
         inf = b.info(n.service, vs.proto)

@@ -399,3 +399,32 @@ def test_a_redirect_is_not_followed_with_the_token(api):
         w.close()
         srv.shutdown()
         srv.server_close()
+
+
+def test_service_frontends_name_ipvs_virtual_servers():
+    """A Service's frontends as the IPVS names table: IPVS carries no name, the API does."""
+    from nptrace.services import ipvs
+    svc = {"metadata": {"namespace": "default", "name": "web"},
+           "spec": {"clusterIP": "10.96.0.80", "clusterIPs": ["10.96.0.80"], "externalTrafficPolicy": "Local",
+                    "externalIPs": ["192.0.2.9"],
+                    "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}]},
+           "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.4"}]}}}
+    got = kubeapi.service_frontends(svc)
+    assert got == {"tcp 10.96.0.80:80": "default/web:http clusterip",
+                   "tcp 192.0.2.9:80": "default/web:http externalip local",
+                   "tcp 198.51.100.4:80": "default/web:http loadbalancer local",
+                   "tcp *:30080": "default/web:http nodeport local"}
+    text = "".join(f"{k} {v}\n" for k, v in got.items())
+    st = ipvs.state_of("", names_text=text, names_from="api")
+    vs = ipvs.VirtualServer("tcp", "192.168.10.11", 30080, "rr", ())
+    assert st.name_of(vs).service == "default/web:http" and st.name_of(vs).local
+    assert kubeapi.service_frontends({"metadata": {}, "spec": {"ports": [{"port": "x"}]}}) == {}
+
+
+def test_api_outside_a_pod_from_nptrace_env(tmp_path):
+    (tmp_path / "tok").write_text("t0k\n")
+    env = {"NPTRACE_KUBE_API": "https://127.0.0.1:6443/", "NPTRACE_KUBE_TOKEN_FILE": str(tmp_path / "tok"),
+           "NPTRACE_KUBE_CA": "/ca.crt"}
+    assert kubeapi.from_env(env, tmp_path / "none") == kubeapi.ApiConfig(
+        "https://127.0.0.1:6443", "t0k", "/ca.crt", str(tmp_path / "tok"))
+    assert kubeapi.from_env({"NPTRACE_KUBE_API": "https://x"}, tmp_path / "none") is None   # no token

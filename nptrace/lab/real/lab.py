@@ -100,6 +100,7 @@ def up(spec: Spec, ns: dict[str, str], backend: str, state: dict, save, log_dir:
         api.create(f"/api/v1/namespaces/{svc.namespace}/services", objects.service_object(svc))
     for st in objects.pod_states(spec):
         create_pod(api, spec, st)
+    tracer_access(plan, api)
     wait_slices(api, expected_endpoints(spec, spec.services))
     since = time.time()
     kubeconfig = controlplane.write_kubeconfig(plan, controlplane.pki_of(plan), "kube-proxy")
@@ -115,6 +116,48 @@ def up(spec: Spec, ns: dict[str, str], backend: str, state: dict, save, log_dir:
     for fault in sorted(spec.faults):
         for n in nodes:
             apply_fault(fault, ns[n], backend)
+
+
+SHIPPED = Path(__file__).resolve().parents[3] / "deploy" / "daemonset.yaml"
+RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+
+
+def tracer_access(plan: Plan, api: Api) -> None:
+    """What a tracer on this lab's nodes needs to read the API as the DaemonSet does: the
+    shipped ServiceAccount, ClusterRole and binding (deploy/daemonset.yaml, created through
+    the API as kubectl would) and a token for that ServiceAccount in the lab's folder;
+    kube_env() says how `nptrace run` finds them."""
+    import yaml
+    for doc in yaml.safe_load_all(SHIPPED.read_text()):
+        if not doc or doc.get("kind") not in RBAC_KINDS:
+            continue
+        ns = (doc.get("metadata") or {}).get("namespace")
+        group = doc["apiVersion"]
+        base = f"/api/{group}" if "/" not in group else f"/apis/{group}"
+        plural = {"Namespace": "namespaces", "ServiceAccount": "serviceaccounts",
+                  "ClusterRole": "clusterroles", "ClusterRoleBinding": "clusterrolebindings"}[doc["kind"]]
+        path = f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
+        try:
+            api.create(path, doc)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+    sa = next(d for d in yaml.safe_load_all(SHIPPED.read_text()) if d and d.get("kind") == "ServiceAccount")
+    ns, name = sa["metadata"]["namespace"], sa["metadata"]["name"]
+    got = api.create(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token",
+                     {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                      "spec": {"expirationSeconds": 86400}})
+    (plan.dir / "nptrace.token").write_text(got["status"]["token"])
+
+
+def kube_env(state: dict) -> dict[str, str]:
+    """The environment that points `nptrace run` at this lab's API with the shipped
+    ServiceAccount's token (node/kubeapi.py from_env); empty for a generated lab."""
+    if not state.get("real"):
+        return {}
+    plan = plan_of(state)
+    return {"NPTRACE_KUBE_API": plan.local_server, "NPTRACE_KUBE_TOKEN_FILE": str(plan.dir / "nptrace.token"),
+            "NPTRACE_KUBE_CA": str(controlplane.pki_of(plan).ca)}
 
 
 def node_sysctls_again(spec: Spec, node: str, netns_name: str) -> None:

@@ -1,5 +1,5 @@
 """The Kubernetes releases the lab's real tier runs (k8s/releases) and where k8s/build.sh
-put their binaries (NPTRACE_K8S_CACHE, default /var/cache/nptrace/k8s/<version>/bin)."""
+put their binaries (NPTRACE_K8S_CACHE, default /var/lib/nptrace/k8s/<version>/bin)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,8 @@ from pathlib import Path
 from ..errors import NotRunnable, UsageError
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "k8s"
-DEFAULT_CACHE = Path("/var/cache/nptrace/k8s")
+# not /var/cache: the kernel matrix's guests see this machine's root with a tmpfs there
+DEFAULT_CACHE = Path("/var/lib/nptrace/k8s")
 
 
 @dataclass(frozen=True)

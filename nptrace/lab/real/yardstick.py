@@ -15,7 +15,9 @@ Exit 0 when every row is 100%, 1 otherwise, 2 when the release is not built.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -164,11 +166,19 @@ def main(argv=None) -> int:
     ap.add_argument("--form", action="append", choices=FORMS, help="tracer form (repeatable) [lab]")
     ap.add_argument("--count", type=int, default=10, help="connections per case [10]")
     ap.add_argument("--markdown", type=Path, help="write the table into this file (between its markers)")
+    ap.add_argument("--kernel", action="append", choices=("6.1", "6.12", "5.10"),
+                    help="also run the cases in this Debian kernel under qemu (lab/kernels.py), "
+                         "where IPVS is (repeatable)")
+    ap.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows-json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("cases", nargs="*", help="SCENARIO or SCENARIO/VARIANT [every real-tier form]")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("yardstick: needs root (network namespaces, BPF)", file=sys.stderr)
         return 2
+    if a.in_guest:
+        from ..kernels import prepare_guest
+        prepare_guest()
     try:
         rels = [releases.get(r) for r in (a.release or [None])]
         for r in rels:
@@ -179,8 +189,12 @@ def main(argv=None) -> int:
         print(f"yardstick: {e}", file=sys.stderr)
         return 2
     rows = []
+    for k in a.kernel or ():
+        rows += guest_rows(k, a)
     for rel in rels:
         for mode in a.mode or DEFAULT_MODES:
+            if a.kernel and not a.in_guest and mode == "ipvs":
+                continue            # this kernel's IPVS: the guests ran it
             for form in a.form or ("lab",):
                 for name, variant, expected, service, backends in cases:
                     if mode != "ipvs" and mode not in backends:
@@ -190,11 +204,40 @@ def main(argv=None) -> int:
                     print("  ".join(row.cells()), flush=True)
                     for p, incs in row.examples:
                         print(f"    port {p}: {incs}", flush=True)
+    if a.rows_json:
+        a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     if a.markdown:
         write_table(a.markdown, markdown(rows, _commit()))
     bad = [r for r in rows if not r.ok]
     print(f"yardstick: {len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0
+
+
+def guest_rows(kernel: str, a) -> list[Row]:
+    """The same cases run by this module inside Debian's ``kernel`` under qemu: its rows."""
+    from ..kernels import CACHE, MatrixError, run_in_guest
+    out = CACHE / "runs" / f"real-{kernel}"
+    args = ["nptrace.lab.real.yardstick", "--in-guest", "--rows-json", str(out / "rows.json"),
+            "--count", str(a.count)]
+    for opt, vals in (("--release", a.release), ("--mode", a.mode), ("--form", a.form)):
+        for v in vals or ():
+            args += [opt, v]
+    (out / "rows.json").unlink(missing_ok=True)
+    print(f"== kernel {kernel} under qemu: {' '.join(args[1:])}", file=sys.stderr, flush=True)
+    try:
+        release, accel = run_in_guest(kernel, " ".join([*args, *a.cases]), out)
+    except MatrixError as e:
+        return [Row("-", "-", kernel, "-", "-", "-", error=f"not runnable: {e}")]
+    if not (out / "rows.json").exists():
+        tail = (out / "guest.log").read_text(errors="replace").strip().splitlines()[-2:] \
+            if (out / "guest.log").exists() else []
+        return [Row("-", "-", release, "-", "-", "-", error="; ".join(tail)[-200:] or "no result")]
+    rows = []
+    for d in json.loads((out / "rows.json").read_text()):
+        d.pop("examples", None)
+        rows.append(Row(**d))
+        print("  ".join(rows[-1].cells()), flush=True)
+    return rows
 
 
 BEGIN, END = "<!-- real-tier table: begin -->", "<!-- real-tier table: end -->"
