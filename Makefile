@@ -71,7 +71,7 @@ vagrant-smoke: setup
 
 ## Kubernetes' own components for the lab's real tier (nptrace/lab/real/, docs/k8s.md): the
 ## releases pinned in k8s/releases built from the Go module proxy into NPTRACE_K8S_CACHE
-## (default /var/cache/nptrace/k8s), from the go.mod and go.sum kept in k8s/<version>/; a
+## (default /var/lib/nptrace/k8s), from the go.mod and go.sum kept in k8s/<version>/; a
 ## release already built from the same pins is found, not rebuilt. K8S_RELEASES picks some.
 K8S_RELEASES ?=
 .PHONY: k8s test-k8s test-k8s-short
