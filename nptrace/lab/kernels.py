@@ -320,7 +320,7 @@ def run_in_guest(name: str, module_args: str, out: Path, timeout: float = BOOT_T
     kvm = kvm_works(vng, k)
     out.mkdir(parents=True, exist_ok=True)
     top = Path(__file__).resolve().parents[2]
-    cmd = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 NPT_LAB_SERVER_TIMEOUT=300 {sys.executable} -m "
+    cmd = (f"cd {top} && NPT_LAB_ATTACH_TIMEOUT=900 NPT_LAB_SERVER_TIMEOUT=300 NPT_K8S_TIMEOUT=900 {sys.executable} -m "
            f"{module_args} > {out}/guest.log 2>&1")
     try:
         _run(vng_command(vng, k, cmd, out, kvm), timeout=timeout, env=_env(vng))

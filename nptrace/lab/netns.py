@@ -211,14 +211,15 @@ def _is_lab_process(pid: int) -> bool:
         return False
 
 
-def _kill(pids) -> None:
+def kill(pids, grace: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL to whatever still runs ``grace`` seconds later (children reaped)."""
     pids = [p for p in pids if p != os.getpid()]
     for p in pids:
         try:
             os.kill(p, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + grace
     for p in pids:
         while time.monotonic() < deadline:
             try:
@@ -249,7 +250,7 @@ def delete_namespaces(names, recorded_pids=()) -> None:
     for ns in names:
         if ns in present:
             pids += ns_pids(ns)
-    _kill(sorted(set(pids)))
+    kill(sorted(set(pids)))
     for ns in names:
         if ns in present:
             sh(["ip", "netns", "del", ns], check=False)

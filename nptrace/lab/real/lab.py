@@ -69,7 +69,8 @@ def slice_endpoints(api: Api, namespace: str, name: str) -> set[str]:
             if (e.get("conditions") or {}).get("ready") for a in e.get("addresses", [])}
 
 
-def wait_slices(api: Api, want: dict[tuple[str, str], set[str]], timeout: float = 30.0) -> None:
+def wait_slices(api: Api, want: dict[tuple[str, str], set[str]],
+                timeout: float = controlplane.START_TIMEOUT_S) -> None:
     api.wait("the EndpointSlice controller", lambda: all(slice_endpoints(api, ns, n) == addrs
                                                          for (ns, n), addrs in want.items()), timeout)
 
@@ -110,7 +111,8 @@ def up(spec: Spec, ns: dict[str, str], backend: str, state: dict, save, log_dir:
         procs.append(kubeproxy.spawn(ns[n], args, plan.dir / "logs" / f"kube-proxy-{n}.log"))
         state["pids"].append(procs[-1].pid)
     save()
-    kubeproxy.wait_synced([plan.node_ip(i) for i in range(len(nodes))], since, procs)
+    kubeproxy.wait_synced([plan.node_ip(i) for i in range(len(nodes))], since, procs,
+                          controlplane.START_TIMEOUT_S)
     for n in nodes:
         node_sysctls_again(spec, n, ns[n])
     for fault in sorted(spec.faults):
