@@ -3,8 +3,9 @@
  * SYN-ACK at tc), the first NPT_SNAPLEN bytes of that packet as the kernel had it at the hook,
  * in a struct npt_packet record (nptrace_events.h) with the event's ts_ns and skb.
  *
- * Gate: -DNPT_SNAPLEN=N (nptrace/kernel/cflags.py; `run --pcap` sets it from --snaplen, 128 by
- * default); 0 compiles nothing here. Hooks and kernels: those of the events (tracepoints.bpf.c,
+ * Gate: -DNPT_SNAPLEN=N (nptrace/kernel/cflags.py; `run -w` and `run --record` set it from
+ * --snaplen: N, or 160 for the default `headers`, which user space then cuts where each packet's
+ * headers end, nptrace/sinks/snap.py); 0 compiles nothing here. Hooks and kernels: those of the events (tracepoints.bpf.c,
  * tc.bpf.c); bpf_skb_load_bytes in tc programs since 4.5, bpf_probe_read_kernel since 5.5.
  * Cost: one per-CPU array lookup, a copy of at most NPT_SNAPLEN bytes and a second ring-buffer
  * record per event sent, nothing per packet that makes no event.

@@ -9,10 +9,10 @@ import sys
 import click
 
 from nptrace import __version__
-from nptrace.config import (MAX_RATE, MAX_RING_PAGES, Config, ConfigError, IfaceSpec, PortRange,
-                            parse_hosts)
+from nptrace.config import (MAX_RATE, MAX_RING_PAGES, SNAP_HEADERS, Config, ConfigError, IfaceSpec,
+                            PortRange, parse_hosts)
 from nptrace.errors import EXIT_USAGE, error_line, one_line_errors
-from nptrace.flagtypes import Int, MetricsAddr, RingPages, Seconds
+from nptrace.flagtypes import Int, MetricsAddr, RingPages, Seconds, Snaplen
 from nptrace.sessions.filteropts import FilteredSink, StopAfter, filter_options, live_filter
 
 class LazyGroup(click.Group):
@@ -137,9 +137,12 @@ def _run_options(fn):
                      help="Write the packets behind labeled events as pcapng (0600): the bytes "
                           "the kernel had at the hook (see --snaplen), with cause, Service and "
                           "hint as packet comments."),
-        click.option("--snaplen", type=Int(), default=128, show_default=True, metavar="BYTES",
-                     help="With -w or --record: bytes of each packet copied in the kernel (1-9216); "
-                     "the session files keep them for `replay -w`."),
+        click.option("--snaplen", type=Snaplen(), default="headers", show_default=True,
+                     metavar="headers|BYTES",
+                     help="With -w or --record: what of each packet the files keep. headers: "
+                     "its Ethernet, IP and TCP/UDP/ICMP headers, no payload; BYTES (1-9216): "
+                     "the first BYTES, payload included. The session files keep them for "
+                     "`replay -w`."),
         click.option("-C", "pcap_mb", type=Int(1), default=None, metavar="MB",
                      help="With -w: start a new file past MB megabytes (FILE1, FILE2, ...; as "
                           "tcpdump -C)."),
@@ -155,9 +158,10 @@ def _run_options(fn):
 
 def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record=None) -> int:
     """The kernel's packet copy size: --snaplen with -w or --record (the session keeps the
-    bytes for `replay -w`), else 0 (no copies compiled in)."""
-    from nptrace.config import check_snaplen
-    check_snaplen(snaplen)
+    bytes for `replay -w`; `headers`: HEADERS_SNAPLEN, cut per packet by sinks/snap.py), else
+    0 (no copies compiled in)."""
+    from nptrace.config import HEADERS_SNAPLEN, SNAP_HEADERS, check_snaplen
+    snaplen = HEADERS_SNAPLEN if snaplen == SNAP_HEADERS else check_snaplen(snaplen)
     if not pcap and (pcap_mb or pcap_files):
         raise ConfigError("-C and -W rotate the -w FILE: give -w too")
     if pcap_files and not pcap_mb:
@@ -168,9 +172,10 @@ def pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record=None) -> int:
 def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode, pcap,
                snaplen, pcap_mb, pcap_files, record=None) -> Config:
     """`run`'s Config from its options (dump-bpf builds the same one)."""
+    n = pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record)
     return dataclasses.replace(build_config(ifaces, ports, hosts, ring_pages), max_rate=max_rate,
                                max_burst=max_burst, nft_trace=nft_trace, tc_mode=tc_mode,
-                               snaplen=pcap_snaplen(pcap, snaplen, pcap_mb, pcap_files, record))
+                               snaplen=n, snap_headers=bool(n) and snaplen == SNAP_HEADERS)
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:

@@ -73,6 +73,7 @@ class Config:
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] | None = None   # "cat/name"s; None: every one in kernel/hooks.py
     snaplen: int = 0                   # packet bytes copied per event for --pcap (0: none)
+    snap_headers: bool = False         # --snaplen headers: files keep each packet's headers only
     service_gate: bool = False         # run --service in the kernel (bpf/npt_common.h filter_svc)
     extra: dict = field(default_factory=dict)
 
@@ -84,6 +85,12 @@ class Config:
 
 
 MAX_SNAPLEN = 9216     # a jumbo frame; the copy is per-CPU scratch plus one ring record
+# --snaplen headers (the default): the kernel copies this much and sinks/snap.py cuts each
+# packet where its headers end. 160 holds Ethernet (14) + two VLAN tags (8) + the longest IPv4
+# header (60) + the longest TCP header (60) = 142, and IPv6 (40) with 32 bytes of extension
+# headers + TCP (60) + one VLAN tag = 150.
+SNAP_HEADERS = "headers"
+HEADERS_SNAPLEN = 160
 
 
 def check_snaplen(n: int) -> int:

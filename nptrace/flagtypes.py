@@ -11,7 +11,7 @@ import math
 
 import click
 
-from nptrace.config import ConfigError, check_ring_pages, parse_metrics_addr
+from nptrace.config import SNAP_HEADERS, ConfigError, check_ring_pages, parse_metrics_addr
 
 
 class Int(click.ParamType):
@@ -63,6 +63,20 @@ class Seconds(click.ParamType):
         if self.least is not None and not x >= self.least:
             self.fail(f"{x:g} is below {self.least:g}", param, ctx)
         return x
+
+
+class Snaplen(Int):
+    """--snaplen: `headers` (each packet's headers, no payload) or a number of bytes; the
+    bounds are checked with the other packet options (cli.pcap_snaplen)."""
+    name = "headers|BYTES"
+
+    def __init__(self):
+        super().__init__()
+
+    def convert(self, value, param, ctx):
+        if value == SNAP_HEADERS:
+            return value
+        return super().convert(value, param, ctx)
 
 
 class RingPages(Int):

@@ -22,6 +22,7 @@ from nptrace.daemon.preflight import (InstanceLock, check_ifaces, check_privileg
                                       inode_of_netns, log, release_startup_memory,
                                       write_ready_file)
 from nptrace.sinks.outputs import Outputs, open_outputs  # noqa: F401 (Outputs: cli.py's)
+from nptrace.sinks.snap import headers_only
 
 # Records handled between checks of the stop flag and --duration (a stop must stop in a storm).
 DRAIN_BATCH = 4096
@@ -391,7 +392,10 @@ class Tracer:
     def _take_packets(self, batch: list) -> list:
         """The event records of batch; its packet-bytes records (bpf/npt_packet.h) go to the
         sinks that take them (the pcapng one), before the events they belong to, and to the
-        session files (replay -w writes them)."""
+        session files (replay -w writes them); with --snaplen headers cut where the packet's
+        headers end (sinks/snap.py), so neither file holds payload."""
+        if self.cfg.snap_headers:
+            batch = [headers_only(b) if ev.is_packet(b) else b for b in batch]
         if self.recorders:
             for b in batch:
                 if ev.is_packet(b):

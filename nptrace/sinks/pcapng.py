@@ -2,8 +2,9 @@
 cause, Service and hint as each packet's comment, for Wireshark, tshark or `tcpdump -r FILE -nn`.
 
 Real bytes where the event is a packet: with --pcap, `run` compiles bpf/npt_packet.h, which
-copies the first --snaplen bytes (128 by default) of the packet the event is about, as the
-kernel had it at that hook (the dropped SYN at skb:kfree_skb, the packet an ICMP error is
+copies the first bytes of the packet the event is about (--snaplen N: N; the default `headers`:
+config.HEADERS_SNAPLEN, then cut where its headers end, sinks/snap.py), as the kernel had it
+at that hook (the dropped SYN at skb:kfree_skb, the packet an ICMP error is
 about at icmp:icmp_send, the RST, the retransmitted SYN or the asymmetric SYN-ACK at tc), into
 a record that follows the event (events.Packet). The tracer hands those to on_packet(); each
 incident's events that have bytes become one Enhanced Packet Block each, with the original

@@ -207,7 +207,9 @@ def test_dump_bpf_prints_runs_cflags_without_btf(monkeypatch):
     assert "-DNPT_FILTER_SVC=0" in flags
     r = CliRunner().invoke(main_group, ["dump-bpf", "--service", "default/web", "--record", "d"])
     flags = next(l for l in r.output.splitlines() if l.startswith("/* cflags: ")).split()
-    assert "-DNPT_FILTER_SVC=1" in flags and "-DNPT_SNAPLEN=128" in flags   # as run compiles
+    # as run compiles; --snaplen headers (the default) copies HEADERS_SNAPLEN, cut per packet
+    from nptrace.config import HEADERS_SNAPLEN
+    assert "-DNPT_FILTER_SVC=1" in flags and f"-DNPT_SNAPLEN={HEADERS_SNAPLEN}" in flags
     assert "npt_svc_wanted" in r.output
 
 
@@ -270,7 +272,9 @@ def test_format_1_sessions_still_read_and_replay_w_reconstructs(tmp_path):
     assert data != ETH + SYN and pcapng.RECONSTRUCTED.encode() in opts[pcapng.OPT_COMMENT][0]
 
 
-def test_the_tracer_hands_packet_records_to_the_session_too():
+def tracer_taking_packets(cfg: Config):
+    """A Tracer with what _take_packets uses: cfg, a session recorder and a pcap sink that
+    keep what they are handed (the raw records, the decoded packets)."""
     from nptrace.daemon.tracer import Tracer
     got, seen = [], []
 
@@ -282,7 +286,13 @@ def test_the_tracer_hands_packet_records_to_the_session_too():
         def on_packet(self, p):
             seen.append(p)
     t = Tracer.__new__(Tracer)
+    t.cfg = cfg
     t.recorders, t.sinks = [Rec()], [Pcap()]
+    return t, got, seen
+
+
+def test_the_tracer_hands_packet_records_to_the_session_too():
+    t, got, seen = tracer_taking_packets(Config(snaplen=128))
     raw, pkt = drop_and_packet()
     assert t._take_packets([raw, pkt]) == [raw]
     assert got == [pkt] and [p.data for p in seen] == [ETH + SYN]
@@ -290,6 +300,9 @@ def test_the_tracer_hands_packet_records_to_the_session_too():
 
 def test_record_takes_packet_bytes_too():
     from nptrace.cli import pcap_snaplen
+    from nptrace.config import HEADERS_SNAPLEN
     assert pcap_snaplen(None, 128, None, None) == 0
     assert pcap_snaplen(None, 96, None, None, record="/var/lib/nptrace") == 96
     assert pcap_snaplen("x.pcapng", 128, None, None) == 128
+    assert pcap_snaplen(None, "headers", None, None, record="d") == HEADERS_SNAPLEN
+    assert pcap_snaplen(None, "headers", None, None) == 0
