@@ -124,6 +124,18 @@ def _run_options(fn):
         click.option("--metrics-addr", type=MetricsAddr(), metavar="[HOST:]PORT",
                      help="Serve Prometheus metrics; a bare PORT binds 127.0.0.1 (binding "
                           "elsewhere must be explicit)."),
+        click.option("--metrics-tls-cert", metavar="FILE",
+                     help="Serve --metrics-addr over TLS with this PEM certificate (chain); "
+                          "read again when it changes."),
+        click.option("--metrics-tls-key", metavar="FILE",
+                     help="The private key of --metrics-tls-cert (PEM)."),
+        click.option("--metrics-client-ca", metavar="FILE",
+                     help="With --metrics-tls-*: only clients with a certificate this CA (PEM) "
+                          "signed may connect; use a CA of nptrace's own, not the cluster's."),
+        click.option("--health-addr", type=MetricsAddr(), metavar="[HOST:]PORT",
+                     help="Also serve /healthz, /readyz and /livez, and nothing else, as plain "
+                          "HTTP here (the kubelet's probes when --metrics-addr is TLS); a bare "
+                          "PORT binds 127.0.0.1."),
         click.option("--metrics-final-scrape", type=Seconds(least=0), default=0,
                      metavar="SECONDS",
                      help="At stop, keep serving the final counts until one more scrape, at "
@@ -190,7 +202,8 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 @one_line_errors
 def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
-        metrics_final_scrape, node_name, snaplen, pcap_mb, pcap_files, **filters):
+        metrics_final_scrape, node_name, snaplen, pcap_mb, pcap_files, metrics_tls_cert, metrics_tls_key,
+        metrics_client_ca, health_addr, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -204,12 +217,15 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
 
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
+    from nptrace.sinks.tls import tls_files
+    tls = tls_files(metrics_tls_cert, metrics_tls_key, metrics_client_ca, metrics_addr)
     from nptrace.node.identity import node_name as _node_name
     node, _how = _node_name(node_name)    # said in the tracer's "attached" line
     outputs = Outputs(record_dir=record_dir, record_max_file_bytes=record_max_file_mb << 20,
                       record_max_age_s=float(record_max_age),
                       record_max_total_bytes=record_max_total_mb << 20,
-                      metrics_addr=metrics_addr, metrics_final_scrape_s=metrics_final_scrape,
+                      metrics_addr=metrics_addr, metrics_tls=tls, health_addr=health_addr,
+                      metrics_final_scrape_s=metrics_final_scrape,
                       pcap=pcap, pcap_max_file_bytes=(pcap_mb or 0) * 1_000_000, pcap_max_files=pcap_files or 0,
                       node=node)
     from nptrace.sinks.fmt import output_mode
@@ -250,7 +266,8 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
 def dump_bpf(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate,
              max_burst, collapse, nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb,
              record_max_age, record_max_total_mb, metrics_addr, pcap, snaplen, pcap_mb,
-             pcap_files, **filters):
+             pcap_files, metrics_tls_cert, metrics_tls_key, metrics_client_ca, health_addr,
+             **filters):
     """Print the BPF source and cflags `run` would compile with the same options (no root
     needed: without root the tracepoints count as present, and where the kernel's BTF is not
     readable the -DNPT_OFF_* offsets are left out, said in the output)."""

@@ -50,7 +50,7 @@ class Tracer:
         self.status_every = 10.0       # seconds between status lines on stderr (0: none)
         self.reader = None
         self.outputs = outputs or Outputs()
-        self.metrics = self.metrics_server = self.health = None
+        self.metrics = self.metrics_server = self.probe_server = self.health = None
         self.plan = None               # kernel/attach.py Plan: what start() attaches
         self.nf_links = None           # netfilter-hook links (kernel/nfhook.py)
         self.knowledge = None          # node knowledge (node/knowledge.py), without a context
@@ -337,6 +337,7 @@ class Tracer:
                       "ifaces": [str(i) for i in self.cfg.ifaces], "kprobes": plan.kprobes},
             counters=lambda: (self.probes.counts(), self.probes.stats()), log=log)
         self.metrics, self.metrics_server = opened.metrics, opened.metrics_server
+        self.probe_server = opened.probe_server
         self.health = opened.health
         self.recorder = opened.recorder
         if self.recorder is not None:
@@ -573,6 +574,7 @@ class Tracer:
         steps += [(f"sink {type(sk).__name__}", sk.close) for sk in self.sinks
                   if sk not in self.recorders]
         steps += [("metrics server", closer("metrics_server")),
+                  ("probe server", closer("probe_server")),
                   ("instance lock", self.lock.release)]
         # an output failing again as it closes (a full disk) is said once, as the run's error
         out_errors: list[OSError] = []

@@ -1,5 +1,6 @@
 """The metrics endpoint with health that means something: /metrics, /healthz (= /readyz) and
-/livez on the one --metrics-addr port, for the DaemonSet's probes and a unit's checks.
+/livez on the --metrics-addr port, for the DaemonSet's probes and a unit's checks; with
+--health-addr, /healthz, /readyz and /livez alone on a second, plain port as well.
 
   /healthz, /readyz  200 only once every probe is attached and the main loop turned within
                      LIVENESS_S; 503 with the reason before (compiling) and after (stuck).
@@ -17,6 +18,12 @@ deadlines, an 8 KiB request cap), the health paths answered on its thread while 
 on its worker, and one registry read reused for SCRAPE_TTL_S (MetricsCache). Model: the
 Kubernetes components' /livez, /readyz, /healthz.
 
+The probe listener (serve_probes, --health-addr) exists for the DaemonSet, whose metrics port
+is TLS with client certificates (sinks/tls.py): the kubelet's httpGet probes present no client
+certificate, so they are answered on a plain port that serves the health paths and nothing
+else (/metrics there is 404). It has its own loop thread and connection cap, and no scrape
+worker: a flood on one port does not take the other's connections.
+
 Also here, pure: probe_states(), the nptrace_probe_up{probe} table: 1 for each attached hook,
 0 for every hook of the hook table that is not (missing on this kernel, refused, failed),
 tc ones per --iface included.
@@ -32,8 +39,9 @@ from nptrace.config import parse_metrics_addr
 from nptrace.errors import NptraceError
 from nptrace.sinks import httpd
 
-__all__ = ["Health", "HealthServer", "MetricsCache", "Scrapes", "build_info_collector",
-           "health_answer", "probe_states", "serve"]
+__all__ = ["Health", "HealthServer", "MetricsCache", "ProbeServer", "Scrapes",
+           "build_info_collector", "health_answer", "probe_answer", "probe_states", "serve",
+           "serve_probes"]
 
 # Seconds without a main-loop turn after which the tracer is not live: the unit's WatchdogSec.
 LIVENESS_S = float(os.environ.get("NPTRACE_LIVENESS_S", "30"))
@@ -228,13 +236,22 @@ def health_answer(health: Health | None, req: httpd.Request) -> httpd.Answer | N
     return httpd.Answer(200 if ok else 503, f"{'ok' if ok else 'unhealthy'}: {why}\n".encode())
 
 
+def probe_answer(health: Health | None, req: httpd.Request) -> httpd.Answer:
+    """The probe listener's routes: the health paths, and 404 for everything else, /metrics
+    included (metrics are served on --metrics-addr only)."""
+    if _route(req.path) not in HEALTH_PATHS:
+        return httpd.Answer(404, b"not found: /healthz, /readyz, /livez (metrics are served on "
+                                 b"--metrics-addr)\n")
+    return health_answer(health, req)
+
+
 class HealthServer:
     """The metrics and health server: url, port, host, close, stats (sinks/httpd.py)."""
 
     def __init__(self, server: httpd.Server | None, host: str, port: int, scrapes: Scrapes,
-                 cache: MetricsCache):
+                 cache: MetricsCache, tls: bool = False):
         self.server, self.host, self.port = server, host, port
-        self.scrapes, self.cache = scrapes, cache
+        self.scrapes, self.cache, self.tls = scrapes, cache, tls
 
     @property
     def stats(self):
@@ -249,8 +266,7 @@ class HealthServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return _url("https" if self.tls else "http", self.host, self.port, "/metrics")
 
     def close(self) -> None:
         if self.server is not None:
@@ -258,11 +274,52 @@ class HealthServer:
             self.server = None
 
 
-def serve(addr: str, registry, health: Health | None = None, *,
-          limits: httpd.Limits = httpd.Limits(), ttl: float = SCRAPE_TTL_S) -> HealthServer:
-    """Serve /metrics and the health paths (sinks/httpd.py: one loop thread, one scrape
-    worker, bounded connections); port 0 picks a free port."""
+class ProbeServer:
+    """The probe listener (serve_probes): url, port, host, close, stats."""
+
+    def __init__(self, server: httpd.Server | None, host: str, port: int):
+        self.server, self.host, self.port = server, host, port
+
+    @property
+    def stats(self):
+        return self.server.stats if self.server is not None else {}
+
+    @property
+    def url(self) -> str:
+        return _url("http", self.host, self.port, "/healthz")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _url(scheme: str, host: str, port: int, path: str) -> str:
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
+def _bind(addr: str, flag: str, what: str):
+    """(host, the listening socket) of addr, or NptraceError in one line."""
     host, port = parse_metrics_addr(addr)
+    try:
+        return host, httpd.bind(host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise NptraceError(f"{what} address {addr} in use: stop the other exporter or "
+                               f"choose another {flag}") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise NptraceError(f"{what} address {addr}: no such local address") from None
+        raise NptraceError(f"cannot serve {what} on {addr}: {e.strerror or e}") from None
+    except (ValueError, UnicodeError) as e:   # unresolvable host name
+        raise NptraceError(f"bad {what} address {addr!r}: {e}") from None
+
+
+def serve(addr: str, registry, health: Health | None = None, *,
+          limits: httpd.Limits = httpd.Limits(), ttl: float = SCRAPE_TTL_S,
+          tls=None) -> HealthServer:
+    """Serve /metrics and the health paths (sinks/httpd.py: one loop thread, one scrape
+    worker, bounded connections); port 0 picks a free port. tls: a sinks/tls.py ServerTls
+    (HTTPS, with client certificates where it has a client CA), None: plain HTTP."""
     scrapes = Scrapes()
     cache = MetricsCache(registry, scrapes, ttl)
 
@@ -270,16 +327,16 @@ def serve(addr: str, registry, health: Health | None = None, *,
         code, body, ctype, seq = cache.answer(req.headers.get("accept", ""))
         return httpd.Answer(code, body, ctype,
                             (lambda: scrapes.served(seq)) if code == 200 else None)
-    try:
-        sock = httpd.bind(host, port)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise NptraceError(f"metrics address {addr} in use: stop the other exporter or "
-                               "choose another --metrics-addr") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise NptraceError(f"metrics address {addr}: no such local address") from None
-        raise NptraceError(f"cannot serve metrics on {addr}: {e.strerror or e}") from None
-    except (ValueError, UnicodeError) as e:   # unresolvable host name
-        raise NptraceError(f"bad metrics address {addr!r}: {e}") from None
-    server = httpd.Server(sock, lambda req: health_answer(health, req), metrics, limits).start()
-    return HealthServer(server, host, sock.getsockname()[1], scrapes, cache)
+    host, sock = _bind(addr, "--metrics-addr", "metrics")
+    server = httpd.Server(sock, lambda req: health_answer(health, req), metrics, limits,
+                          tls=tls.context if tls is not None else None).start()
+    return HealthServer(server, host, sock.getsockname()[1], scrapes, cache, tls is not None)
+
+
+def serve_probes(addr: str, health: Health | None, *,
+                 limits: httpd.Limits = httpd.Limits()) -> ProbeServer:
+    """Serve /healthz, /readyz and /livez alone, plain HTTP, on addr (--health-addr): the
+    kubelet's probes where /metrics is TLS. One loop thread, no scrape worker."""
+    host, sock = _bind(addr, "--health-addr", "health")
+    server = httpd.Server(sock, lambda req: probe_answer(health, req), None, limits).start()
+    return ProbeServer(server, host, sock.getsockname()[1])

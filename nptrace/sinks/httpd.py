@@ -20,7 +20,14 @@ that limit. Here a connection costs a socket and at most `max_request` bytes, an
                       is not ready by then gets 503, a client that does not read is closed.
 
 A fast route (health) is answered on the loop's thread, so it answers while a slow one (a
-scrape walking per-CPU kernel maps) runs on the worker. A connection that the client aborts,
+scrape walking per-CPU kernel maps) runs on the worker; a server with no slow route (the
+probe listener, --health-addr) starts no worker.
+
+With `tls` (sinks/tls.py: the SSLContext of --metrics-tls-*), each accepted connection does
+its TLS handshake inside the same loop, non-blocking, within the same request_s deadline as
+its request: a client that presents no certificate the client CA signed fails the handshake
+and is closed (`tls_refused`) before any HTTP is read, and a stalled handshake costs what a
+stalled request does. A connection that the client aborts,
 resets or never finishes is closed and counted in `stats`; nothing is printed for it (the
 stderr of the tracer is its status lines). Every answer closes its connection
 (`Connection: close`), as http.server's HTTP/1.0 default does; Prometheus reconnects.
@@ -35,6 +42,7 @@ import errno
 import queue
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -72,7 +80,8 @@ _ACCEPTS_PER_TURN = 256
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "deadline", "out", "head", "waiting", "on_sent", "reading")
+    __slots__ = ("sock", "buf", "deadline", "out", "head", "waiting", "on_sent", "reading",
+                 "handshake", "events")
 
     def __init__(self, sock: socket.socket, deadline: float):
         self.sock = sock
@@ -83,6 +92,8 @@ class _Conn:
         self.waiting = False         # handed to the worker
         self.on_sent = None
         self.reading = True          # still receiving its request
+        self.handshake = False       # TLS handshake still under way
+        self.events = selectors.EVENT_READ   # what the selector watches it for
 
 
 def parse_request(head: bytes) -> Request | int:
@@ -108,13 +119,17 @@ def parse_request(head: bytes) -> Request | int:
 
 class Server:
     """Serves `fast(request)` on the loop's thread (None: not a fast path) and `slow(request)`
-    on the worker, on the bound listening socket `sock`. start(), close(), stats."""
+    on the worker, on the bound listening socket `sock`. start(), close(), stats.
+    slow=None: no worker, and what fast() does not answer is 404. tls: a function giving the
+    SSLContext for the next connection (sinks/tls.py ServerTls.context), None: plain HTTP."""
 
     def __init__(self, sock: socket.socket, fast: Callable[[Request], Answer | None],
-                 slow: Callable[[Request], Answer], limits: Limits = Limits(),
-                 clock: Callable[[], float] = time.monotonic):
+                 slow: Callable[[Request], Answer] | None, limits: Limits = Limits(),
+                 clock: Callable[[], float] = time.monotonic,
+                 tls: Callable[[], ssl.SSLContext] | None = None):
         self.lsock = sock
         self.fast, self.slow, self.limits, self.clock = fast, slow, limits, clock
+        self.tls = tls
         self.stats: collections.Counter = collections.Counter()
         self._conns: dict[int, _Conn] = {}          # fd -> connection, oldest first
         self._sel = selectors.DefaultSelector()
@@ -137,7 +152,10 @@ class Server:
     def start(self) -> "Server":
         self._sel.register(self.lsock, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        for target, name in ((self._loop, "nptrace-http"), (self._work, "nptrace-scrape")):
+        threads = [(self._loop, "nptrace-http")]
+        if self.slow is not None:
+            threads.append((self._work, "nptrace-scrape"))
+        for target, name in threads:
             t = threading.Thread(target=target, name=name, daemon=True)
             try:
                 t.start()
@@ -214,7 +232,9 @@ class Server:
                 if c.sock.fileno() == -1:
                     continue
                 try:
-                    if c.reading:
+                    if c.handshake:
+                        self._handshake(c)
+                    elif c.reading:
                         self._read(c)
                     elif c.out:
                         self._write(c)
@@ -252,7 +272,18 @@ class Server:
                 _close(sock)
                 continue
             sock.setblocking(False)
+            handshake = False
+            if self.tls is not None:
+                try:
+                    sock = self.tls().wrap_socket(sock, server_side=True,
+                                                  do_handshake_on_connect=False)
+                except (OSError, ValueError):     # gone before it could be wrapped
+                    self.stats["aborted"] += 1
+                    _close(sock)
+                    continue
+                handshake = True
             c = _Conn(sock, self.clock() + self.limits.request_s)
+            c.handshake = handshake
             self._conns[sock.fileno()] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
 
@@ -265,17 +296,54 @@ class Server:
                 return True
         return False
 
-    def _io(self, c: _Conn, op, arg):
-        """op(arg) on c's socket (recv, send): its result, or None when it would block or
-        the client is gone (then counted as aborted and closed)."""
+    def _watch(self, c: _Conn, events: int) -> None:
+        if c.events != events:
+            self._sel.modify(c.sock, events, c)
+            c.events = events
+
+    def _io(self, c: _Conn, op, arg, events: int = selectors.EVENT_READ):
+        """op(arg) on c's socket (recv, send; `events`: what it waits for): its result, or
+        None when it would block or the client is gone (then counted as aborted and closed).
+        TLS may want the other direction first (a key update): it is watched for that, and
+        for `events` again once op went through."""
         try:
-            return op(arg)
+            out = op(arg)
+        except ssl.SSLWantReadError:
+            self._watch(c, selectors.EVENT_READ)
+            return None
+        except ssl.SSLWantWriteError:
+            self._watch(c, selectors.EVENT_WRITE)
+            return None
         except (BlockingIOError, InterruptedError):
             return None
-        except OSError:            # reset, broken pipe: that client's loss
+        except OSError:            # reset, broken pipe, a TLS alert: that client's loss
             self.stats["aborted"] += 1
             self._drop(c)
             return None
+        self._watch(c, events)
+        return out
+
+    def _handshake(self, c: _Conn) -> None:
+        """One step of c's TLS handshake; once it is done, its request is read."""
+        try:
+            c.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(c, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._watch(c, selectors.EVENT_WRITE)
+            return
+        except ssl.SSLError:       # no certificate, one the CA did not sign, not TLS at all
+            self.stats["tls_refused"] += 1
+            self._drop(c)
+            return
+        except OSError:            # reset mid-handshake
+            self.stats["aborted"] += 1
+            self._drop(c)
+            return
+        c.handshake = False
+        self._watch(c, selectors.EVENT_READ)
+        self._read(c)              # the request may have come with the handshake's last flight
 
     def _read(self, c: _Conn) -> None:
         data = self._io(c, c.sock.recv, _READ)
@@ -286,6 +354,16 @@ class Server:
             self._drop(c)
             return
         c.buf += data
+        # TLS: what is left of a record already read from the socket is in the SSL object,
+        # and the selector will not say so
+        pending = getattr(c.sock, "pending", None)
+        while pending is not None and len(c.buf) <= self.limits.max_request and pending():
+            more = self._io(c, c.sock.recv, _READ)
+            if not more:
+                break
+            c.buf += more
+        if c.sock.fileno() == -1:
+            return
         end = c.buf.find(b"\r\n\r\n")
         cut = 4
         if end < 0:
@@ -312,6 +390,9 @@ class Server:
             ans = Answer(500, f"{type(e).__name__}: {e}\n".encode())
         if ans is not None:
             self._reply(c, ans)
+            return
+        if self.slow is None:
+            self._reply(c, Answer(404, b"not found\n"))
             return
         if self._jobs.qsize() >= self.limits.max_conns:
             # the worker is stuck (a collector that never returns): queued requests of
@@ -348,11 +429,14 @@ class Server:
             self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
         except KeyError:         # unwatched while the worker answered
             self._sel.register(c.sock, selectors.EVENT_WRITE, c)
+        c.events = selectors.EVENT_WRITE
         self._write(c)
 
     def _write(self, c: _Conn) -> None:
         while c.out:
-            n = self._io(c, c.sock.send, c.out[0])
+            # TLS without partial writes: a send that would block is retried with the same
+            # buffer, which OpenSSL requires (SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER lets it move)
+            n = self._io(c, c.sock.send, c.out[0], selectors.EVENT_WRITE)
             if n is None:
                 return
             if n < len(c.out[0]):
@@ -389,7 +473,7 @@ class Server:
             except (KeyError, ValueError):
                 pass
             self._conns.pop(fd, None)
-        c.waiting = c.reading = False
+        c.waiting = c.reading = c.handshake = False
         c.out.clear()
         _close(c.sock)
 
