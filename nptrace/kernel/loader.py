@@ -20,6 +20,7 @@ import ctypes as ct
 import enum
 import mmap
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,22 @@ from nptrace.kernel.compilelog import map_failure
 from nptrace.kernel.hooks import KPROBE_GROUPS, TRACEPOINTS
 from nptrace.reasons import SOURCE_DROPS, ReasonTable, interesting_drops
 
-BPF_DIR = Path(os.environ.get("NPTRACE_BPF_DIR", Path(__file__).resolve().parents[2] / "bpf"))
+
+def bpf_dir(env: str | None = os.environ.get("NPTRACE_BPF_DIR"),
+            checkout: Path = Path(__file__).resolve().parents[2] / "bpf",
+            prefix: str = sys.prefix) -> Path:
+    """Where the BPF C sources are: NPTRACE_BPF_DIR (the image sets it); else the checkout's
+    bpf/ beside the package (`make setup`'s editable install); else the installed copy in the
+    prefix of a non-editable install (scripts/install.sh: /opt/nptrace/share/nptrace/bpf)."""
+    if env:
+        return Path(env)
+    installed = Path(prefix) / "share/nptrace/bpf"
+    if not checkout.is_dir() and installed.is_dir():
+        return installed
+    return checkout
+
+
+BPF_DIR = bpf_dir()
 # Hook families in load order; each file gates its programs with its own -DNPT_* switches.
 FAMILIES = ("npt_common.h", "npt_packet.h", "tracepoints.bpf.c", "tc.bpf.c", "nf_hook.bpf.c",
             "kprobes.bpf.c")

@@ -1,5 +1,6 @@
 """deploy/: the DaemonSet against the Kubernetes schemas, the systemd unit through
-systemd-analyze, the Grafana dashboard against the metrics nptrace really exposes."""
+systemd-analyze (and the root-owned copy it runs, scripts/install.sh), the Grafana dashboard
+against the metrics nptrace really exposes."""
 import json
 import re
 import shutil
@@ -12,6 +13,7 @@ from nptrace.config import DEFAULT_METRICS_ADDR as DEFAULT_ADDR
 from nptrace.sinks.prometheus import METRIC_NAMES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SCRIPTS = DEPLOY.parent / "scripts"
 CAPS = {"BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN", "SYS_RESOURCE"}
 
 
@@ -78,7 +80,7 @@ def unit_values(key):
 
 def test_unit_runs_the_daemon_with_the_documented_flags():
     [cmd] = unit_values("ExecStart")
-    assert cmd == "/usr/local/bin/nptrace run --record /var/lib/nptrace --metrics-addr 127.0.0.1:9464"
+    assert cmd == "/opt/nptrace/bin/nptrace run --record /var/lib/nptrace --metrics-addr 127.0.0.1:9464"
     assert unit_values("Type") == ["notify"] and unit_values("Restart") == ["on-failure"]
     assert unit_values("RestartPreventExitStatus") == ["2"] and unit_values("WatchdogSec")
     assert unit_values("RuntimeDirectory") == ["nptrace"]
@@ -90,12 +92,48 @@ def test_unit_runs_the_daemon_with_the_documented_flags():
     assert not unit_values("MemoryDenyWriteExecute") and not unit_values("ProtectKernelTunables")
 
 
+def test_unit_runs_the_root_owned_copy_install_sh_makes():
+    """Not /usr/local/bin/nptrace, which `make setup` links to a checkout's editable install
+    (code its owner can change; under /tmp, hidden by PrivateTmp=): the prefix install.sh
+    fills, checked root's alone before it finishes."""
+    exe = unit_values("ExecStart")[0].split()[0]
+    script = (SCRIPTS / "install.sh").read_text()
+    [prefix] = re.findall(r"^prefix=\$\{NPTRACE_PREFIX:-(\S+)\}$", script, re.M)
+    assert exe == f"{prefix}/bin/nptrace" and not exe.startswith(("/tmp", "/home", "/usr/local"))
+    assert unit_values("PrivateTmp") == ["yes"]
+    # the checks that make it root's: every folder above, every file in it
+    assert 'check_parents "$prefix"' in script and "-perm /022" in script
+    assert "--require-hashes" in script and "--no-build-isolation" in script
+
+
+def test_an_installed_copy_finds_its_bpf_sources(tmp_path):
+    """A non-editable install has no checkout beside its package: the loader takes the BPF
+    sources install.sh puts in the prefix (PREFIX/share/nptrace/bpf)."""
+    from nptrace.kernel.loader import bpf_dir
+    checkout = DEPLOY.parent / "bpf"
+    installed = tmp_path / "share/nptrace/bpf"
+    installed.mkdir(parents=True)
+    assert bpf_dir(None, checkout, str(tmp_path)) == checkout            # make setup's
+    site = tmp_path / "lib/python3.11/site-packages/bpf"                 # none beside the package
+    assert bpf_dir(None, site, str(tmp_path)) == installed
+    assert bpf_dir("/opt/img/bpf", site, str(tmp_path)) == Path("/opt/img/bpf")   # the image's
+
+
+@pytest.mark.parametrize("script", ["install.sh", "metrics-certs.sh"])
+def test_deploy_scripts_pass_shellcheck(script):
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed (Debian package `shellcheck`)")
+    r = subprocess.run(["shellcheck", str(SCRIPTS / script)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     text = unit_text()
-    exe = "/usr/local/bin/nptrace"
+    exe = unit_values("ExecStart")[0].split()[0]
     if not Path(exe).exists():
-        # verify insists the executable exists; scripts/setup.sh links it, a bare checkout may not.
+        # verify insists the executable exists; scripts/install.sh makes it, a bare checkout may not.
         text = text.replace(exe, shutil.which("true") or "/bin/true")
     unit = tmp_path / "nptrace.service"
     unit.write_text(text)
@@ -179,13 +217,14 @@ def test_image_python_dependencies_are_pinned_with_hashes():
     assert "--require-hashes" in (DEPLOY / "Containerfile").read_text()
 
 
-def test_daemonset_may_watch_pods_and_endpointslices_only():
+def test_daemonset_may_watch_pods_services_and_endpointslices_only():
     by_kind = {d["kind"]: d for d in docs()}
     sa = by_kind["ServiceAccount"]["metadata"]
     assert daemonset()["spec"]["template"]["spec"]["serviceAccountName"] == sa["name"]
     rules = {(g, r): set(rule["verbs"]) for rule in by_kind["ClusterRole"]["rules"]
              for g in rule["apiGroups"] for r in rule["resources"]}
     assert rules == {("", "pods"): {"get", "list", "watch"},
+                     ("", "services"): {"get", "list", "watch"},    # IPVS Service names
                      ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}}
     b = by_kind["ClusterRoleBinding"]
     assert b["roleRef"]["name"] == by_kind["ClusterRole"]["metadata"]["name"]
