@@ -9,7 +9,10 @@ emulation cannot drift silently from the manifest.
 
     spec = load(Path("deploy/daemonset.yaml"))
     argv = podman_run_args(spec, image, downward={"status.hostIP": "127.0.0.1", "spec.nodeName": "n1"},
-                             name="npt")
+                             name="npt", secrets={"nptrace-metrics-tls": Path("certs")})
+
+A Secret volume is a folder the caller made with the Secret's keys as files (what the kubelet
+writes), given by the Secret's name in `secrets`, mounted read-only.
 
 Pure apart from `prepare_host_paths` (creates DirectoryOrCreate paths as the kubelet does).
 """
@@ -119,7 +122,7 @@ def security_args(spec: PodSpec) -> list[str]:
     return out
 
 
-def mount_args(spec: PodSpec, scratch: Path) -> list[str]:
+def mount_args(spec: PodSpec, scratch: Path, secrets: dict | None = None) -> list[str]:
     out: list[str] = []
     for m in spec.container.get("volumeMounts", []):
         vol = spec.volumes.get(m["name"])
@@ -142,8 +145,14 @@ def mount_args(spec: PodSpec, scratch: Path) -> list[str]:
             else:   # the kubelet makes a node directory per pod volume
                 d = scratch / m["name"]
                 out += ["--volume", f"{d}:{m['mountPath']}:rw"]
+        elif "secret" in vol:
+            name = vol["secret"]["secretName"]
+            if name not in (secrets or {}):
+                raise SpecError(f"volume {m['name']}: Secret {name}: give a folder of its files "
+                                "(secrets=)")
+            out += ["--volume", f"{secrets[name]}:{m['mountPath']}:ro,rprivate"]
         else:
-            raise SpecError(f"volume {m['name']}: only hostPath and emptyDir are translated")
+            raise SpecError(f"volume {m['name']}: only hostPath, emptyDir and secret are translated")
     return out
 
 
@@ -163,7 +172,7 @@ def prepare_host_paths(spec: PodSpec, scratch: Path) -> None:
 
 
 def podman_run_args(spec: PodSpec, image: str, downward: dict[str, str], name: str,
-                    scratch: Path = Path("/var/tmp")) -> list[str]:
+                    scratch: Path = Path("/var/tmp"), secrets: dict | None = None) -> list[str]:
     pod = spec.pod
     unknown = set(pod) - IGNORED_POD
     if unknown:
@@ -179,7 +188,7 @@ def podman_run_args(spec: PodSpec, image: str, downward: dict[str, str], name: s
     if pod.get("hostIPC"):
         argv.append("--ipc=host")
     argv += security_args(spec)
-    argv += mount_args(spec, scratch)
+    argv += mount_args(spec, scratch, secrets)
     env = environment(spec, downward)
     for k, v in env.items():
         argv += ["--env", f"{k}={v}"]

@@ -52,6 +52,9 @@ NOT_EMULATED = {
     "StateDirectoryMode": "applied with StateDirectory", "RuntimeDirectoryMode":
     "applied with RuntimeDirectory", "RuntimeDirectoryPreserve": "the directory is kept",
     "CacheDirectoryMode": "applied with CacheDirectory",
+    "TasksMax": "no cgroup manager (the pids controller)",
+    "IPAddressAllow": "systemd's cgroup BPF firewall: systemd as the cgroup manager, cgroup v2",
+    "IPAddressDeny": "systemd's cgroup BPF firewall: systemd as the cgroup manager, cgroup v2",
     "Description": "", "After": "", "Wants": "", "WantedBy": "",
 }
 HANDLED = {"Type", "ExecStart", "ProtectSystem", "ReadWritePaths", "StateDirectory", "CacheDirectory",
