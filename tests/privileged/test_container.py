@@ -1,9 +1,12 @@
 """The image built from deploy/Containerfile, run as deploy/daemonset.yaml says: host network
 and PID namespaces, its securityContext (capabilities dropped to the listed ones, read-only
-root, no privilege escalation, seccomp), its volumes with their propagation, its environment
-and args. The podman command line is derived from the manifest (nptrace/lab/daemonset.py),
-not retyped. From inside, it traces a lab reset in the host's namespaces and its metrics
-endpoint counts it; a SIGKILLed container's clsact filters are removed by the next start.
+root, no privilege escalation, the runtime's default seccomp profile), its volumes with their
+propagation (the metrics Secret's files from a folder scripts/metrics-certs.sh filled), its
+environment and args. The podman command line is derived from the manifest
+(nptrace/lab/daemonset.py), not retyped. From inside, it traces a lab reset in the host's
+namespaces and its HTTPS metrics endpoint counts it for a client with the certificate (and
+refuses one without); the kubelet's probes are answered on the plain health port; a SIGKILLed
+container's clsact filters are removed by the next start.
 
 The image is built by scripts/build-image.sh, which caches the debootstrapped base and skips
 the build when nothing changed (about 1 s warm). Departures from what a kubelet does, all
@@ -17,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,10 +28,12 @@ import pytest
 
 from nptrace.lab import daemonset
 
+import promscrape   # tests/promscrape.py: the certificates, Prometheus's side of the TLS
+
 pytestmark = [pytest.mark.privileged, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = f"npt-ct{os.getpid() % 10000}-"
-NODE_IP = "127.0.0.1"      # status.hostIP: the metrics endpoint binds $(NODE_IP):9464
+NODE_IP = "127.0.0.1"      # status.hostIP: metrics on $(NODE_IP):9464, probes on $(NODE_IP):9465
 
 
 def _run(argv, timeout=120, check=True):
@@ -57,6 +63,12 @@ def node_args(image):
 @pytest.fixture
 def spec():
     return daemonset.load(ROOT / "deploy/daemonset.yaml")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """The Secret nptrace-metrics-tls as the kubelet writes it: its keys as files."""
+    return promscrape.make_certs(tmp_path_factory.mktemp("metrics-tls"))
 
 
 class Container:
@@ -90,7 +102,7 @@ class Container:
 
 
 @pytest.fixture
-def start(image, node_args, spec, tmp_path):
+def start(image, node_args, spec, tmp_path, certs):
     made = []
     sessions = tmp_path / "sessions"   # the sessions hostPath, moved off the real node path
 
@@ -101,7 +113,8 @@ def start(image, node_args, spec, tmp_path):
         daemonset.prepare_host_paths(spec, tmp_path)
         argv = daemonset.podman_run_args(spec, image, {"status.hostIP": NODE_IP,
                                                        "spec.nodeName": socket.gethostname()},
-                                         name=name, scratch=tmp_path)
+                                         name=name, scratch=tmp_path,
+                                         secrets={"nptrace-metrics-tls": certs})
         # node facts (runtime, rlimits) after `podman`; detached; extra nptrace args at the end
         argv = argv[:1] + node_args[:2] + argv[1:2] + ["--detach"] + node_args[2:] + argv[2:]
         argv += list(extra_args)
@@ -126,9 +139,11 @@ def lab_up():
         lab.down(name, prefix=PREFIX)
 
 
-def scrape(addr=f"http://{NODE_IP}:9464/metrics") -> str:
-    with urllib.request.urlopen(addr, timeout=5) as r:
-        return r.read().decode()
+def scrape(certs: Path) -> str:
+    """/metrics as Prometheus gets it: HTTPS, the client certificate, the name checked."""
+    code, body = promscrape.https_get(9464, promscrape.client_context(certs, certs), host=NODE_IP)
+    assert code == 200, (code, body)
+    return body
 
 
 def sample(text: str, name: str, **labels) -> float:
@@ -142,7 +157,7 @@ def sample(text: str, name: str, **labels) -> float:
     return total
 
 
-def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
+def test_container_traces_a_lab_reset_and_exports_it(start, lab_up, certs):
     info = lab_up("no-listener")
     c = start()
     logs = c.wait_attached()
@@ -151,16 +166,22 @@ def test_container_traces_a_lab_reset_and_exports_it(start, lab_up):
     assert attempts and all(a.outcome == "refused" for a in attempts)
     end, got = time.monotonic() + 15, 0.0
     while time.monotonic() < end:
-        got = sample(scrape(), "nptrace_resets_total", cause="no_listener", direction="sent")
+        got = sample(scrape(certs), "nptrace_resets_total", cause="no_listener", direction="sent")
         if got >= len(attempts):
             break
         time.sleep(0.5)
     assert got >= len(attempts), (got, c.logs()[-3000:])
-    text = scrape()
-    # the kubelet's probes (deploy/daemonset.yaml): ready once attached, live while looping
+    text = scrape(certs)
+    # the kubelet's probes (deploy/daemonset.yaml): plain HTTP on the health port, ready once
+    # attached, live while looping; no metrics there
     for path in ("/healthz", "/livez"):
-        with urllib.request.urlopen(f"http://{NODE_IP}:9464{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{NODE_IP}:9465{path}", timeout=5) as r:
             assert r.status == 200, path
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(f"http://{NODE_IP}:9465/metrics", timeout=5)
+    # a pod on the node's network without the client certificate gets no metrics
+    refused, _ = promscrape.https_get(9464, promscrape.client_context(certs), host=NODE_IP)
+    assert refused != 200
     assert sample(text, "nptrace_build_info", node=socket.gethostname()) == 1, text[-2000:]
     assert sample(text, "nptrace_probe_up", probe="skb:kfree_skb") == 1
     # the node's headers are mounted (/lib/modules) and preferred; the image's tree is there
@@ -217,7 +238,7 @@ def test_sigkilled_container_is_cleaned_up_by_the_next_start(start, lab_up):
     assert not list(Path("/run/nptrace").glob(f"tc-{second.pid() or 0}.json"))
 
 
-def test_container_without_node_headers_uses_its_own(start, lab_up, spec):
+def test_container_without_node_headers_uses_its_own(start, lab_up, spec, certs):
     """A node with no headers (COS, Bottlerocket, Talos): the DaemonSet's /lib/modules and
     /usr/src mounts removed, the image's minimal tree (deploy/Containerfile stage 1) is used.
     Also the hot path run as Python (NPTRACE_PURE=1): run says so once, and it traces alike."""
@@ -233,7 +254,7 @@ def test_container_without_node_headers_uses_its_own(start, lab_up, spec):
     attempts = lab.trigger("no-listener", count=3, prefix=PREFIX)
     end, got = time.monotonic() + 15, 0.0
     while time.monotonic() < end and got < len(attempts):
-        got = sample(scrape(), "nptrace_resets_total", cause="no_listener", direction="sent")
+        got = sample(scrape(certs), "nptrace_resets_total", cause="no_listener", direction="sent")
         time.sleep(0.5)
     assert got >= len(attempts), (got, c.logs()[-3000:])
     _run(["podman", "stop", "-t", "30", c.name], timeout=60)

@@ -1,23 +1,25 @@
 """Fleet metrics for real: Debian's Prometheus server (run directly, with a temporary config
-and storage on 127.0.0.1, not the system service) scrapes `nptrace run --metrics-addr` the way
-the DaemonSet's prometheus.io/* annotations say, during a traced lab run; every query of
-deploy/grafana-dashboard.json, with Grafana's variables substituted, returns data through the
-HTTP API, and the per-cause numbers equal `nptrace report` over the same run's session."""
+and storage on 127.0.0.1, not the system service) scrapes `nptrace run --metrics-addr` over
+HTTPS with the client certificate, with deploy/prometheus-scrape.yaml's job (its pod
+discovery replaced by a static target with the same labels: tests/promscrape.py), during a
+traced lab run; every query of deploy/grafana-dashboard.json, with Grafana's variables
+substituted, returns data through the HTTP API, and the per-cause numbers equal `nptrace
+report` over the same run's session."""
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+import promscrape   # tests/promscrape.py: the shipped scrape job, run locally
+from promscrape import query
 
 pytestmark = pytest.mark.privileged
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,19 +30,6 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 SCENARIOS = ("wrong-interface", "rp-filter-asymmetric")
 # Grafana's variables: $__rate_interval covers the whole short run; every node.
 VARS = {"$__rate_interval": "1m", "$instance": ".*"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def annotations() -> dict:
-    import yaml
-    [ds] = [d for d in yaml.safe_load_all((ROOT / "deploy/daemonset.yaml").read_text())
-            if d["kind"] == "DaemonSet"]
-    return ds["spec"]["template"]["metadata"]["annotations"]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -55,51 +44,16 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def query(base: str, q: str) -> list:
-    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': q})}"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        doc = json.load(r)
-    assert doc["status"] == "success", doc
-    return doc["data"]["result"]
-
-
 @pytest.fixture
 def prometheus(tmp_path):
     exe = shutil.which("prometheus")
     if exe is None:
         pytest.skip("Debian's prometheus is not installed (scripts/setup.sh: apt-get install prometheus)")
-    ann = annotations()
-    assert ann["prometheus.io/scrape"] == "true"
-    target = f"127.0.0.1:{ann['prometheus.io/port']}"
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps({      # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "nptrace",
-                            "metrics_path": ann.get("prometheus.io/path", "/metrics"),
-                            "static_configs": [{"targets": [target]}]}]}))
-    port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")
-    p = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/-/ready", timeout=1).close()
-                break
-            except OSError:
-                assert p.poll() is None and time.monotonic() < end, (tmp_path / "prometheus.log").read_text()
-                time.sleep(0.2)
-        yield base, target
-    finally:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
+    certs = promscrape.make_certs(tmp_path / "certs")
+    target = f"127.0.0.1:{promscrape.free_port()}"
+    job = promscrape.local_job(certs, [promscrape.pod_target(target)])
+    with promscrape.prometheus(exe, [job], tmp_path) as base:
+        yield base, target, certs
 
 
 def report_causes(sessions: Path) -> Counter:
@@ -121,7 +75,7 @@ def report_causes(sessions: Path) -> Counter:
 def test_prometheus_scrapes_a_traced_run_and_every_dashboard_query_has_data(
         prometheus, tmp_path, root_and_bcc):
     from nptrace import lab
-    base, target = prometheus
+    base, target, certs = prometheus
     sessions = tmp_path / "sessions"
     ready = tmp_path / "ready"
     ifaces, up = [], []
@@ -134,6 +88,9 @@ def test_prometheus_scrapes_a_traced_run_and_every_dashboard_query_has_data(
         # resetting with every SYN-ACK retransmission, 1, 3, 7, 15 s after the SYN: a scrape
         # before the stop misses those that come after it, and the flush's).
         p = subprocess.Popen([sys.executable, "-m", "nptrace.cli", "run", "--metrics-addr", target,
+                              "--metrics-tls-cert", str(certs / "tls.crt"),
+                              "--metrics-tls-key", str(certs / "tls.key"),
+                              "--metrics-client-ca", str(certs / "ca.crt"),
                               "--metrics-final-scrape", "10",
                               "--record", str(sessions), "--ready-file", str(ready), *ifaces],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)

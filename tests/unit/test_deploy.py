@@ -61,12 +61,123 @@ def test_daemonset_shape():
     args = c["args"]
     assert args[0] == "run" and args[args.index("--record") + 1] == "/var/lib/nptrace"
     port = int(args[args.index("--metrics-addr") + 1].rsplit(":", 1)[1])
-    [p] = c["ports"]
-    assert p["containerPort"] == port == int(DEFAULT_ADDR.rsplit(":", 1)[1])
-    probe = c["livenessProbe"]["httpGet"]
-    assert probe["path"] == "/livez" and probe["port"] in (port, p["name"])
-    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"    # sinks/health.py
+    health = int(args[args.index("--health-addr") + 1].rsplit(":", 1)[1])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": port, "health": health}
+    assert port == int(DEFAULT_ADDR.rsplit(":", 1)[1]) and health != port
+    # the kubelet's probes: the plain health port (sinks/health.py serve_probes), not the TLS one
+    for kind, path in (("livenessProbe", "/livez"), ("readinessProbe", "/healthz")):
+        probe = c[kind]["httpGet"]
+        assert probe["path"] == path and probe["port"] in ("health", health)
+        assert probe.get("scheme", "HTTP") == "HTTP"
     assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["cpu"]
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # the annotation-driven jobs speak plain HTTP without a client certificate
+    assert not any(k.startswith("prometheus.io/")
+                   for k in ds["spec"]["template"]["metadata"].get("annotations", {}))
+
+
+def test_metrics_port_is_tls_with_the_secrets_files():
+    """--metrics-tls-* name files of the Secret the pod mounts, under the keys
+    scripts/metrics-certs.sh and a cert-manager Certificate give them."""
+    pod = daemonset()["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    args = c["args"]
+    files = {flag: args[args.index(flag) + 1]
+             for flag in ("--metrics-tls-cert", "--metrics-tls-key", "--metrics-client-ca")}
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "metrics-tls"]
+    assert mount["readOnly"] is True
+    assert {str(Path(f).parent) for f in files.values()} == {mount["mountPath"]}
+    assert {Path(f).name for f in files.values()} == {"tls.crt", "tls.key", "ca.crt"}
+    [vol] = [v for v in pod["volumes"] if v["name"] == "metrics-tls"]
+    assert vol["secret"]["secretName"] == "nptrace-metrics-tls"
+    assert vol["secret"]["defaultMode"] == 0o400
+    certs = (SCRIPTS / "metrics-certs.sh").read_text()
+    assert all(f"--from-file={k}=" in certs for k in ("tls.crt", "tls.key", "ca.crt"))
+    assert "secret generic nptrace-metrics-tls" in certs
+
+
+def scrape_job():
+    import yaml
+    [job] = yaml.safe_load((DEPLOY / "prometheus-scrape.yaml").read_text())
+    return job
+
+
+def test_scrape_job_finds_the_daemonsets_metrics_port_and_checks_its_name():
+    job, ds = scrape_job(), daemonset()
+    assert job["scheme"] == "https" and job["metrics_path"] == "/metrics"
+    [sd] = job["kubernetes_sd_configs"]
+    assert sd["role"] == "pod" and sd["namespaces"]["names"] == [ds["metadata"]["namespace"]]
+    keep = job["relabel_configs"][0]
+    app = ds["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    assert keep["action"] == "keep" and keep["regex"] == f"{app};metrics"
+    # the name every node's certificate is for (metrics-certs.sh's default)
+    name = re.search(r"NPTRACE_METRICS_NAME:-([\w.-]+)", (SCRIPTS / "metrics-certs.sh").read_text())
+    assert job["tls_config"]["server_name"] == name.group(1)
+    assert {"ca_file", "cert_file", "key_file"} <= set(job["tls_config"])
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    import promscrape
+    return promscrape.make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
+def test_scrape_job_passes_promtool(certs, tmp_path):
+    """Debian's promtool knows no kubernetes_sd_configs: the job is checked with static targets
+    in their place, every other field as shipped."""
+    import promscrape
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({"scrape_configs": [
+        promscrape.local_job(certs, [promscrape.pod_target("127.0.0.1:9464")])]}))
+    r = subprocess.run(["promtool", "check", "config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (Debian: prometheus)")
+def test_prometheus_scrapes_nptrace_over_tls_with_the_shipped_job(certs, tmp_path):
+    """A real Prometheus (Go's TLS) with the shipped job scrapes nptrace's HTTPS endpoint with
+    the client certificate, checks the server name, keeps the metrics port of the pod and drops
+    its health port; the same job without a client certificate is refused."""
+    import time
+
+    import promscrape
+    from prometheus_client import CollectorRegistry, Counter
+    from nptrace.sinks import health
+    from nptrace.sinks.tls import ServerTls, TlsFiles
+    reg = CollectorRegistry()
+    Counter("npt_tls_scraped", "x", registry=reg).inc(3)
+    h = health.Health()
+    h.ready("x")
+    srv = health.serve("127.0.0.1:0", reg, h, tls=ServerTls(TlsFiles(
+        str(certs / "tls.crt"), str(certs / "tls.key"), str(certs / "ca.crt"))))
+    probes = health.serve_probes("127.0.0.1:0", h)
+    targets = [promscrape.pod_target(f"127.0.0.1:{srv.port}", "metrics"),
+               promscrape.pod_target(f"127.0.0.1:{probes.port}", "health")]
+    jobs = [promscrape.local_job(certs, targets),
+            promscrape.local_job(certs, targets[:1], client_cert=False, name="no-client-cert")]
+    try:
+        with promscrape.prometheus(shutil.which("prometheus"), jobs, tmp_path) as base:
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                up = {(s["metric"]["job"], s["metric"]["instance"]): s["value"][1]
+                      for s in promscrape.query(base, "up")}
+                got = promscrape.query(base, "npt_tls_scraped_total")
+                if got and ("no-client-cert", f"127.0.0.1:{srv.port}") in up:
+                    break
+                time.sleep(0.5)
+    finally:
+        srv.close()
+        probes.close()
+    assert up == {("nptrace", f"127.0.0.1:{srv.port}"): "1",
+                  ("no-client-cert", f"127.0.0.1:{srv.port}"): "0"}, up
+    [sample] = got
+    assert sample["value"][1] == "3" and sample["metric"]["node"] == "node-a"
+    assert sample["metric"]["job"] == "nptrace"
 
 
 def unit_text():
@@ -87,6 +198,11 @@ def test_unit_runs_the_daemon_with_the_documented_flags():
     [caps] = unit_values("CapabilityBoundingSet")
     assert set(caps.split()) == {"CAP_" + c for c in CAPS}
     assert unit_values("ProtectSystem") == ["strict"]
+    # what a runaway (a thread leak, a child per event) may take of the node, and who may
+    # reach the metrics port: the node itself (systemd's cgroup BPF firewall)
+    assert unit_values("TasksMax") == ["256"]
+    assert unit_values("IPAddressDeny") == ["any"] and unit_values("IPAddressAllow") == ["localhost"]
+    assert cmd.split("--metrics-addr ")[1].startswith("127.0.0.1:")
     assert "/var/lib/nptrace" in unit_values("ReadWritePaths")
     # Hardening known to break the tracer stays off (see the unit's comments).
     assert not unit_values("MemoryDenyWriteExecute") and not unit_values("ProtectKernelTunables")

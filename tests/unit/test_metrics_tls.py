@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import ssl
-import subprocess
 import threading
 import time
 import urllib.error
@@ -24,16 +22,15 @@ from nptrace.sinks import health, httpd
 from nptrace.sinks.outputs import metrics_line
 from nptrace.sinks.tls import ServerTls, TlsFiles, server_context, tls_files
 
-ROOT = Path(__file__).resolve().parents[2]
+import promscrape   # tests/promscrape.py: the certificates and Prometheus's side of the TLS
+
 FAST = httpd.Limits(max_conns=16, request_s=1.0, max_request=8 << 10, response_s=2.0)
 
 
 def make_certs(d: Path) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed (apt-get install openssl)")
-    subprocess.run([str(ROOT / "scripts/metrics-certs.sh"), str(d)], check=True,
-                   capture_output=True, timeout=60)
-    return d
+    return promscrape.make_certs(d)
 
 
 @pytest.fixture(scope="module")
@@ -51,32 +48,8 @@ def files(d: Path, ca: bool = True) -> TlsFiles:
     return TlsFiles(str(d / "tls.crt"), str(d / "tls.key"), str(d / "ca.crt") if ca else None)
 
 
-def client(certs: Path, cert_dir: Path | None) -> ssl.SSLContext:
-    """Prometheus's side: trusts nptrace's CA, checks the server name nptrace-metrics (as
-    deploy/prometheus-scrape.yaml's tls_config.server_name), presents cert_dir's client.crt."""
-    ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-    if cert_dir is not None:
-        ctx.load_cert_chain(str(cert_dir / "client.crt"), str(cert_dir / "client.key"))
-    return ctx
-
-
-def scrape(port: int, ctx: ssl.SSLContext, path: str = "/metrics", timeout: float = 5.0):
-    """(status, body) over TLS to 127.0.0.1:port with server name nptrace-metrics; the
-    exception's type name when the connection is refused."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw, \
-                ctx.wrap_socket(raw, server_hostname="nptrace-metrics") as s:
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: nptrace-metrics\r\n\r\n".encode())
-            got = b""
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
-    except (ssl.SSLError, OSError) as e:
-        return type(e).__name__, str(e)
-    head, _, body = got.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode()
+client = promscrape.client_context
+scrape = promscrape.https_get
 
 
 def get(url: str):
