@@ -8,6 +8,11 @@ DEMO    ?= no-listener
 setup:
 	bash scripts/setup.sh
 
+## A root-owned, non-editable copy in /opt/nptrace for the systemd unit (scripts/install.sh)
+.PHONY: install
+install:
+	bash scripts/install.sh
+
 ## The README's first command: set up, then trace a lab scenario and print its labeled events.
 demo: setup
 	$(PY) -m nptrace.lab.demo $(DEMO)
