@@ -193,6 +193,9 @@ def up(name: str, backend: str | None = None, prefix: str | None = None, variant
         raise
     info = _info(spec, backend, prefix)
     info.env = real_lab.kube_env(state)
+    if real:
+        cfg = real_lab.kubeconfig_path(state)
+        info.try_.insert(0, f"KUBECONFIG={cfg} {Path(real_lab.release_bin(state)) / 'kubectl'} get pods,svc,endpointslices -A -o wide")
     return info
 
 
@@ -204,6 +207,11 @@ def check_real(spec: Spec, backend: str) -> None:
     dual-stack forms and the 2,000-Service scale stay on the generated tier)."""
     if backend not in REAL_BACKENDS:
         raise UsageError(f"the real tier runs kube-proxy in {', '.join(REAL_BACKENDS)} mode, not {backend}")
+    if (spec.variant or "") not in model.get(spec.name).real:
+        forms = [f or "the scenario itself" for f in model.get(spec.name).real]
+        raise UsageError(f"scenario {spec.name}" + (f" variant {spec.variant}" if spec.variant else "")
+                         + " stays on the generated tier (kube-proxy does not make its fault)"
+                         + (f"; the real tier runs: {', '.join(forms)}" if forms else ""))
     if spec.ipv6:
         raise UsageError(f"scenario {spec.name}: the real tier is IPv4 only; its dual-stack form is generated")
     if any(s.namespace == "scale" for s in spec.services):

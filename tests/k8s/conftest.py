@@ -56,9 +56,11 @@ def cluster(tmp_path_factory):
     plan = Plan(slot=7, dir=tmp_path_factory.mktemp("k8s"))
     pids: list[int] = []
     try:
+        controlplane.link_up(plan, [])      # the bridge the API server listens on
         api = controlplane.start(plan, rel, "10.96.0.0/16", pids.append,
                                  apiserver_extra=("--watch-cache=false",))
         yield Cluster(plan, api, rel)
     finally:
         controlplane.stop(pids)
         _kill_all(str(plan.dir))
+        controlplane.link_down(plan.slot)

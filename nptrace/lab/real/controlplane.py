@@ -60,7 +60,9 @@ class Plan:
 
     @property
     def local_server(self) -> str:
-        return f"https://127.0.0.1:{self.api_port}"
+        """The root namespace's way in: the bridge's address, where alone the server listens
+        (not every address of the machine)."""
+        return self.server
 
 
 def _sh(argv, input=None, check=True):
@@ -71,7 +73,8 @@ def _sh(argv, input=None, check=True):
 
 
 def link_up(plan: Plan, node_ns: list[str]) -> None:
-    """The management bridge in the root namespace and a veth from it into each node."""
+    """The management bridge in the root namespace (the API server listens on its address
+    only) and a veth from it into each node."""
     br = plan.bridge
     _sh(["ip", "link", "add", br, "type", "bridge"])
     _sh(["ip", "addr", "add", f"{plan.host_ip}/24", "dev", br])
@@ -134,7 +137,7 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: 
     on_pid(etcd.pid)
     apiserver = _spawn([
         binary(rel, "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{plan.etcd_port}",
-        "--bind-address=0.0.0.0", f"--secure-port={plan.api_port}", f"--advertise-address={plan.host_ip}",
+        f"--bind-address={plan.host_ip}", f"--secure-port={plan.api_port}", f"--advertise-address={plan.host_ip}",
         f"--service-cluster-ip-range={service_cidr}", "--service-node-port-range=30000-32767",
         f"--client-ca-file={pki.ca}", f"--tls-cert-file={pki.cert('apiserver')}",
         f"--tls-private-key-file={pki.key('apiserver')}",
@@ -146,6 +149,7 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: 
     (plan.dir / "kube-apiserver.argv").write_text(json.dumps(apiserver.args))
     on_pid(apiserver.pid)
     api = admin_api(plan)
+    write_kubeconfig(plan, pki, "admin")    # for kubectl: KUBECONFIG=<lab dir>/admin.kubeconfig
     _wait(api.ready, "kube-apiserver /readyz", [etcd, apiserver], logs)
     kcm = _spawn([
         binary(rel, "kube-controller-manager"),

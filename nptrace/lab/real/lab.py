@@ -162,6 +162,15 @@ def kube_env(state: dict) -> dict[str, str]:
             "NPTRACE_KUBE_CA": str(controlplane.pki_of(plan).ca)}
 
 
+def release_bin(state: dict) -> str:
+    return state["real"]["bin"]
+
+
+def kubeconfig_path(state: dict) -> Path | None:
+    """The lab's admin kubeconfig (kubectl with it sees and changes everything)."""
+    return plan_of(state).dir / "admin.kubeconfig" if state.get("real") else None
+
+
 def node_sysctls_again(spec: Spec, node: str, netns_name: str) -> None:
     """kube-proxy writes conntrack sysctls when it starts (nf_conntrack_tcp_timeout_established
     to its 24 h default, close_wait to 1 h): the node's own netfilter values are applied again
