@@ -121,3 +121,20 @@ def test_kube_proxy_argv_refuses_legacy():
     rel = releases.Release("current", "v1.36.3", ("kube-proxy",))
     with pytest.raises(LabError, match="not iptables-legacy"):
         kubeproxy.argv(rel, "/k", "node1", "iptables-legacy", "10.244.0.0/16")
+
+
+def test_yardstick_table_keeps_rows_it_did_not_measure(tmp_path):
+    from nptrace.lab.real import yardstick as y
+    guest = y.Row("v1.36.3", "ipvs", "6.1.0-50-amd64", "no-listener", "lab", "no_listener", 10, 10, 10, 10, 10)
+    page = tmp_path / "k8s.md"
+    page.write_text("# prose\n")
+    y.write_table(page, y.markdown([guest], "aaa"))
+    host = y.Row("v1.36.3", "nft", "6.18", "no-listener", "lab", "no_listener", 10, 10, 9, 10, 12)
+    y.write_table(page, y.markdown([host], "bbb", y.read_table(page)))
+    text = page.read_text()
+    assert text.startswith("# prose\n") and text.count(y.BEGIN) == 1
+    assert "| v1.36.3 | ipvs | 6.1.0-50-amd64 | no-listener |" in text and " aaa |" in text
+    assert "| 90% |" in text and " bbb |" in text and "FAIL" in text
+    again = y.Row("v1.36.3", "ipvs", "6.1.0-50-amd64", "no-listener", "lab", "no_listener", 10, 10, 10, 10, 10)
+    y.write_table(page, y.markdown([again], "ccc", y.read_table(page)))
+    assert page.read_text().count("| ipvs |") == 1 and " aaa |" not in page.read_text()

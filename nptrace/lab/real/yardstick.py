@@ -142,12 +142,20 @@ def run_case(rel: releases.Release, mode: str, form: str, name: str, variant: st
     return row
 
 
-def markdown(rows: list[Row], commit: str) -> str:
+def markdown(rows: list[Row], commit: str, earlier: str = "") -> str:
+    """The table of ``rows``, each dated with ``commit``; rows of ``earlier`` (the table as it
+    was) for a release, mode, kernel, scenario and form this run did not measure are kept,
+    with their own date and commit (a guest's IPVS rows take an hour under TCG)."""
     day = datetime.date.today().isoformat()
-    lines = [f"Measured {day} on commit {commit} (`make test-k8s`).", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    new = {tuple(r.cells()[:5]): "| " + " | ".join([*r.cells(), f"{day} {commit}"]) + " |" for r in rows}
+    kept = []
+    for line in earlier.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(HEADER) + 1 and cells[0] not in ("release", "---") \
+                and tuple(cells[:5]) not in new:
+            kept.append(line)
+    lines = ["| " + " | ".join([*HEADER, "measured"]) + " |", "|" + "---|" * (len(HEADER) + 1)]
+    return "\n".join(lines + list(new.values()) + kept) + "\n"
 
 
 def _commit() -> str:
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
     if a.rows_json:
         a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     if a.markdown:
-        write_table(a.markdown, markdown(rows, _commit()))
+        write_table(a.markdown, markdown(rows, _commit(), read_table(a.markdown)))
     bad = [r for r in rows if not r.ok]
     print(f"yardstick: {len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0
@@ -241,6 +249,11 @@ def guest_rows(kernel: str, a) -> list[Row]:
 
 
 BEGIN, END = "<!-- real-tier table: begin -->", "<!-- real-tier table: end -->"
+
+
+def read_table(path: Path) -> str:
+    text = path.read_text() if path.exists() else ""
+    return text.partition(BEGIN)[2].partition(END)[0]
 
 
 def write_table(path: Path, table: str) -> None:
