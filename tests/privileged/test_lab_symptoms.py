@@ -134,10 +134,10 @@ def test_cli_round_trip():
 
 def test_failed_up_leaves_nothing(monkeypatch):
     from nptrace.lab import hostplan, runner
-    real = hostplan.host_steps
+    planned = hostplan.host_steps
 
-    def broken(spec, host, backend):
-        steps = real(spec, host, backend)
+    def broken(spec, host, backend, real=False):
+        steps = planned(spec, host, backend, real)
         if host == "node2":  # after node1 and the fabric exist
             steps.append(hostplan.Step("run", ("ip", "route", "add", "10.99.0.0/16", "via", "203.0.113.77")))
         return steps

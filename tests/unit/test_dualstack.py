@@ -69,8 +69,8 @@ def test_dual_stack_spec(name):
 def test_steps_get_their_ipv6_twins():
     """A held-connection scenario's commands reach the IPv6 side too: the neighbour flush of
     the dead address is followed by its twin's, a neighbour sysctl gets its IPv6 key."""
-    assert model.get("rollout-in-flight").variants == ("address-reused", "at-once", "at-once-scale", "ipv6",
-                                                       "address-reused+ipv6")
+    assert model.get("rollout-in-flight").variants == ("across-nodes", "address-reused", "at-once",
+                                                       "at-once-scale", "ipv6", "address-reused+ipv6")
     runs = [st["argv"] for st in model.compile_spec("rollout-in-flight", "ipv6").steps if st["kind"] == "run"]
     assert runs == [["sysctl", "-qw", "net.ipv4.neigh.cni0.retrans_time_ms=250",
                      "net.ipv6.neigh.cni0.retrans_time_ms=250"],
