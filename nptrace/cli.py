@@ -198,17 +198,12 @@ def build_config(ifaces, ports, hosts, ring_pages) -> Config:
 
 @main_group.command()
 @_run_options
-@click.option("--unknown-drops", is_flag=True, show_envvar=True,
-              help="Also report drops no rule explains (cause unknown) that come with no reset, "
-                   "no SYN and no retransmitted SYN (a duplicate segment's TCP_OLD_SEQUENCE on "
-                   "loopback): by default they are only counted (nptrace_drops_total "
-                   "cause=\"unknown\", and the stop line).")
 @filter_options(offline=False)
 @one_line_errors
 def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts, ring_pages, max_rate, max_burst, collapse,
         nft_trace, tc_mode, ready_file, record_dir, record_max_file_mb, record_max_age, record_max_total_mb, metrics_addr, pcap,
         metrics_final_scrape, node_name, snaplen, pcap_mb, pcap_files, metrics_tls_cert, metrics_tls_key,
-        metrics_client_ca, health_addr, unknown_drops, **filters):
+        metrics_client_ca, health_addr, **filters):
     """Trace resets and drops and print each with its cause.
 
     \b
@@ -222,7 +217,6 @@ def run(as_json, output, local, no_names, count, duration, ifaces, ports, hosts,
 
     cfg = run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace, tc_mode,
                      pcap, snaplen, pcap_mb, pcap_files, record_dir)
-    cfg = dataclasses.replace(cfg, unknown_drops=unknown_drops)
     from nptrace.sinks.tls import tls_files
     tls = tls_files(metrics_tls_cert, metrics_tls_key, metrics_client_ca, metrics_addr)
     from nptrace.node.identity import node_name as _node_name

@@ -70,8 +70,6 @@ class Config:
     nf_hook: bool = True               # netfilter-hook view of NATed SYNs (Linux 6.4+)
     tc_mode: str = "auto"              # --iface programs: tcx links, clsact filters, or auto
     nft_trace: bool = True             # nf_tables tracing of dropped flows (nftrace_live.py)
-    # report unexplained drops no failed connection comes with (Context.report_unknown_drops)
-    unknown_drops: bool = False
     kprobes: bool = False              # enrichment kprobes (set where the kernel has them)
     tracepoints: tuple[str, ...] | None = None   # "cat/name"s; None: every one in kernel/hooks.py
     snaplen: int = 0                   # packet bytes copied per event for --pcap (0: none)

@@ -6,9 +6,7 @@ plain lookups built by the caller, so the same code runs live and over recorded 
 
   verdict.py    the vocabulary (CAUSES, PRIORITY, KIND, ...), Labeled, Evidence, Verdict, Context
   rules.py      one rule function per cause with its hint; RULES (ordered), applies_to
-  correlate.py  flows across NAT, interfaces and namespaces; Classifier, classify(); an incident
-                is a connection: its later events join it
-  incident.py   an incident's lines: Incident (its id and counts), the Verdict made of it
+  correlate.py  flows across NAT, interfaces and namespaces; Classifier, classify()
   labelmemo.py  an event's own label kept by the values its rules read (the storm's hot path)
 
 Add a cause by adding a rule function to rules.RULES and its name to verdict.PRIORITY.

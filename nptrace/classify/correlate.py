@@ -13,14 +13,6 @@ before its tcp_send_reset tracepoint fires) and then reported as ONE incident: t
 own label ranks highest in PRIORITY is the primary, its cause labels the incident, every other
 event is evidence. Add a cause by adding a rule function to RULES and its name to PRIORITY.
 
-An incident is a connection. Once reported, the flow stays joinable for `window_ns` after its
-last event (130 s: TCP's longest silence between two retransmissions, see Context): its later
-events (SYN and data retransmissions, its own resets, the same drop again) are gathered the
-same way and JOIN the incident (Incident.events) without a line, unless they show a cause or a
-place (network namespace and interface) the incident had not shown: then a continuation line
-with the same incident id. A SYN with another initial sequence number on the same tuple is a
-new connection (a reused client port): the old incident ends there and a new one begins.
-
 `feed_many(events)` is the live loop's batch entry (the same verdicts as `feed` on each event,
 concatenated): a reset storm is ~all new one-record flows, and per event it skips the `tick`
 that cannot report anything (see Classifier). This module is one of those setup.py compiles
@@ -32,21 +24,18 @@ from collections import OrderedDict
 from typing import Iterable, Iterator
 
 from nptrace import names
-from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, TCP_ACK, TCP_RST, TCP_SYN, CtTuples, Event
+from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
 
 from .flowkey import flow_key, flow_keys, nat_mapping, nat_peer_tuple  # noqa: F401 (flow_keys: the package's)
-from .incident import (DIRECTIONS, Incident, fill_hint, make_verdict, one_verdict, pods_of,
-                       service_of, set_natmap)
+from .incident import DIRECTIONS, fill_hint, make_verdict, one_verdict, pods_of, service_of, set_natmap
 from .labelmemo import LabelMemo
 from .rules import rules_for, run_rules
-from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_NF_VIEW, T_RST_RECV,
-                      T_RST_SENT, T_SYN_RETX, T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, Context,
-                      Labeled, Verdict, reason_name)
+from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
+                      T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, Context, Labeled,
+                      Verdict, reason_name)
 
 
 _NAT = IPS_DST_NAT | IPS_SRC_NAT
-_SAR = TCP_SYN | TCP_ACK | TCP_RST
-_SA = TCP_SYN | TCP_ACK
 
 
 _tuple_new = tuple.__new__
@@ -55,8 +44,7 @@ _tuple_new = tuple.__new__
 class Flow:
     """One connection's correlation state. __slots__ and a key list, not a set: the classifier
     keeps up to max_flows of these (a set of one key alone is 216 bytes)."""
-    __slots__ = ("keys", "pending", "extra", "first_ns", "last_ns", "root", "strong", "nat",
-                 "inc", "isn", "shown")
+    __slots__ = ("keys", "pending", "extra", "first_ns", "last_ns", "root", "strong", "nat")
 
     def __init__(self):
         self.keys: list = []          # direction-free tuples naming this connection
@@ -67,10 +55,6 @@ class Flow:
         self.root: Labeled | None = None   # the cause an earlier incident named
         self.strong = False           # the open incident has a non-weak label
         self.nat: CtTuples | None = None   # the NAT mapping the kernel's NAT map gave (nat_mapping)
-        self.inc: Incident | None = None   # the connection's incident, once reported
-        self.isn = 0                  # the client's initial sequence number, 0 until seen
-        # causes and places the incident's lines and joined events showed (<= MAX_SHOWN)
-        self.shown: tuple = ()
 
 
 # Events an open incident keeps as evidence; later ones are counted (memory stays bounded by
@@ -78,9 +62,6 @@ class Flow:
 MAX_KEPT = 32
 # Keys one flow answers to (see Classifier._add_key): NAT gives three; more is churn.
 MAX_KEYS = 8
-# Causes and places an incident remembers having shown (a continuation line names a new one);
-# past this, a further place is not remembered (a churn of interfaces must not grow a flow).
-MAX_SHOWN = 16
 
 
 class Classifier:
@@ -108,11 +89,6 @@ class Classifier:
         self.memo: LabelMemo | None = LabelMemo() if memo_labels else None
         self._due_ns = _NEVER_VALID            # tick before any event at or after this time
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
-        self._ids: dict[int, int] = {}         # incident ids given, by first event time
-        # incidents of unexplained drops only, and their events: counted, not reported
-        # (Context.report_unknown_drops)
-        self.unreported = 0
-        self.unreported_events = 0
 
     # -- correlation state -------------------------------------------------------------
     def _flow_of(self, keys: list) -> tuple[Flow, bool]:
@@ -164,12 +140,6 @@ class Classifier:
             into.nat = other.nat
         if other.root is not None and (into.root is None or other.root.ev.ts_ns < into.root.ev.ts_ns):
             into.root = other.root
-        if into.inc is None:                 # one connection: the incident already reported
-            into.inc = other.inc
-        if other.shown:
-            into.shown = _shown(into.shown, other.shown)
-        if not into.isn:
-            into.isn = other.isn
         for k in other.keys:
             if k not in into.keys:
                 self._add_key(into, k)
@@ -273,18 +243,6 @@ class Classifier:
             elif c.orig_dport:
                 keys = [k0, flow_key(c.orig_src, c.orig_sport, c.orig_dst, c.orig_dport),
                         flow_key(c.reply_src, c.reply_sport, c.reply_dst, c.reply_dport)]
-            # The client's initial sequence number where the event shows it: a SYN's own
-            # sequence number (a dropped, retransmitted or ICMP-quoted SYN, the SYN a reset
-            # answers), or a reset's acknowledgment of a SYN less one (_ISN_AT: where the
-            # flags are). Another one on a known connection's tuple is a new connection (a
-            # reused client port).
-            at_flags = _ISN_AT.get(t)
-            if at_flags is None:
-                isn = 0
-            elif at_flags:
-                isn = ev[20] if ev[at_flags] & _SAR == TCP_SYN else 0
-            else:                                # a reset on the wire: its acknowledgment
-                isn = (ev[21] - 1) & 0xFFFFFFFF if not ev[20] and ev[21] and ev[14] & TCP_ACK else 0
             if keys is not None:
                 flow, existed = self._flow_of(keys)
                 known = flow if existed else None
@@ -298,20 +256,11 @@ class Classifier:
                 flow.last_ns = 0
                 flow.root = None
                 flow.nat = None
-                flow.inc = None
-                flow.isn = isn
-                flow.shown = ()
                 kmap[k0] = flow
                 flows[flow] = flow
-                isn = 0                          # noted
             else:
                 flow = known
                 flows.move_to_end(known)
-            if isn:
-                if not flow.isn:
-                    flow.isn = isn
-                elif flow.isn != isn and known is not None:
-                    self._new_connection(flow, isn, out)
             if t == T_DROP:                      # reason_name, inlined
                 rname = drop_name(ev[7])
             elif t == T_RST_SENT:
@@ -390,18 +339,6 @@ class Classifier:
                 self._due_ns = _NEVER_VALID
         return out
 
-    def _new_connection(self, flow: Flow, isn: int, out: list) -> None:
-        """Another connection on `flow`'s tuple (another initial sequence number): the old
-        one's open incident is reported now and its incident ends; what follows is the new
-        connection's, with nothing of the old one's (root cause, incident, places)."""
-        if flow.pending:
-            self._emit(flow, out)
-        flow.inc = None
-        flow.root = None
-        flow.shown = ()
-        flow.isn = isn
-        self._due_ns = _NEVER_VALID              # a queue's head may have gone
-
     def _horizon(self) -> None:
         """Note the queues' heads and the earliest event time at which tick can act on them:
         a strong head quiet for hold_ns, a weak head open for max_hold_ns, a reported flows
@@ -436,15 +373,9 @@ class Classifier:
             flow = popitem(False)[0]         # the oldest, out of flows in the same call
             pending = flow.pending
             if pending:
-                if len(pending) == 1 and flow.root is None and flow.inc is None \
-                        and pending[0][2] is not None and (pending[0][2] != "unknown"
-                                                           or ctx.report_unknown_drops):
-                    # a storm's flow: _report's case
-                    p0 = pending[0]
-                    n = 1 + flow.extra
-                    out.append(one_verdict(p0, n, ctx, flow.nat,
-                                           Incident(self._new_id(p0[0][0]), p0[2], n,
-                                                    flow.last_ns)))
+                if len(pending) == 1 and flow.root is None:    # a storm's flow: _report's case
+                    if pending[0][2] is not None:
+                        out.append(one_verdict(pending[0], 1 + flow.extra, ctx, flow.nat))
                 else:
                     v = self._report(flow, False)
                     if v is not None:
@@ -506,10 +437,7 @@ class Classifier:
 
     # -- reporting ---------------------------------------------------------------------
     def _report(self, flow: Flow, keep_root: bool = True) -> Verdict | None:
-        """The flow's open incident as a Verdict: the connection's first line, or a
-        continuation line when it shows a cause or a place its incident had not; None when it
-        has no cause, when it only joins the incident reported (counted in Incident.events),
-        or when it is an unexplained drop only (counted in `unreported`). keep_root=False
+        """The flow's open incident as a Verdict (None if it has no cause). keep_root=False
         when the flow is forgotten right after (evicted): its root cause is then never read."""
         pending, flow.pending = flow.pending, []
         extra, flow.extra = flow.extra, 0
@@ -517,24 +445,14 @@ class Classifier:
         self.strong.pop(flow, None)
         if self.weak:
             self.weak.pop(flow, None)
-        inc = flow.inc
         if len(pending) == 1:                    # a flow of one record: most of a storm
             primary = pending[0]
             if primary.cause is None:
                 return None                      # evidence only: nothing went wrong here
-            if flow.root is None and inc is None:
-                cause = primary.cause
-                if cause == "unknown" and not self.ctx.report_unknown_drops \
-                        and _unexplained_drops(pending):
-                    self.unreported += 1
-                    self.unreported_events += 1 + extra
-                    return None
-                if keep_root and cause not in WEAK_CAUSES:
+            if flow.root is None:
+                if keep_root and primary.cause not in WEAK_CAUSES:
                     flow.root = _rootless(primary)
-                ev = primary[0]
-                flow.inc = inc = Incident(self._new_id(ev[0]), cause, 1 + extra, flow.last_ns)
-                flow.shown = (cause, (ev[6], ev[5]))
-                return one_verdict(primary, 1 + extra, self.ctx, flow.nat, inc)
+                return one_verdict(primary, 1 + extra, self.ctx, flow.nat)
         else:
             # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
             # the first of equals), in one pass without a key call per event
@@ -555,33 +473,10 @@ class Classifier:
             cause, conf, hint = root.cause, root.confidence, root.hint
         else:
             cause, conf, hint = primary.cause, primary.confidence, primary.hint
-            if inc is None and cause == "unknown" and not self.ctx.report_unknown_drops \
-                    and _unexplained_drops(pending):
-                self.unreported += 1
-                self.unreported_events += len(pending) + extra
-                return None
             if keep_root and cause not in WEAK_CAUSES:
                 # kept for window_ns: without its raw record (an incident never prints it)
                 flow.root = _rootless(primary)
         ev = primary.ev
-        n = len(pending) + extra
-        shown = flow.shown
-        if inc is not None:
-            # A later part of a connection already reported: it joins the incident, on a
-            # line of its own only when it shows something new (a cause, or a place: the
-            # network namespace and interface of its primary event).
-            inc.events += n
-            if flow.last_ns > inc.last_ns:
-                inc.last_ns = flow.last_ns
-            new_cause = cause not in shown
-            new_place = (ev.netns, ev.ifindex) not in shown
-            flow.shown = _shown(shown, _places(pending, cause))
-            if not new_cause and not new_place:
-                return None
-            line = (inc, inc.events)             # a continuation line
-        else:
-            flow.inc = line = inc = Incident(self._new_id(flow.first_ns), cause, n, flow.last_ns)
-            flow.shown = _shown(shown, _places(pending, cause))
         ctx = self.ctx
         if ctx.at is not None:
             ctx.at(ev.ts_ns)
@@ -628,55 +523,10 @@ class Classifier:
         nat = flow.nat
         v = make_verdict(ev, KIND.get(t, "drop"), DIRECTIONS.get(t), HOOKS[ev.hook],
                           primary.rname, cause, conf, hint, iface, service, ordered,
-                          n, ctx, pods_of(ev, ordered, ctx, nat), line)
+                          len(pending) + extra, ctx, pods_of(ev, ordered, ctx, nat))
         if nat is not None:
             set_natmap(v, nat)
         return v
-
-    def _new_id(self, first_ns: int) -> str:
-        """An incident's id: the time of its connection's first event, hex nanoseconds, and
-        `.N` for the N-th other incident whose connection began in the same nanosecond (two
-        CPUs' records). Ids are remembered for the flows' window; bounded."""
-        ids = self._ids
-        n = ids.get(first_ns)
-        if n is None:
-            if len(ids) >= _MAX_IDS:
-                old = self.now_ns - self.ctx.window_ns - self.ctx.max_hold_ns
-                for k in [k for k in ids if k < old]:
-                    del ids[k]
-                if len(ids) >= _MAX_IDS:
-                    ids.clear()
-            ids[first_ns] = 1
-            return "%x" % first_ns
-        ids[first_ns] = n + 1
-        return "%x.%d" % (first_ns, n)
-
-
-def _shown(shown: tuple, more) -> tuple:
-    """shown with the items of more it lacks, at most MAX_SHOWN in all."""
-    for x in more:
-        if len(shown) >= MAX_SHOWN:
-            break
-        if x not in shown:
-            shown = shown + (x,)
-    return shown
-
-
-def _places(pending: list, cause: str) -> list:
-    """The incident's cause and the places (netns, ifindex) of its labeled events."""
-    return [cause] + [(l[0][6], l[0][5]) for l in pending if l[2] is not None]
-
-
-def _unexplained_drops(pending: list) -> bool:
-    """Drops only, none of a SYN (a connection's first packet lost is a failed connection),
-    and none a rule explained: nothing ties them to a failed connection (a duplicate
-    segment's TCP_OLD_SEQUENCE on loopback). A reset, an ICMP error, a retransmitted SYN or
-    SYN-ACK has another type."""
-    for l in pending:
-        ev = l[0]
-        if ev[1] != T_DROP or ev[14] & _SA == TCP_SYN or (l[2] is not None and l[2] != "unknown"):
-            return False
-    return True
 
 
 def _rules_of(cache: dict, t: int, rname: str) -> list:
@@ -704,11 +554,6 @@ _TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
 _NO_ROOTS: dict = {}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
-# Event types that can show the client's initial sequence number -> the Event index of the TCP
-# flags that say it is about a SYN (tcpflags: the packet's own; aux: the packet a sent reset
-# answers); 0: a reset on the wire, whose acknowledgment of a SYN gives it.
-_ISN_AT = {T_DROP: 14, T_SYN_RETX: 14, T_ICMP: 14, T_NF_VIEW: 14, T_RST_SENT: 18, T_WIRE_RST: 0}
-_MAX_IDS = 1 << 16
 DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
 

@@ -304,8 +304,6 @@ class StopAfter:
         self.left, self.tracer = int(n), tracer
 
     def write(self, v) -> None:
-        if getattr(v, "continues", False):
-            return            # a later line of a connection counted already
         self.left -= 1
         if self.left <= 0:
             self.tracer.stop_requested = True

@@ -12,32 +12,10 @@ DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded
 _object_new = object.__new__
 
 
-class Incident:
-    """One connection's incident, shared by every line of it (Verdict.tally) and kept by its
-    flow while the connection can still add events (Classifier, correlate.py). Here, in a
-    compiled module: a storm makes one per record.
-
-    `id` names the connection: the kernel time of its first event in hex nanoseconds
-    (CLOCK_MONOTONIC, so the same in `replay` as live), `.N` appended when another incident
-    began in the same nanosecond. `cause` is its first line's cause (a connection counts under
-    it, in every count; a continuation line names a new one on that line); `events`
-    counts every kernel event joined, on a line or not; `last_ns` is the time of the last
-    event joined (the events' clock). They keep growing after a line is written: a reader
-    that sums them (report, the summary at exit) reads them once the input has ended."""
-    __slots__ = ("id", "cause", "events", "last_ns")
-
-    def __init__(self, id: str, cause: str, events: int, last_ns: int):
-        self.id, self.cause, self.events, self.last_ns = id, cause, events, last_ns
-
-    def __repr__(self) -> str:
-        return f"Incident({self.id!r}, {self.cause!r}, events={self.events})"
-
-
-def one_verdict(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None,
-                inc: Incident | None = None) -> "Verdict":
+def one_verdict(primary: Labeled, events: int, ctx: Context, nat: CtTuples | None = None) -> "Verdict":
     """Classifier._report of a one-record incident without an earlier root cause (most of a
     storm): the same Verdict and the same lookups in the same order, service_of and pods_of
-    inlined where the event has no conntrack entry. `inc`: the connection's Incident."""
+    inlined where the event has no conntrack entry."""
     ev = primary[0]
     if ctx.at is not None:
         ctx.at(ev[0])                                             # ts_ns
@@ -64,7 +42,7 @@ def one_verdict(primary: Labeled, events: int, ctx: Context, nat: CtTuples | Non
     else:
         pods = pods_of(ev, ordered, ctx, nat)
     v = make_verdict(ev, KIND.get(t, "drop"), DIRECTIONS.get(t), HOOKS[ev[2]], primary[1],
-                      primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods, inc)
+                      primary[2], primary[3], hint, iface, service, ordered, events, ctx, pods)
     if nat is not None:
         set_natmap(v, nat)
     return v
@@ -107,20 +85,18 @@ def pods_of(ev: Event, labeled, ctx: Context, natmap: CtTuples | None = None) ->
 
 
 _VERDICT_FIELDS = ("event", "kind", "direction", "hook", "reason", "cause", "confidence",
-                   "hint", "iface", "service", "labeled", "events", "ctx", "pods", "natmap",
-                   "inc")
+                   "hint", "iface", "service", "labeled", "events", "ctx", "pods", "natmap")
 # Verdict's slots' setters (member descriptors): frozen, its own __setattr__ refuses
 (_SET_EVENT, _SET_KIND, _SET_DIRECTION, _SET_HOOK, _SET_REASON, _SET_CAUSE, _SET_CONFIDENCE,
  _SET_HINT, _SET_IFACE, _SET_SERVICE, _SET_LABELED, _SET_EVENTS, _SET_CTX, _SET_PODS,
- set_natmap, _SET_INC) = (Verdict.__dict__[f].__set__ for f in _VERDICT_FIELDS)
+ set_natmap) = (Verdict.__dict__[f].__set__ for f in _VERDICT_FIELDS)
 
 
 def make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, iface,
-                     service, labeled, events, ctx, pods=None, inc=None) -> "Verdict":
+                     service, labeled, events, ctx, pods=None) -> "Verdict":
     """Verdict(...) without the frozen dataclass's per-field object.__setattr__ (1.3 us of a
     storm's per-incident budget): the same instance, each slot set by its descriptor (natmap
-    None: the caller sets a NAT map). `inc` is Verdict.inc: the connection's Incident on its
-    first line, (Incident, joined) on a continuation line."""
+    None: the caller sets a NAT map)."""
     v = _object_new(Verdict)
     _SET_EVENT(v, event)
     _SET_KIND(v, kind)
@@ -137,7 +113,6 @@ def make_verdict(event, kind, direction, hook, reason, cause, confidence, hint, 
     _SET_CTX(v, ctx)
     _SET_PODS(v, pods)
     set_natmap(v, None)
-    _SET_INC(v, inc)
     return v
 
 

@@ -99,36 +99,6 @@ class Verdict:
     # The connection's DNAT mapping from the kernel's NAT map (flowkey.nat_mapping), when an
     # event on another node's side of the NAT joined the flow: what `nat` falls back to.
     natmap: object = field(default=None, compare=False, repr=False)
-    # The connection's incident (classify/incident.py Incident: its id, and its count and
-    # cause as they grow after this line) on its first line; (Incident, joined) on a later
-    # line of it; None on a line no classifier made. Read it through tally, incident, joined
-    # and continues (one slot: a storm's every line is a first line).
-    inc: object = field(default=None, compare=False, repr=False)
-
-    @property
-    def tally(self):
-        """The connection's Incident, shared by its lines (None: a line no classifier made)."""
-        x = self.inc
-        return x[0] if type(x) is tuple else x
-
-    @property
-    def incident(self) -> str | None:
-        """The connection's incident id, the same on every line of it."""
-        t = self.tally
-        return t.id if t is not None else None
-
-    @property
-    def continues(self) -> bool:
-        """A later line of an incident already reported: the connection showed a new cause
-        or a new place (Classifier._report). False on its first line."""
-        return type(self.inc) is tuple
-
-    @property
-    def joined(self) -> int:
-        """Kernel events the incident had joined when this line was made, this line's
-        `events` included (a first line: its events)."""
-        x = self.inc
-        return x[1] if type(x) is tuple else self.events
 
     @property
     def nat(self):
@@ -204,20 +174,9 @@ class Context:
     at: Callable[[int], None] | None = None
     hold_ns: int = 1_000_000_000            # a flow quiet this long is reported
     max_hold_ns: int = 5_000_000_000        # ...and a weak one at the latest after this
-    # How long a reported connection stays joinable once quiet: its later events (SYN and
-    # data retransmissions, its own resets, the same drop again) join its incident, and its
-    # root cause is kept, for this long after its last event. TCP's longest silence between
-    # two packets of a connection it has not given up: a retransmission timeout backs off to
-    # TCP_RTO_MAX, 120 s (include/net/tcp.h); a SYN's retries (tcp_syn_retries 6: 1, 3, 7,
-    # 15, 31 and 63 s, given up at 127 s) stay 32 s apart at most. Bounded by max_flows.
-    window_ns: int = 130 * 1_000_000_000
-    max_flows: int = 16384                  # bound on the correlation state (~1.4 KiB a flow):
+    window_ns: int = 30 * 1_000_000_000     # how long a reported flow's root cause is kept
+    max_flows: int = 16384                  # bound on the correlation state (~1.3 KiB a flow):
     # 5 s (max_hold) of 3000 new failing flows a second; the kernel's --max-rate sends fewer
-    # Report an incident made only of drops no rule explains (`unknown`: a duplicate
-    # segment's TCP_OLD_SEQUENCE on loopback) that neither are a SYN nor come with a reset,
-    # an ICMP error or a retransmitted SYN: by default they are counted (the kernel's
-    # per-cause counts; Classifier.unreported), not reported (`run --unknown-drops`).
-    report_unknown_drops: bool = False
 
 
 def reason_name(ev: Event, ctx: Context) -> str:

@@ -179,8 +179,6 @@ class Tracer:
                                       probes=lambda: health.probe_states(
                                           TRACEPOINTS, probes.attached, self.cfg.ifaces, self.tc,
                                           plan.nf_hook))
-        if self.cfg.unknown_drops:
-            self.ctx = dataclasses.replace(self.ctx, report_unknown_drops=True)
         self.classifier = Classifier(self.ctx)
         self._watch_losses()
         if self.tc is not None:
@@ -605,11 +603,6 @@ class Tracer:
             + (f" (user-space losses: {more})" if more else ""))
         for line in stop_lines(stats, self.knowledge):
             log(line)
-        c = self.classifier
-        if c is not None and c.unreported:
-            log(f"{c.unreported} incidents of drops no rule explains ({c.unreported_events} "
-                "events), with no reset, SYN or retransmitted SYN, were counted, not reported "
-                "(--unknown-drops reports them)")
         if out_errors and not self.output_failed:
             quiet_stdout()
             raise output_error("stdout", out_errors[0]) from None

@@ -11,8 +11,7 @@ from nptrace.config import Config, IfaceSpec, parse_hosts
 
 
 class _Count:
-    """A sink that only counts incident causes (connections: a later line of one counts only
-    for a cause not counted yet) and keeps each cause's first hint."""
+    """A sink that only counts incident causes and keeps each cause's first hint."""
 
     def __init__(self):
         self.causes: Counter = Counter()
@@ -21,8 +20,6 @@ class _Count:
     def write(self, v) -> None:
         cause = getattr(v, "cause", None)
         if cause:
-            if getattr(v, "continues", False) and cause in self.causes:
-                return
             self.causes[cause] += 1
             self.hints.setdefault(cause, getattr(v, "hint", ""))
 

@@ -1,6 +1,5 @@
 """`report`: a summary of recorded sessions: by cause, by Service, by interface, top flows, a
-timeline, and the exact kernel counts with ring-buffer loss. Connections (incidents) and the
-events they joined are counted apart, and said so."""
+timeline, and the exact kernel counts with ring-buffer loss."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -52,51 +51,29 @@ def report_data(r: Replay, top: int = 10, local: bool = False, no_names: bool = 
                 problems: list | None = None) -> dict:
     """Everything the report says, as one JSON-ready document (`report -o json`); the text
     report is render_text() of it, so the two cannot disagree. Counters are ordered most
-    common first, as the text lists them; the text shows at most 20 rows of each.
-
-    Two units, never mixed: CONNECTIONS (incidents: one per connection, whatever lines it had)
-    in `by_*`, `labeled`, `top_flows` and the timeline; EVENTS (the kernel events the
-    incidents joined, with or without a line of their own) in `incident_events` and
-    `events_by_*`. A connection counts under the cause, Service, interface and node of its
-    first line, as nptrace_incidents_total does. The kernel's own counts (`kernel`,
-    `counted_not_sent`) are records."""
-    incidents: list[dict] = []
-    seen: dict = {}                  # Incident -> its row: later lines of it count no more
-    lines = 0
-    times: list[int] = []            # every line's time (first and last event)
+    common first, as the text lists them; the text shows at most 20 rows of each."""
+    by_cause: Counter = Counter()
+    by_kind: Counter = Counter()
+    by_service: Counter = Counter()
+    by_iface: Counter = Counter()
+    by_node: Counter = Counter()
+    flows: dict[tuple, Counter] = defaultdict(Counter)
     flow_texts: dict[tuple, str] = {}
+    times: list[tuple[int, str]] = []
     for it in r.items():
         v = it.verdict
         if no_names:
             v = fmt.unnamed(v)
-        lines += 1
-        times.append(it.epoch_ns)
-        t = v.tally
-        if t is not None and t in seen:
-            continue
+        by_cause[v.cause] += 1
+        by_kind[v.kind] += 1
+        by_service[v.service or "-"] += 1
+        by_iface[fmt.iface(v)] += 1
+        by_node[it.node] += 1
         fid = _flow_id(v)
+        flows[fid][v.cause] += 1
         flow_texts.setdefault(fid, flow_text(v))
-        row = {"tally": t, "cause": v.cause, "events": v.events, "kind": v.kind,
-               "service": v.service or "-", "iface": fmt.iface(v), "node": it.node,
-               "flow": fid, "t": it.epoch_ns, "offset": it.epoch_ns - v.event.ts_ns}
-        if t is not None:
-            seen[t] = row
-        incidents.append(row)
-    for row in incidents:          # the input has ended: each incident's counts are final
-        t = row.pop("tally")
-        offset = row.pop("offset")
-        if t is not None:
-            row["cause"], row["events"] = t.cause, t.events
-            # the last event it joined, on its first line's clock (joined without a line)
-            times.append(t.last_ns + offset)
+        times.append((it.epoch_ns, v.cause))
 
-    def by(key: str, events: bool = False) -> Counter:
-        c: Counter = Counter()
-        for row in incidents:
-            c[row[key]] += row["events"] if events else 1
-        return c
-
-    by_cause, by_service = by("cause"), by("service")
     runs = {h.get("run_id", h["_path"]): h for h in r.headers}
     starts = [h.get("start_ns", 0) for h in r.headers]
     times.sort()
@@ -104,41 +81,27 @@ def report_data(r: Replay, top: int = 10, local: bool = False, no_names: bool = 
         "files": len(r.headers), "runs": len(runs),
         "nodes": sorted({h.get("node", "?") for h in r.headers}),
         "recorded_from": _when(min(starts), local) if starts else None,
-        "first_event": _when(times[0], local) if times else None,
-        "last_event": _when(times[-1], local) if times else None,
-        "events": r.events,
-        # connections (incidents), the lines they were printed as, and the kernel events
-        # they joined
-        "labeled": len(incidents), "incidents": len(incidents), "lines": lines,
-        "incident_events": sum(row["events"] for row in incidents),
-        "by_kind": dict(by("kind").most_common()),
+        "first_event": _when(times[0][0], local) if times else None,
+        "last_event": _when(times[-1][0], local) if times else None,
+        "events": r.events, "labeled": sum(by_cause.values()),
+        "by_kind": dict(by_kind.most_common()),
         "by_cause": dict(by_cause.most_common()),
-        "events_by_cause": {c: n for c, n in _ordered(by("cause", True), by_cause)},
         "by_service": dict(by_service.most_common()) if any(k != "-" for k in by_service) else {},
-        "events_by_service": {c: n for c, n in _ordered(by("service", True), by_service)}
-        if any(k != "-" for k in by_service) else {},
-        "by_interface": dict(by("iface").most_common()),
-        "by_node": dict(by("node").most_common()),
+        "by_interface": dict(by_iface.most_common()),
+        "by_node": dict(by_node.most_common()),
         # records the kernel counted under their cause and did not send (summary lines)
         "counted_not_sent": dict(_counted_not_sent(r).most_common()),
     }
-    flows: dict[tuple, Counter] = defaultdict(Counter)
-    flow_events: Counter = Counter()
-    for row in incidents:
-        flows[row["flow"]][row["cause"]] += 1
-        flow_events[row["flow"]] += row["events"]
-    ranked = sorted(flows.items(), key=lambda kv: (-sum(kv[1].values()), -flow_events[kv[0]],
-                                                   str(kv[0])))[:top]
+    ranked = sorted(flows.items(), key=lambda kv: (-sum(kv[1].values()), str(kv[0])))[:top]
     d["top_flows"] = {"shown": len(ranked), "of": len(flows), "flows": [
-        {"flow": flow_texts[fid], "count": sum(c.values()), "events": flow_events[fid],
-         "by_cause": dict(c.most_common())} for fid, c in ranked]}
+        {"flow": flow_texts[fid], "count": sum(c.values()), "by_cause": dict(c.most_common())}
+        for fid, c in ranked]}
     d["timeline"] = None
-    if incidents:
-        first = [row["t"] for row in incidents]
-        b = _bucket_s((max(first) - min(first)) / 1e9)
+    if times:
+        b = _bucket_s((times[-1][0] - times[0][0]) / 1e9)
         per: dict[int, Counter] = defaultdict(Counter)
-        for row in incidents:
-            per[int(row["t"] // (b * 10**9))][row["cause"]] += 1
+        for t, cause in times:
+            per[int(t // (b * 10**9))][cause] += 1
         d["timeline"] = {"bucket_s": b, "per": _BUCKET_LABEL.get(b, "week"),
                          "clock": "local" if local else "UTC", "rows": [
             {**_when(k * b * 10**9, local), "count": sum(per[k].values()),
@@ -151,11 +114,6 @@ def report_data(r: Replay, top: int = 10, local: bool = False, no_names: bool = 
     # was read; the same objects as replay -o json's loss lines
     d["problems"] = [loss_dict(p) for p in (r.problems if problems is None else problems)]
     return d
-
-
-def _ordered(values: Counter, order: Counter):
-    """values' items in the order of `order`'s most_common (the connections' table)."""
-    return [(k, values[k]) for k, _n in order.most_common()]
 
 
 def loss_dict(p) -> dict:
@@ -179,16 +137,12 @@ def _counted_not_sent(r: Replay) -> Counter:
     return counted
 
 
-def _table(title: str, counter: dict, width: int = 40, limit: int = 20, unit: str = "count",
-           events: dict | None = None) -> list[str]:
-    """Rows of `counter` (their unit named in the header), with `events` beside each when
-    given (connections and the events they joined)."""
+def _table(title: str, counter: dict, width: int = 40, limit: int = 20) -> list[str]:
     if not counter:
         return []
-    more = (lambda k: f" {events.get(k, 0):>7}") if events is not None else (lambda k: "")
-    lines = ["", f"{title:<{width}} {unit:>11}" + (f" {'events':>7}" if events is not None else "")]
+    lines = ["", f"{title:<{width}} {'count':>7}"]
     for k, n in list(counter.items())[:limit]:
-        lines.append(f"{str(k):<{width}} {n:>11}{more(k)}")
+        lines.append(f"{str(k):<{width}} {n:>7}")
     if len(counter) > limit:
         lines.append(f"... and {len(counter) - limit} more")
     return lines
@@ -206,38 +160,31 @@ def render_text(d: dict) -> str:
                      + (f"; events {d['first_event']['time']} .. {d['last_event']['time']}"
                         if d["first_event"] else ""))
     kinds = _causes(d["by_kind"])
-    lines.append(f"{d['events']} events replayed: {d['incidents']} incidents (connections"
-                 + (f": {kinds}" if kinds else "") + f") in {d['lines']} lines, "
-                 f"{d['incident_events']} events joined in them")
+    lines.append(f"{d['events']} events replayed, {d['labeled']} labeled"
+                 + (f" ({kinds})" if kinds else ""))
     if not d["by_cause"]:
         lines.append("no resets or drops recorded")
-    else:
-        lines.append("connections: incidents, one per connection; events: the kernel events "
-                     "they joined")
-    lines += _table("cause", d["by_cause"], unit="connections", events=d["events_by_cause"])
-    lines += _table("counted, not sent (cause kind)", d.get("counted_not_sent") or {},
-                    unit="records")
-    lines += _table("service", d["by_service"], unit="connections",
-                    events=d["events_by_service"])
-    lines += _table("interface", d["by_interface"], unit="connections")
+    lines += _table("cause", d["by_cause"])
+    lines += _table("counted, not sent (cause kind)", d.get("counted_not_sent") or {})
+    lines += _table("service", d["by_service"])
+    lines += _table("interface", d["by_interface"])
     if len(d["by_node"]) > 1:
-        lines += _table("node", d["by_node"], unit="connections")
+        lines += _table("node", d["by_node"])
     tf = d["top_flows"]
     if tf["flows"]:
-        lines += ["", f"top flows ({tf['shown']} of {tf['of']}): connections, events"]
+        lines += ["", f"top flows ({tf['shown']} of {tf['of']})"]
         for f in tf["flows"]:
-            lines.append(f"{f['count']:>7} {f['events']:>7}  {f['flow']}  "
-                         f"{_causes(f['by_cause'])}")
+            lines.append(f"{f['count']:>7}  {f['flow']}  {_causes(f['by_cause'])}")
     tl = d["timeline"]
     if tl:
-        lines += ["", f"timeline (per {tl['per']}, {tl['clock']}): connections"]
+        lines += ["", f"timeline (per {tl['per']}, {tl['clock']})"]
         for row in tl["rows"]:
             lines.append(f"{row['time']}  {row['count']:>6}  {_causes(row['by_cause'])}")
     k = d["kernel"]
     if k is None:
         lines += ["", "kernel counts: none recorded"]
     else:
-        lines += ["", "kernel counts (exact, records, last snapshot of each run)",
+        lines += ["", "kernel counts (exact, last snapshot of each run)",
                   f"{'type':<14} {'hook':<24} {'reason':<28} {'count':>9}"]
         for c in k["counts"]:
             lines.append(f"{c['type']:<14} {c['hook']:<24} {c['reason']:<28} {c['count']:>9}")

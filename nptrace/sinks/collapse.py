@@ -7,13 +7,9 @@ a window opens at the first incident (event time) and lasts `window_ns`. Its fir
 incidents are written as usual; the rest are only counted, and when the window ends one
 summary line is written: the last of them, with `repeat` = how many incidents it stands for,
 `repeat_since` = the first one's time, and `events` = their kernel events together. So the sum
-of `repeat` over the lines is the number of incidents, and the sum of `events` the number of
-kernel events those lines carried, collapsed or not (events that joined an incident later
-without a line of their own are in its Incident count: `report`, the summary at exit).
-Counters (the Prometheus sink) see every incident: collapsing only changes what is printed. A
-continuation line (a connection's later line: a new cause or place) is never collapsed and not
-counted as an incident: summing `repeat` over the lines without `continues` gives the
-incidents.
+of `repeat` over all lines is the number of incidents, and the sum of `events` the number of
+kernel events, collapsed or not. Counters (the Prometheus sink) see every incident: collapsing
+only changes what is printed.
 
 The clock is the incidents' own time (`event.ts_ns`) and what `tick(now_ns)` passes (the live
 loop's monotonic clock, the events' clock too): a quiet key's summary is written within a loop
@@ -80,12 +76,8 @@ class StormCollapse:
         self.lines = 0          # lines it let through (ordinary and summaries)
 
     def add(self, v: Verdict) -> list:
-        out = self.due(v.event.ts_ns)
-        if v.continues:          # a connection counted already: its own line, as it is
-            self.lines += 1
-            out.append((v, 1, v.event.ts_ns, v.events))
-            return out
         self.incidents += 1
+        out = self.due(v.event.ts_ns)
         key = key_of(v)
         w = self.windows.get(key)
         if w is None:

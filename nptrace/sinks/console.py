@@ -1,11 +1,7 @@
 """Readable lines for a person at a terminal (stdout), and the summary at exit. Every line
 goes through printable(): names come from the node and may hold terminal escapes. With a
 StormCollapse (sinks/collapse.py), a storm's alike incidents past the burst are printed as one
-`... and N more like this since TIME` line per window; the summary counts every one.
-
-One line per connection: its incident's first line ends with the incident id (`#id`); a later
-line of it (a new cause or a new place) says `continues #id`. The summary at exit counts
-connections (incidents) and the kernel events they joined, by cause (sinks/tally.py)."""
+`... and N more like this since TIME` line per window; the summary counts every one."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +11,6 @@ from typing import TextIO
 from nptrace.classify import Verdict
 from nptrace.sinks import fmt
 from nptrace.sinks.collapse import StormCollapse
-from nptrace.sinks.tally import IncidentTally
 from nptrace.text import hostport
 from nptrace.text import printable  # noqa: F401 (sessions/commands.py and others import it here)
 
@@ -25,23 +20,13 @@ class Console:
         self.stream = stream or sys.stdout
         self.local = local      # --local: local time with its offset, else UTC (sinks/fmt.py)
         self.offset = epoch_offset_ns
-        self.tally = IncidentTally()
-        # records the kernel counted under their cause and did not send (summary rows)
-        self.unsent: Counter = Counter()
+        self.by_cause: Counter = Counter()
+        self.by_service: Counter = Counter()
         self.collapse = collapse
 
-    @property
-    def by_cause(self) -> Counter:
-        """Connections (incidents) by cause."""
-        return self.tally.connections("cause")
-
-    @property
-    def by_service(self) -> Counter:
-        """Connections (incidents) by Service ("-": none)."""
-        return self.tally.connections("service")
-
     def write(self, v: Verdict) -> None:
-        self.tally.add(v)
+        self.by_cause[v.cause] += 1
+        self.by_service[v.service or "-"] += 1
         if self.collapse is None:
             self._print(v)
             return
@@ -61,11 +46,11 @@ class Console:
 
     def write_summary(self, rows) -> None:
         """Records the kernel counted under their cause but did not send (sinks/exact.py):
-        one line per cause, Service, interface and direction a second. Counted as events:
-        which connections they were is not known."""
+        one line per cause, Service, interface and direction a second."""
         for r in rows:
             lab = r.label
-            self.unsent[lab.cause] += r.repeat
+            self.by_cause[lab.cause] += r.repeat
+            self.by_service[lab.service or "-"] += r.repeat
             ts = fmt.ts(r.until_ns + self.offset, self.local)
             what = lab.kind + (f"/{lab.direction}" if lab.direction else "")
             self.stream.write(printable(
@@ -86,13 +71,19 @@ class Console:
         what = f"{v.kind}" + (f"/{v.direction}" if v.direction else "")
         self.stream.write(printable(f"{ts} {v.cause:<18} {what:<14} {flow}  {fmt.iface(v)}"
                                     f"  [{v.hook} {v.reason}]"
-                                    + (f" svc={v.service}" if v.service else "")
-                                    + fmt.incident_tag(v)) + "\n")
+                                    + (f" svc={v.service}" if v.service else "")) + "\n")
         self.stream.write(printable(f"         hint: {v.hint}") + "\n")
         self.stream.flush()
 
     def summary(self) -> str:
-        return printable(self.tally.summary_text(self.unsent))
+        if not self.by_cause:
+            return "no resets or drops seen"
+        lines = ["cause               count"]
+        lines += [f"{c:<18} {n:>6}" for c, n in self.by_cause.most_common()]
+        if any(s != "-" for s in self.by_service):
+            lines += ["", "service             count"]
+            lines += [f"{s:<18} {n:>6}" for s, n in self.by_service.most_common()]
+        return printable("\n".join(lines))
 
     def close(self) -> None:
         if self.collapse is not None:

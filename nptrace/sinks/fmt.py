@@ -59,17 +59,6 @@ def flow(v) -> str:
     return f"{hostport(e.saddr, e.sport)} -> {hostport(e.daddr, e.dport)}"
 
 
-def incident_tag(v) -> str:
-    """The end of an incident's console line: `  #<id>` on its first line, `  continues #<id>
-    (joined N events)` on a later one ("" without an id)."""
-    iid = getattr(v, "incident", None)
-    if not iid:
-        return ""
-    if v.continues:
-        return f"  continues #{iid} ({v.joined} events joined)"
-    return f"  #{iid}"
-
-
 def iface(v) -> str:
     """The incident's interface for a person: its name, else (-n, or a name not known)
     `ifindex N`, else -."""

@@ -1,9 +1,7 @@
 """One JSON object per line per verdict on stdout: the machine format (`nptrace run --json`).
 
 Every line carries `repeat`: 1 for an incident of its own; N on the summary line of a storm
-when a StormCollapse is given (sinks/collapse.py), then with `repeat_since` too. And the
-connection's `incident` id, the events it had `joined` by then, and `continues` (the id again
-on a continuation line: the connection showed a new cause or place; null on its first line)."""
+when a StormCollapse is given (sinks/collapse.py), then with `repeat_since` too."""
 from __future__ import annotations
 
 import json
@@ -73,9 +71,6 @@ def verdict_dict(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
     d["repeat"] = repeat
     if repeat > 1 and since_ns is not None:
         d["repeat_since"] = (since_ns + epoch_offset_ns) / 1e9
-    d["joined"] = v.joined
-    d["continues"] = v.incident if v.continues else None
-    d["incident"] = v.incident
     return d
 
 
@@ -169,17 +164,11 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
             tpl = _one_template(v, e, l, xiface, events, prefix)
             if key is not None:
                 _remember(_LINES, key, tpl)
-        head, fields, mid, pre, post, first = tpl
+        head, fields, mid, pre, post = tpl
         ts = f"{(e.ts_ns + epoch_offset_ns) / 1e9!r}"
         sa, sp, da, dp = e.saddr, e.sport, e.daddr, e.dport
-        x = v.inc
-        if type(x) is not tuple and events == v.events:
-            # an incident's first line (joined: its events; continues: null): in the template
-            tail = f'{first}"{x.id}"}}' if x is not None else f'{first}null}}'
-        else:
-            tail = post + _incident_tail(v)
         return (f'{head}{ts}{fields}{_esc(sa)},"sport":{sp},"daddr":{_esc(da)},"dport":{dp}'
-                f'{mid}{e.ts_ns},"ts":{ts}{pre}{_esc(f"{sa}:{sp} > {da}:{dp}")}{tail}')
+                f'{mid}{e.ts_ns},"ts":{ts}{pre}{_esc(f"{sa}:{sp} > {da}:{dp}")}{post}')
     # Writing a float is a third of a line's cost: `!r` (float.__repr__, what the encoder
     # calls) is ~0.2 us cheaper than an f-string's format(); and the primary event's time is
     # written twice (the line's ts, its own evidence item's), formatted once.
@@ -194,10 +183,9 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
         parts.append(f'{{"ts_ns":{xts},"ts":{ts if xts == ets else f"{(xts + epoch_offset_ns) / 1e9!r}"}'
                      f'{pre}{_esc(f"{x.saddr}:{x.sport} > {x.daddr}:{x.dport}")}{post}')
     if repeat > 1 and since_ns is not None:
-        tail = f'],"repeat":{repeat},"repeat_since":{(since_ns + epoch_offset_ns) / 1e9!r}'
+        tail = f'],"repeat":{repeat},"repeat_since":{(since_ns + epoch_offset_ns) / 1e9!r}}}'
     else:
-        tail = f'],"repeat":{repeat}'
-    tail += _incident_tail(v)
+        tail = f'],"repeat":{repeat}}}'
     hint = v.hint
     h = _HINTS.get(hint)
     if h is None:
@@ -208,33 +196,19 @@ def verdict_line(v: Verdict, epoch_offset_ns: int, repeat: int = 1,
             f'"events":{events},"evidence":[{",".join(parts)}{tail}')
 
 
-_LINES: dict[tuple, tuple[str, str, str, str, str, str]] = {}
+_LINES: dict[tuple, tuple[str, str, str, str, str]] = {}
 
 
 def _one_template(v: Verdict, e, l, xiface, events: int, prefix: str) -> tuple:
-    """(head, fields, mid, pre, post, first) of a one-event line: the fragments the general
-    path of verdict_line writes around the time and the tuple, joined once; `first` is `post`
-    with an incident's first line's keys up to its id."""
+    """(head, fields, mid, pre, post) of a one-event line: the fragments the general path of
+    verdict_line writes around the time and the tuple, joined once."""
     h = _HINTS.get(v.hint)
     if h is None:
         h = _remember(_HINTS, v.hint, _esc(v.hint))
     pre, post = _evid(e.hook, l.rname, xiface, l.cause or "")
-    post += '],"repeat":1'
     return (f'{prefix}"ts":', _head(v),
             f',"netns":{e.netns},"iface":{_val(v.iface)},"ifindex":{e.ifindex},"hint":{h},'
-            f'"events":{events},"evidence":[{{"ts_ns":', pre, post,
-            f'{post},"joined":{events},"continues":null,"incident":')
-
-
-def _incident_tail(v: Verdict) -> str:
-    """The line's last keys: `joined`, `continues`, `incident` (verdict_dict's), and the
-    closing brace. An id is hex digits and dots (Incident.id): no escape to write."""
-    x = v.inc
-    if x is None:
-        return f',"joined":{v.events},"continues":null,"incident":null}}'
-    if type(x) is tuple:
-        return f',"joined":{x[1]},"continues":"{x[0].id}","incident":"{x[0].id}"}}'
-    return f',"joined":{v.events},"continues":null,"incident":"{x.id}"}}'
+            f'"events":{events},"evidence":[{{"ts_ns":', pre, post + '],"repeat":1}')
 
 
 def _dict_line(v: Verdict, epoch_offset_ns: int, repeat, since_ns, events, prefix: str) -> str:

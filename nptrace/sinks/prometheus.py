@@ -2,16 +2,12 @@
 
 Two sources, one registry (always passed in, never prometheus_client's global one):
   * MetricsSink.write(verdict) counts what the classifier labeled:
-      nptrace_incidents_total{kind,cause,iface}: CONNECTIONS, one per incident (a connection's
-      later lines, continuations, are not counted again);
       nptrace_resets_total{cause,iface,direction}, nptrace_drops_total{cause,iface},
       nptrace_anomalies_total{cause,iface}, and nptrace_service_events_total{service,kind,
-      cause} for the Services (by kube-proxy name) behind them: EVENTS (kernel records).
-    From verdicts the event families count the events on incident lines, and miss events the
-    ring buffer lost (nptrace_events_lost_total says how many) and events that joined an
-    incident without a line. The live tracer calls count_exactly(): the event families then
-    come from the kernel's cause keys (sinks/exact.py), every record the kernel saw, and
-    write() counts only incidents.
+      cause} for the Services (by kube-proxy name) behind them.
+    These miss events the ring buffer lost (nptrace_events_lost_total says how many).
+    The live tracer calls count_exactly(): the same four families then come from the kernel's
+    cause keys (sinks/exact.py), every record the kernel saw, and write() counts nothing.
   * KernelCollector reads the in-kernel per-CPU counters at scrape time (client_python
     docs/content/collector/custom.md), so they are exact even under loss:
       nptrace_kernel_events_total{type,hook,reason,iface}, nptrace_events_lost_total,
@@ -184,26 +180,21 @@ class MetricsSink:
         self.registry = registry
         self.ifaces = BoundedLabels(max_ifaces)
         self.services = BoundedLabels(max_services)
-        self.resets = Counter("nptrace_resets", "TCP resets by attributed cause (events: "
-                              "kernel records, not connections)",
+        self.resets = Counter("nptrace_resets", "TCP resets by attributed cause",
                               ["cause", "iface", "direction"], registry=registry)
-        self.drops = Counter("nptrace_drops", "Drops behind a failed connection, by cause "
-                             "(events: kernel records, not connections)",
+        self.drops = Counter("nptrace_drops", "Drops behind a failed connection, by cause",
                              ["cause", "iface"], registry=registry)
-        self.anomalies = Counter("nptrace_anomalies", "Asymmetric replies and similar anomalies "
-                                 "(events: kernel records, not connections)",
+        self.anomalies = Counter("nptrace_anomalies", "Asymmetric replies and similar anomalies",
                                  ["cause", "iface"], registry=registry)
         self.by_service = Counter("nptrace_service_events",
-                                  "Labeled resets, drops and anomalies by kube-proxy Service "
-                                  "(events: kernel records, not connections)",
+                                  "Labeled resets, drops and anomalies by kube-proxy Service",
                                   ["service", "kind", "cause"], registry=registry)
-        # Incidents: one per connection (its first line; a continuation line of the same
-        # connection is not counted again), beside the event counters above, which count
-        # every kernel record under its cause once count_exactly() is on: `report`'s cause
-        # table and alerting on failed connections use this one.
-        self.incidents = Counter("nptrace_incidents", "Incidents by kind and cause: failed "
-                                 "connections, one per connection (not events)",
-                                 ["kind", "cause", "iface"], registry=registry)
+        # Incidents (one per line `run` prints before collapsing: the events of one connection),
+        # beside the record counters above, which count every kernel record under its cause
+        # once count_exactly() is on: `report`'s cause table and alerting on failed
+        # connections use this one.
+        self.incidents = Counter("nptrace_incidents", "Incidents (failed connections) by kind "
+                                 "and cause", ["kind", "cause", "iface"], registry=registry)
         self.collector: KernelCollector | None = None
         self._children: dict[tuple, tuple] = {}
         self._incident_children: dict[tuple, object] = {}
@@ -241,12 +232,11 @@ class MetricsSink:
         # children are kept here by their label values, bounded like the labels themselves
         iface = self.ifaces(v.iface)
         kind = v.kind
-        if not v.continues:          # a connection counts once, on its first line
-            ik = (kind, v.cause, iface)
-            child = self._incident_children.get(ik)
-            if child is None:
-                child = self._incident_children[ik] = self.incidents.labels(*ik)
-            child.inc()
+        ik = (kind, v.cause, iface)
+        child = self._incident_children.get(ik)
+        if child is None:
+            child = self._incident_children[ik] = self.incidents.labels(*ik)
+        child.inc()
         if self.exact is not None:
             return       # the record families come from the kernel's cause keys
         key = (kind, v.cause, iface, v.direction, self.services(v.service))
@@ -259,9 +249,8 @@ class MetricsSink:
             else:
                 first = self.drops.labels(v.cause, iface)
             pair = self._children[key] = (first, self.by_service.labels(key[4], kind, v.cause))
-        n = v.events
-        pair[0].inc(n)
-        pair[1].inc(n)
+        pair[0].inc()
+        pair[1].inc()
 
     def close(self) -> None:
         pass

@@ -37,14 +37,11 @@ HOLD_S = 1.0                 # classifier: an incident is reported once its flow
 NPTRACE = [sys.executable, "-m", "nptrace.cli"]
 
 # Connection attempts at a steady rate; each from a new source port, and with a fifth
-# argument "spread" from a random 127/8 source address as well, so every attempt is a flow of
-# its own; with "ports=N" from the ports N, N+1, ... (below the ephemeral range a lab trigger
-# draws its clients' ports from: no attempt reuses one of their client ports).
+# argument from a random 127/8 source address as well, so every attempt is a flow of its own.
 CHURN = r"""
 import random, socket, sys, time
 dst, port, rate, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-spread = "spread" in sys.argv[5:]
-base = next((int(a[6:]) for a in sys.argv[5:] if a.startswith("ports=")), 0)
+spread = len(sys.argv) > 5
 n = refused = 0
 t0 = time.monotonic()
 while True:
@@ -57,8 +54,6 @@ while True:
         try:
             if spread:
                 s.bind((f"127.{random.randrange(256)}.{random.randrange(256)}.{random.randrange(1, 255)}", 0))
-            elif base:
-                s.bind(("", base + n % 20000))
             s.connect((dst, port))
         except ConnectionRefusedError:
             refused += 1
@@ -230,14 +225,9 @@ class Lab:
         return attempts
 
     def churn(self, rate: float, secs: float) -> subprocess.Popen:
-        """Connections after a trigger's: from client ports 10000-29999, none of which the
-        trigger drew (it draws from the namespace's ephemeral range, 32768-60999), so a
-        trigger's connections are told from the churn's by client port. Left to the kernel,
-        a refused connection's port is free at once and a later connect may take it: the
-        churn's connection is then a new incident with a trigger's client port."""
         t = self.info.namespaces["client"]
         return subprocess.Popen(["ip", "netns", "exec", t, sys.executable, "-c", CHURN,
-                                 "192.168.10.11", "30080", str(rate), str(secs), "ports=10000"],
+                                 "192.168.10.11", "30080", str(rate), str(secs)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -299,10 +289,7 @@ def test_sigkill_while_recording_loses_nothing_flushed_and_next_run_cleans_up(la
     live = run.events()
     ours = lab_env.ours(live)
     first = [e for e in ours if e["dport"] in clients]
-    # one incident per connection: a later line of one (a new cause or place) continues its id
-    assert len({e["incident"] for e in first}) == COUNT, first
-    assert len([e for e in first if e["continues"] is None]) == COUNT, first
-    assert {e["cause"] for e in first} == {"no_listener"}, first
+    assert len(first) == COUNT and {e["cause"] for e in first} == {"no_listener"}, first
     assert len(ours) > COUNT, "no incident of the second burst was printed before the kill"
 
     # kill -9 runs no cleanup. tcx links die with the process (the kernel unlinks them when
@@ -388,10 +375,9 @@ def test_metrics_count_what_json_printed(lab_env, tmp_path):
                               and (e["kind"], e["cause"]) == ("rst", "no_listener")])
                  >= COUNT, 10, "the burst's no_listener resets on stdout")
 
-        # nptrace_incidents_total counts incidents, one per connection: its first JSON line
-        # (a continuation line has `continues`), labeled by the incident's interface (this
-        # lab's interfaces carry its prefix): compare like with like. (The resets/drops/
-        # anomalies families count every kernel record, the events, by cause.)
+        # nptrace_incidents_total counts incidents, one per JSON line, labeled by the
+        # incident's interface (this lab's interfaces carry its prefix): compare like with
+        # like. (The resets/drops/anomalies families count every kernel record by cause.)
         def agree():
             samples = scrape(port)
             counted = collections.Counter()
@@ -401,8 +387,7 @@ def test_metrics_count_what_json_printed(lab_env, tmp_path):
                     counted[(s.labels["kind"], s.labels["cause"])] += s.value
             printed = collections.Counter(
                 (e["kind"], e["cause"]) for e in run.events()
-                if not e.get("summary") and e.get("continues") is None
-                and (e.get("iface") or "").startswith(PREFIX))
+                if not e.get("summary") and (e.get("iface") or "").startswith(PREFIX))
             return (samples, counted, printed) if counted == printed else None
         # The JSON sink writes before the metrics sink: retry past that instant.
         samples, counted, printed = wait_for(agree, 5, "metrics to match the JSON lines")

@@ -91,7 +91,7 @@ def test_intact_session_replays_every_incident_quietly(tmp_path, capsys):
     assert ports(out) == [40000 + i for i in range(N)]
     assert {json.loads(l)["cause"] for l in out.splitlines()} == {"no_listener"}
     rc, out, err = nptrace(capsys, "report", f)
-    assert (rc, err) == (0, "") and f"{N} events replayed: {N} incidents (connections" in out
+    assert (rc, err) == (0, "") and f"{N} events replayed, {N} labeled" in out
 
 
 # --- torn tails: what a crash leaves ---------------------------------------------------------

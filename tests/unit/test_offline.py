@@ -27,10 +27,10 @@ RSTS = ReasonTable({0: "SK_RST_REASON_NOT_SPECIFIED", 1: "SK_RST_REASON_NO_SOCKE
 SVC = {("10.0.0.2", 30080): "default/web:http", ("10.244.2.5", 8080): "default/web:http"}
 
 
-def rp_drop(ts, sport=5000, ifindex=3, isn=1000):
+def rp_drop(ts, sport=5000, ifindex=3):
     return ev.encode(ts_ns=ts, type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=16,
                      ifindex=ifindex, netns=HOST_NS, saddr="192.168.2.10", sport=sport,
-                     daddr="10.0.0.2", dport=30080, l4proto=6, tcpflags=ev.TCP_SYN, seq=isn)
+                     daddr="10.0.0.2", dport=30080, l4proto=6, tcpflags=ev.TCP_SYN)
 
 
 def rst_recv(ts, sport=5000, ifindex=3):
@@ -230,12 +230,11 @@ def test_report(tmp_path):
               {"emitted": 10, "lost": 1, "filtered": 4})
     live(tmp_path / "a", scenario_a(), counters=lambda: counts)
     text = report(tmp_path / "a")
-    assert "4 events replayed: 3 incidents (connections: drop 2, rst 1) in 3 lines, 4 events" \
-        in text
+    assert "4 events replayed, 3 labeled" in text
     assert "rp_filter" in text and "default/web:http" in text and "eth1" in text
     assert "top flows" in text and "192.168.2.10:5000 -> 10.0.0.2:30080" in text
     assert "192.0.2.10:50000 -> 10.0.0.2:30080 -> 10.244.2.5:8080" in text
-    assert "timeline (per minute, UTC): connections" in text
+    assert "timeline (per minute, UTC)" in text
     assert "2023-11-14T22:13:00.000Z" in text and "2023-11-14T22:14:00.000Z" in text
     assert "DROP           skb:kfree_skb            IP_RPFILTER" in text
     assert "1 lost" in text and "WARNING: 1 event records were lost" in text
@@ -274,8 +273,7 @@ def test_merge_interleaves_nodes_and_joins_the_crossing_flow(tmp_path):
 
 
 def test_merge_window_keeps_reused_tuples_apart(tmp_path):
-    # two connections from one client port (their SYNs' sequence numbers differ)
-    live(tmp_path / "a", [rp_drop(0), rp_drop(100 * 10**9, isn=2000)])
+    live(tmp_path / "a", [rp_drop(0), rp_drop(100 * 10**9)])
     got = list(merge([tmp_path / "a"], window_s=30))
     assert got[0].story != got[1].story
     got = list(merge([tmp_path / "a"], window_s=1000))

@@ -36,8 +36,7 @@ def _ctx(rnd: random.Random) -> Context:
         nat_peer=lambda *a: nat.get(a),
         route_iface=lambda ns, a: "eth9" if a.startswith("10.") else None,
         hold_ns=rnd.choice([10, 100, 1000, 10_000]), max_hold_ns=rnd.choice([50, 1000, 50_000]),
-        window_ns=rnd.choice([50, 500, 2000, 100_000]), max_flows=rnd.choice([3, 10, 50, 16384]),
-        report_unknown_drops=rnd.random() < .5)
+        window_ns=rnd.choice([50, 500, 2000, 100_000]), max_flows=rnd.choice([3, 10, 50, 16384]))
 
 
 def _records(rnd: random.Random, n: int) -> list[bytes]:
@@ -56,9 +55,6 @@ def _records(rnd: random.Random, n: int) -> list[bytes]:
                  saddr=rnd.choice(pool), daddr=rnd.choice(pool), sport=rnd.choice(PORTS),
                  dport=rnd.choice(PORTS), l4proto=6, tcpflags=rnd.choice([0, 2, 18, 4, 20]),
                  aux=rnd.choice([0, 2, 18, 7]), skb=rnd.randint(0, 99),
-                 # initial sequence numbers: a SYN's own, a reset's acknowledgment of one;
-                 # another one on a known tuple is a new connection
-                 seq=rnd.choice([0, 7, 7, 8]), ack_seq=rnd.choice([0, 8, 9]),
                  flags=rnd.choice([0, 0, 0, ev.F_HAS_SOCK, ev.F_HAS_CT, ev.F_ENCAP,
                                    ev.F_ICMP_QUOTE]))
         if f["flags"] & ev.F_HAS_CT:
@@ -78,8 +74,7 @@ def _records(rnd: random.Random, n: int) -> list[bytes]:
 
 def _summary(vs) -> list:
     return [(v.cause, v.kind, v.direction, v.hook, v.reason, v.confidence, v.hint, v.iface,
-             v.service, v.events, v.event, v.labeled, v.incident, v.continues, v.joined)
-            for v in vs]
+             v.service, v.events, v.event, v.labeled) for v in vs]
 
 
 def _one_by_one(recs, ctx, offset):
