@@ -6,7 +6,7 @@ In-cluster only: KUBERNETES_SERVICE_HOST/PORT and the service account's token an
 (/var/run/secrets/kubernetes.io/serviceaccount/); without them `from_env` gives None and pods
 are named from the node alone (nptrace/node/pods.py). With ``services``, a watch of Services
 too: their frontends name IPVS virtual servers, which carry no name on the node
-(service_frontends). The RBAC it needs (get/list/watch of pods, services and
+(service_frontends). The RBAC it needs (list and watch of pods, services and
 endpointslices.discovery.k8s.io) is in deploy/daemonset.yaml.
 
 The watch protocol (Kubernetes API concepts, "Efficient detection of changes"): LIST gives the
@@ -374,7 +374,7 @@ class PodWatch:
                 what = f"{path}: {type(e).__name__}"
                 if what not in self._logged:
                     self._logged.add(what)
-                    hint = (" (the service account needs get/list/watch on it: "
+                    hint = (" (the service account needs list and watch on it: "
                             "deploy/daemonset.yaml's ClusterRole)"
                             if isinstance(e, urllib.error.HTTPError) and e.code in (401, 403)
                             else "")

@@ -339,9 +339,9 @@ def test_daemonset_may_watch_pods_services_and_endpointslices_only():
     assert daemonset()["spec"]["template"]["spec"]["serviceAccountName"] == sa["name"]
     rules = {(g, r): set(rule["verbs"]) for rule in by_kind["ClusterRole"]["rules"]
              for g in rule["apiGroups"] for r in rule["resources"]}
-    assert rules == {("", "pods"): {"get", "list", "watch"},
-                     ("", "services"): {"get", "list", "watch"},    # IPVS Service names
-                     ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}}
+    assert rules == {("", "pods"): {"list", "watch"},      # what node/kubeapi.py asks, no more
+                     ("", "services"): {"list", "watch"},    # IPVS Service names
+                     ("discovery.k8s.io", "endpointslices"): {"list", "watch"}}
     b = by_kind["ClusterRoleBinding"]
     assert b["roleRef"]["name"] == by_kind["ClusterRole"]["metadata"]["name"]
     assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
