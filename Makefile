@@ -79,7 +79,7 @@ vagrant-smoke: setup
 ## (default /var/lib/nptrace/k8s), from the go.mod and go.sum kept in k8s/<version>/; a
 ## release already built from the same pins is found, not rebuilt. K8S_RELEASES picks some.
 K8S_RELEASES ?=
-.PHONY: k8s test-k8s test-k8s-short
+.PHONY: k8s test-k8s test-k8s-short  # test-k8s-ipvs below
 k8s:
 	bash k8s/build.sh $(K8S_RELEASES)
 
@@ -93,6 +93,13 @@ test-k8s: setup k8s
 
 test-k8s-short: setup
 	$(PY) -m nptrace.lab.real.yardstick --release current no-listener etp-local-no-endpoint no-endpoints
+
+## kube-proxy's IPVS mode on the real tier, in Debian's 6.1 under qemu (this kernel has no
+## IPVS): five scenarios, 7-13 minutes each under TCG; its rows join docs/k8s.md's table.
+.PHONY: test-k8s-ipvs
+test-k8s-ipvs: setup k8s
+	$(PY) -m nptrace.lab.real.yardstick --kernel 6.1 --mode ipvs --release current --markdown docs/k8s.md \
+		no-listener etp-local-no-endpoint no-endpoints stale-endpoint rollout-in-flight
 
 bench: setup
 	$(PY) -m nptrace.bench
