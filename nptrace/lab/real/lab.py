@@ -8,13 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from .. import hostplan
 from ..errors import LabError
 from ..model import Spec
-from .. import hostplan
 from . import controlplane, kubeproxy, objects
 from .api import Api, ApiError
 from .controlplane import Plan
 from .releases import Release, bin_dir, get as get_release
+
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
