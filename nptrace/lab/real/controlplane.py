@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LabError
+from ..netns import kill, sh
 from . import pki as pkimod
 from .api import Api
 from .releases import Release, binary
@@ -65,38 +66,32 @@ class Plan:
         return self.server
 
 
-def _sh(argv, input=None, check=True):
-    r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=30)
-    if check and r.returncode != 0:
-        raise LabError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()[:300]}")
-    return r
-
-
 def link_up(plan: Plan, node_ns: list[str]) -> None:
     """The management bridge in the root namespace (the API server listens on its address
     only) and a veth from it into each node."""
     br = plan.bridge
-    _sh(["ip", "link", "add", br, "type", "bridge"])
-    _sh(["ip", "addr", "add", f"{plan.host_ip}/24", "dev", br])
-    _sh(["ip", "link", "set", br, "up"])
+    sh(["ip", "link", "add", br, "type", "bridge"])
+    sh(["ip", "addr", "add", f"{plan.host_ip}/24", "dev", br])
+    sh(["ip", "link", "set", br, "up"])
     for i, ns in enumerate(node_ns):
         host_end = f"{br}n{i}"
-        _sh(["ip", "link", "add", host_end, "type", "veth", "peer", "name", NODE_LINK, "netns", ns])
-        _sh(["ip", "link", "set", host_end, "master", br, "up"])
-        _sh(["ip", "-n", ns, "addr", "add", f"{plan.node_ip(i)}/24", "dev", NODE_LINK])
-        _sh(["ip", "-n", ns, "link", "set", NODE_LINK, "up"])
+        sh(["ip", "link", "add", host_end, "type", "veth", "peer", "name", NODE_LINK, "netns", ns])
+        sh(["ip", "link", "set", host_end, "master", br, "up"])
+        sh(["ip", "-n", ns, "addr", "add", f"{plan.node_ip(i)}/24", "dev", NODE_LINK])
+        sh(["ip", "-n", ns, "link", "set", NODE_LINK, "up"])
 
 
 def link_down(slot: int) -> None:
     br = BRIDGE.format(slot=slot)
-    links = _sh(["ip", "-o", "link", "show"], check=False).stdout
+    links = sh(["ip", "-o", "link", "show"], check=False).stdout
     for line in links.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if name == br or name.startswith(f"{br}n"):
-            _sh(["ip", "link", "del", name], check=False)
+            sh(["ip", "link", "del", name], check=False)
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
+def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    """A daemon of the real tier, its output to ``log``, in a session of its own."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
@@ -126,7 +121,7 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: 
     pki = pkimod.make(plan.dir / "pki", [plan.host_ip])
     logs = plan.dir / "logs"
     peer = plan.etcd_port + 1
-    etcd = _spawn([binary(rel, "etcd"), "--name", "lab", "--data-dir", str(plan.dir / "etcd"),
+    etcd = spawn([binary(rel, "etcd"), "--name", "lab", "--data-dir", str(plan.dir / "etcd"),
                    "--listen-client-urls", f"http://127.0.0.1:{plan.etcd_port}",
                    "--advertise-client-urls", f"http://127.0.0.1:{plan.etcd_port}",
                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
@@ -135,7 +130,7 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: 
                    "--listen-metrics-urls", "", "--unsafe-no-fsync", "--log-level", "warn"],
                   logs / "etcd.log")
     on_pid(etcd.pid)
-    apiserver = _spawn([
+    apiserver = spawn([
         binary(rel, "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{plan.etcd_port}",
         f"--bind-address={plan.host_ip}", f"--secure-port={plan.api_port}", f"--advertise-address={plan.host_ip}",
         f"--service-cluster-ip-range={service_cidr}", "--service-node-port-range=30000-32767",
@@ -151,7 +146,7 @@ def start(plan: Plan, rel: Release, service_cidr: str, on_pid, apiserver_extra: 
     api = admin_api(plan)
     write_kubeconfig(plan, pki, "admin")    # for kubectl: KUBECONFIG=<lab dir>/admin.kubeconfig
     _wait(api.ready, "kube-apiserver /readyz", [etcd, apiserver], logs)
-    kcm = _spawn([
+    kcm = spawn([
         binary(rel, "kube-controller-manager"),
         f"--kubeconfig={write_kubeconfig(plan, pki, 'controller-manager', plan.local_server)}",
         f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca}",
@@ -178,7 +173,7 @@ def restart_apiserver(plan: Plan, down_s: float = 0.0) -> int:
     old = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == argv]
     stop(old)
     time.sleep(down_s)
-    proc = _spawn(argv, plan.dir / "logs" / "kube-apiserver.log")
+    proc = spawn(argv, plan.dir / "logs" / "kube-apiserver.log")
     _wait(admin_api(plan).ready, "kube-apiserver /readyz after its restart", [proc], plan.dir / "logs")
     return proc.pid
 
@@ -207,5 +202,4 @@ def _wait(check, what: str, procs, logs: Path) -> None:
 def stop(pids) -> None:
     """SIGTERM, then SIGKILL after 3 s, to the processes started here (etcd may take a
     moment to close its database)."""
-    from ..netns import kill
     kill(pids, grace=3.0)

@@ -10,7 +10,6 @@ cannot write it.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -30,13 +29,6 @@ def argv(rel: Release, kubeconfig: Path, node: str, backend: str, cluster_cidr: 
             f"--proxy-mode={MODES[backend]}", f"--cluster-cidr={cluster_cidr}",
             f"--healthz-bind-address=0.0.0.0:{HEALTHZ_PORT}",
             f"--metrics-bind-address=0.0.0.0:{METRICS_PORT}", "--conntrack-max-per-core=0", "-v=2"]
-
-
-def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        return subprocess.Popen(["ip", "netns", "exec", ns, *args], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=out, start_new_session=True)
 
 
 _METRIC = re.compile(r"^(kubeproxy_sync_proxy_rules_(?:last_timestamp_seconds|last_queued_timestamp_seconds|"

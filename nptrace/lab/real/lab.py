@@ -4,11 +4,10 @@ and `lab down`. runner.py calls these where the generated tier renders rules."""
 from __future__ import annotations
 
 import datetime
-import subprocess
 import time
 from pathlib import Path
 
-from .. import hostplan
+from .. import hostplan, netns
 from ..errors import LabError
 from ..model import Spec
 from . import controlplane, kubeproxy, objects
@@ -109,7 +108,8 @@ def up(spec: Spec, ns: dict[str, str], backend: str, state: dict, save, log_dir:
     procs = []
     for n in nodes:
         args = kubeproxy.argv(rel, kubeconfig, n, backend, spec.cluster_cidr)
-        procs.append(kubeproxy.spawn(ns[n], args, plan.dir / "logs" / f"kube-proxy-{n}.log"))
+        procs.append(controlplane.spawn(["ip", "netns", "exec", ns[n], *args],
+                                        plan.dir / "logs" / f"kube-proxy-{n}.log"))
         state["pids"].append(procs[-1].pid)
     save()
     kubeproxy.wait_synced([plan.node_ip(i) for i in range(len(nodes))], since, procs,
@@ -176,7 +176,6 @@ def node_sysctls_again(spec: Spec, node: str, netns_name: str) -> None:
     """kube-proxy writes conntrack sysctls when it starts (nf_conntrack_tcp_timeout_established
     to its 24 h default, close_wait to 1 h): the node's own netfilter values are applied again
     after it, as a node's tuning applied after kube-proxy would be."""
-    from .. import netns
     for step in hostplan.sysctl_steps(spec, node):
         args = [a for a in step.argv[3:] if a.startswith("net.netfilter.") and a.partition("=")[0]
                 not in netns.HOST_WIDE]
@@ -184,29 +183,24 @@ def node_sysctls_again(spec: Spec, node: str, netns_name: str) -> None:
             netns.sh(["ip", "netns", "exec", netns_name, "sysctl", "-q", "-w", *args])
 
 
-def apply_fault(fault: str, netns: str, backend: str) -> None:
+def apply_fault(fault: str, node_ns: str, backend: str) -> None:
     """What goes wrong on a real node after kube-proxy wrote its rules (kuberules.FAULTS):
     no-masquerade-jump, a firewall reload that flushed the nat POSTROUTING jump into
     kube-proxy's masquerade chain (kube-proxy writes it again at its next full sync)."""
     if fault != "no-masquerade-jump":
         raise LabError(f"the real tier cannot make fault {fault!r}")
-    run = ["ip", "netns", "exec", netns]
+    run = ["ip", "netns", "exec", node_ns]
     if backend == "nft":
-        out = subprocess.run([*run, "nft", "-a", "list", "chain", "ip", "kube-proxy", "nat-postrouting"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = netns.sh([*run, "nft", "-a", "list", "chain", "ip", "kube-proxy", "nat-postrouting"]).stdout
         handles = [line.rsplit("# handle", 1)[1].strip() for line in out.splitlines()
                    if "jump masquerading" in line and "# handle" in line]
         if not handles:
             raise LabError("kube-proxy's nat-postrouting chain has no jump to masquerading")
         for h in handles:
-            subprocess.run([*run, "nft", "delete", "rule", "ip", "kube-proxy", "nat-postrouting", "handle", h],
-                           check=True, capture_output=True, timeout=10)
+            netns.sh([*run, "nft", "delete", "rule", "ip", "kube-proxy", "nat-postrouting", "handle", h])
         return
-    r = subprocess.run([*run, "iptables", "-w", "-t", "nat", "-D", "POSTROUTING", "-m", "comment", "--comment",
-                        "kubernetes postrouting rules", "-j", "KUBE-POSTROUTING"],
-                       capture_output=True, text=True, timeout=10)
-    if r.returncode != 0:
-        raise LabError(f"no nat POSTROUTING jump to KUBE-POSTROUTING to remove: {r.stderr.strip()[:200]}")
+    netns.sh([*run, "iptables", "-w", "-t", "nat", "-D", "POSTROUTING", "-m", "comment", "--comment",
+              "kubernetes postrouting rules", "-j", "KUBE-POSTROUTING"])
 
 
 def rules_step(spec: Spec, index: int, before, state: dict) -> None:
