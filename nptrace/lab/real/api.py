@@ -53,9 +53,6 @@ class Api:
     def create(self, path: str, obj: dict):
         return self.request("POST", path, obj)
 
-    def replace(self, path: str, obj: dict):
-        return self.request("PUT", path, obj)
-
     def patch(self, path: str, patch: dict):
         return self.request("PATCH", path, patch, "application/merge-patch+json")
 
