@@ -52,11 +52,12 @@ fuzz: setup
 	NPTRACE_FUZZ_SECONDS=$(FUZZ_SECONDS) NPTRACE_FUZZ_BOMB_MB=64 $(PYTEST) -q -s -p no:cacheprovider \
 		tests/unit/test_fuzz_sessions.py tests/unit/test_fuzz_netlink.py tests/unit/test_fuzz_rules.py
 
-## The kernel matrix: Debian's 6.1 and 5.10 kernels booted under qemu (virtme-ng; KVM where a
-## guest really runs under it, else TCG), nptrace doctor and every lab scenario inside each;
-## the table goes to docs/kernels.md. KERNELS="6.1 5.10 6.12" picks kernels; SCENARIOS some
-## scenarios. test-kernels-short is .ci/run's subset: doctor and three scenarios on 6.1.
-KERNELS ?= 6.1 5.10
+## The kernel matrix: Debian's 6.12, 6.1 and 5.10 kernels (trixie, bookworm, bullseye) booted
+## under qemu (virtme-ng; KVM where a guest really runs under it, else TCG), nptrace doctor and
+## every lab scenario inside each; the table goes to docs/kernels.md. KERNELS="6.12" picks
+## kernels; SCENARIOS some scenarios. test-kernels-short is .ci/run's subset: doctor and three
+## scenarios on 6.1.
+KERNELS ?= 6.12 6.1 5.10
 SCENARIOS ?=
 .PHONY: test-kernels test-kernels-short
 test-kernels: setup
@@ -88,11 +89,19 @@ k8s:
 ## table goes to docs/k8s.md. test-k8s-short is .ci/run's form: one release, three scenarios.
 test-k8s: setup k8s
 	$(PY) -m nptrace.lab.real.yardstick --release current --release older --form lab --form plain \
-		--markdown docs/k8s.md
+		--form node --markdown docs/k8s.md
 	$(PYTEST) -ra tests/k8s
 
 test-k8s-short: setup
 	$(PY) -m nptrace.lab.real.yardstick --release current no-listener etp-local-no-endpoint no-endpoints
+
+## The shipped form's yardstick: every generated-tier scenario traced as a node runs nptrace
+## (one plain `nptrace run` in each lab node's namespace), scored per connection, here and in
+## Debian's 6.12, 6.1 and 5.10 under qemu (hours under TCG); the table goes to docs/shipped.md.
+.PHONY: test-shipped
+test-shipped: setup
+	$(PY) -m nptrace.lab.shipped --markdown docs/shipped.md
+	$(PY) -m nptrace.lab.shipped --kernel 6.12 --kernel 6.1 --kernel 5.10 --markdown docs/shipped.md
 
 ## kube-proxy's IPVS mode on the real tier, in Debian's 6.1 under qemu (this kernel has no
 ## IPVS): five scenarios, 7-13 minutes each under TCG; its rows join docs/k8s.md's table.

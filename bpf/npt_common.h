@@ -52,6 +52,14 @@ BPF_HASH(filter_ports, u16, u8, 1024);
 struct npt_lpm_key { u32 prefixlen; u8 addr[16]; };
 BPF_LPM_TRIE(filter_hosts, struct npt_lpm_key, u8, 256);
 #endif
+/* A tracer that is one node of several on one kernel (a lab's namespaces, kind's containers)
+ * reports its node's namespace and its pods' alone: filter_netns holds the other nodes'
+ * namespaces and their pods' (nptrace/node/scope.py fills it), whose records are neither
+ * counted nor sent. A namespace it does not hold passes: a pod created a moment ago is this
+ * node's as likely as another's, and a missed reset costs more than a stray line. */
+#if NPT_FILTER_NETNS
+BPF_HASH(filter_netns, u32, u8, 4096);
+#endif
 
 #ifndef NPT_MAX_RATE
 #define NPT_MAX_RATE 0          /* records per second per CPU and kind sent to user space; 0: all */
@@ -554,9 +562,16 @@ static __always_inline struct npt_cause_val *npt_count_cause(struct npt_event *e
 	return v;
 }
 
-/* Port/host filter on either end of the tuple. 1 = keep. */
+/* Namespace, port and host filters (a port or host on either end of the tuple). 1 = keep. */
 static __always_inline int npt_wanted(struct npt_event *e)
 {
+#if NPT_FILTER_NETNS
+	if (e->netns) {
+		u32 ns = e->netns;
+		if (filter_netns.lookup(&ns))
+			return 0;
+	}
+#endif
 #if NPT_FILTER_PORTS
 	u16 p = e->sport;
 	if (!filter_ports.lookup(&p)) {

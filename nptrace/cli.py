@@ -78,7 +78,10 @@ def _run_options(fn):
         click.option("--duration", type=Seconds(above=0), metavar="SECONDS",
                      help="Stop by itself after SECONDS."),
         click.option("-i", "--iface", "ifaces", multiple=True, metavar="[NETNS/]IFNAME",
-                     help="Also watch this interface's packets with tc (repeatable)."),
+                     help="Watch this interface's packets with tc (repeatable), instead of "
+                          "the devices chosen automatically (those holding the node's addresses "
+                          "and default routes, VXLAN/Geneve overlays, bridges; pods' veths "
+                          "only when named). `--iface none`: no tc programs."),
         click.option("--port", "ports", multiple=True, metavar="N[-M]",
                      help="Only flows with this port on either side (repeatable; default all)."),
         click.option("--host", "hosts", multiple=True, metavar="CIDR",
@@ -191,7 +194,12 @@ def run_config(ifaces, ports, hosts, ring_pages, max_rate, max_burst, nft_trace,
 
 
 def build_config(ifaces, ports, hosts, ring_pages) -> Config:
-    return Config(ifaces=tuple(IfaceSpec.parse(i) for i in ifaces),
+    """No --iface: the node's devices, chosen by nptrace (node/ifchoice.py); `--iface none`:
+    no tc programs at all."""
+    if "none" in ifaces and len(ifaces) > 1:
+        raise ConfigError("--iface none attaches to no interface: give it alone")
+    return Config(ifaces=tuple(IfaceSpec.parse(i) for i in ifaces if i != "none"),
+                  iface_auto=not ifaces,
                   ports=tuple(PortRange.parse(p) for p in ports),
                   hosts=parse_hosts(hosts), ringbuf_pages=ring_pages)
 

@@ -54,6 +54,8 @@ class IfaceSpec:
 @dataclass(frozen=True)
 class Config:
     ifaces: tuple[IfaceSpec, ...] = ()
+    # no --iface: the node's own devices, chosen and followed while running (node/ifchoice.py)
+    iface_auto: bool = False
     ports: tuple[PortRange, ...] = ()
     hosts: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     vxlan_ports: tuple[int, ...] = DEFAULT_VXLAN_PORTS
@@ -75,6 +77,9 @@ class Config:
     snaplen: int = 0                   # packet bytes copied per event for --pcap (0: none)
     snap_headers: bool = False         # --snaplen headers: files keep each packet's headers only
     service_gate: bool = False         # run --service in the kernel (bpf/npt_common.h filter_svc)
+    # the tracer is one node of several on this kernel: its namespace and its pods' alone
+    # (node/scope.py; bpf/npt_common.h filter_netns)
+    node_scope: bool = False
     extra: dict = field(default_factory=dict)
 
     def port_set(self) -> set[int]:

@@ -15,6 +15,21 @@ from nptrace.errors import InterfaceError, LockError, PrivilegeError
 LOCK_FILE = Path(os.environ.get("NPTRACE_LOCK_FILE", "/run/nptrace/nptrace.lock"))
 
 
+def node_lock_file() -> Path:
+    """The instance lock of the node nptrace runs as: the kernel's, or where one kernel runs
+    several nodes as namespaces (node/scope.py), its namespace's."""
+    if "NPTRACE_LOCK_FILE" in os.environ:
+        return LOCK_FILE
+    from nptrace.kernel.nsenter import host_inode
+    from nptrace.node.scope import is_nested
+    try:
+        nested = is_nested()
+        here = host_inode()
+    except OSError:
+        return LOCK_FILE
+    return LOCK_FILE.with_name(f"nptrace-net{here}.lock") if nested else LOCK_FILE
+
+
 def log(msg: str) -> None:
     print(f"nptrace: {msg}", file=sys.stderr, flush=True)
 
@@ -93,8 +108,8 @@ class InstanceLock:
     """One tracer per node: two would attach the same tc filters and double every counter.
     flock(2) is released by the kernel when the process dies, so `kill -9` leaves no stale lock."""
 
-    def __init__(self, path: Path = LOCK_FILE):
-        self.path = path
+    def __init__(self, path: Path | None = None):
+        self.path = node_lock_file() if path is None else path
         self.fd: int | None = None
 
     def acquire(self) -> None:

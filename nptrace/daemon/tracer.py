@@ -61,7 +61,8 @@ class Tracer:
         self.signals = Signals()       # from the first line of start() to the last of stop()
         self.interrupted = False       # a stop signal ended start-up early
         self.losses = Ledger()         # every user-space loss, for status, metrics, --json
-        self.ifwatch = None            # --iface devices re-created (node/ifwatch.py)
+        self.ifwatch = None            # --iface devices re-created, or chosen (node/ifwatch.py)
+        self.scope = None              # one node of several: its namespaces (node/scope.py)
         self.names = None
         self.prune_every_s = 10.0      # release state of namespaces that went away
         from nptrace.daemon.sdnotify import Notifier
@@ -96,6 +97,9 @@ class Tracer:
         check_ifaces(self.cfg)
         self.lock.acquire()
         check("instance lock")
+        from nptrace.node.scope import is_nested
+        if is_nested():          # one node of several on this kernel: its namespaces alone
+            self.cfg = dataclasses.replace(self.cfg, node_scope=True)
         # killed runs' nft trace tables swept during the compile; its lines after (fd 2 is held)
         swept: list[str] = []
         sweep = threading.Thread(target=self._sweep_leftovers, args=(swept.append,), daemon=True)
@@ -126,9 +130,19 @@ class Tracer:
         check("plan")
         kflags = attach.kernel_flags(plan, kbtf, drops, rsts, log)
         self.probes = attach.load(plan, kflags, drops, log)
+        if self.cfg.node_scope:
+            from nptrace.node.scope import NodeScope
+            self.scope = NodeScope(self.probes.set_netns_scope, log)
+            log(self.scope.start())
         check("compile")
         if plan.tc:
             self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)
+            if self.cfg.iface_auto:
+                from nptrace.node.ifwatch import AutoIfaces
+                self.ifwatch = AutoIfaces(self.tc, log, on_gap=self._on_gap)
+                self.ifwatch.start()
+                if self.ifwatch.choice is not None:
+                    log(self.ifwatch.choice.line())
             check("tc attach")
         self.nf_links = attach.attach_netfilter(plan, self.probes, log)
         check("netfilter hook")
@@ -177,11 +191,11 @@ class Tracer:
                                       iface_name=names.iface, drop_name=drops.name,
                                       rst_name=rsts.name, flows=lambda: len(self.classifier.flows),
                                       probes=lambda: health.probe_states(
-                                          TRACEPOINTS, probes.attached, self.cfg.ifaces, self.tc,
+                                          TRACEPOINTS, probes.attached, self._ifaces(), self.tc,
                                           plan.nf_hook))
         self.classifier = Classifier(self.ctx)
         self._watch_losses()
-        if self.tc is not None:
+        if self.tc is not None and self.ifwatch is None:
             from nptrace.node.ifwatch import IfaceWatch
             self.ifwatch = IfaceWatch(self.cfg.ifaces, self.tc, log, on_gap=self._on_gap)
         check("node knowledge")
@@ -192,7 +206,7 @@ class Tracer:
         # (docs/PLATFORM.md). Elsewhere the walk's ordering assumptions do not hold: bcc's poll.
         self.reader = open_reader(self.probes, log)
         elapsed = time.monotonic() - t0
-        what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self.cfg.ifaces])
+        what = ", ".join(self.probes.attached + [f"tc:{s}" for s in self._ifaces()])
         if self.tc is not None:
             what += f" (tc via {self.tc.mode})"
         node = f" on node {self.outputs.node}" if self.outputs.node else ""
@@ -213,7 +227,9 @@ class Tracer:
         from nptrace.kernel.netlink import named_netns
         from nptrace.node.nftrace_live import sweep_tables
         try:
-            sweep_tables([None] + named_netns(), say, node_lock="NPTRACE_LOCK_FILE" not in os.environ)
+            # one node of several: the other nodes' namespaces are their tracers' to sweep
+            spaces = [None] if self.cfg.node_scope else [None] + named_netns()
+            sweep_tables(spaces, say, node_lock="NPTRACE_LOCK_FILE" not in os.environ)
         except Exception as e:       # a sweep that cannot run must not stop the start
             say(f"warning: could not look for nft trace tables of killed runs: {e}")
 
@@ -253,6 +269,10 @@ class Tracer:
                     fn(stage, n, message)
                 except Exception:
                     pass
+
+    def _ifaces(self) -> list:
+        """The interfaces traced now: --iface's, or those the automatic choice holds."""
+        return list(self.tc.specs) if self.tc is not None else list(self.cfg.ifaces)
 
     def _on_gap(self, gap) -> None:
         self._loss("iface_gap", None, f"interface {gap.iface} was not traced for "
@@ -357,6 +377,8 @@ class Tracer:
         self._emit(self.classifier.feed(e))
 
     def _emit(self, verdicts) -> None:
+        if self.scope is not None and verdicts:
+            verdicts = self.scope.keep(verdicts)
         for v in verdicts:
             for s in self.sinks:
                 s.write(v)
@@ -379,6 +401,8 @@ class Tracer:
             self.bad_records += bad
             self.decoded += len(events)
             vs = self.classifier.feed_many(events)
+            if vs and self.scope is not None:
+                vs = self.scope.keep(vs)
             if vs:
                 for s in self.sinks:
                     many = getattr(s, "write_many", None)
@@ -450,11 +474,14 @@ class Tracer:
                 if sig.hup:      # log rotation: reopen files at the next loop turn
                     sig.hup = False
                     self.reopen_requested = True
+                if self.scope is not None:   # a new pod's namespace: its first reset counts
+                    self.scope.poll()
                 if time.monotonic() >= next_second:
                     next_second = time.monotonic() + 1.0
                     self._report_losses()
                     if self.ifwatch is not None:
                         self.ifwatch.poll()
+
                 if self.prune_every_s and time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + self.prune_every_s
                     self._prune()
@@ -466,7 +493,7 @@ class Tracer:
                     last_decoded = self.decoded
                     next_status += self.status_every
                     more = self.losses.summary()
-                    log(f"status: {len(self.probes.attached)} probes, {len(self.cfg.ifaces)} "
+                    log(f"status: {len(self.probes.attached)} probes, {len(self._ifaces())} "
                         f"interfaces, {rate:.0f} events/s, {st.get('lost', 0)} lost, "
                         f"{st.get('sampled', 0)} sampled, {len(self.classifier.flows)} flows tracked"
                         + (f", {st['count_full']} past the full counts map"

@@ -149,18 +149,26 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
         choices.append(Choice("kprobe:*", "kprobes", False,
                               kp.detail if kp is not None and kp.detail else "no kprobes"))
 
-    # tc: only for --iface; tcx links or clsact filters are tc.py's choice at attach time
+    # tc: on --iface's devices, or on those the automatic choice finds at start and follows
+    # (node/ifchoice.py); tcx links or clsact filters are tc.py's choice at attach time
     tc_names = "tc:" + "/".join(h.name.split(":", 1)[1] for h in TC_HOOKS)   # tc:ingress/egress
-    tc = bool(cfg.ifaces)
-    if tc:
+    clsact = _result(features, "tc clsact")
+    tc = bool(cfg.ifaces) or cfg.iface_auto
+    if cfg.iface_auto and not cfg.ifaces and clsact is not None and clsact.present is False:
+        tc = False
+        cfg = dataclasses.replace(cfg, iface_auto=False)
+        choices.append(Choice(tc_names, "tc clsact", False,
+                              f"automatic interface choice off: {clsact.detail or 'no clsact'}"))
+    elif tc:
         tcx = _result(features, "tcx")
         mode = cfg.tc_mode
         if mode == "auto":
             mode += ": tcx links" if tcx is not None and tcx.present else ": clsact filters"
-        choices.append(Choice(tc_names, "tc clsact", True,
-                              f"--iface {', '.join(map(str, cfg.ifaces))}; tc mode {mode}"))
+        where = (f"--iface {', '.join(map(str, cfg.ifaces))}" if cfg.ifaces else
+                 "the node's devices, chosen at start and followed")
+        choices.append(Choice(tc_names, "tc clsact", True, f"{where}; tc mode {mode}"))
     else:
-        choices.append(Choice(tc_names, "tc clsact", False, "only with --iface"))
+        choices.append(Choice(tc_names, "tc clsact", False, "--iface none"))
 
     # the netfilter-hook view of NATed SYNs (Linux 6.4+)
     nf = _result(features, NF_HOOK.probe)

@@ -36,7 +36,8 @@ def build_cflags(cfg: Config, available_tracepoints: set[str] | None = None,
         f"-DNPT_FILTER_PORTS={1 if cfg.ports else 0}",
         f"-DNPT_FILTER_HOSTS={1 if cfg.hosts else 0}",
         f"-DNPT_FILTER_SVC={1 if cfg.service_gate else 0}",   # run --service (npt_common.h)
-        f"-DNPT_WITH_TC={1 if cfg.ifaces else 0}",
+        f"-DNPT_FILTER_NETNS={1 if cfg.node_scope else 0}",   # one node of several (node/scope.py)
+        f"-DNPT_WITH_TC={1 if cfg.ifaces or cfg.iface_auto else 0}",
         f"-DNPT_WITH_KPROBES={1 if cfg.kprobes else 0}",
         f"-DNPT_SNAPLEN={cfg.snaplen}",     # bpf/npt_packet.h: packet bytes for --pcap
         # bcc's borrowed headers warn about attributes clang does not know; the noise hides

@@ -132,7 +132,7 @@ HOOKS: tuple[Hook, ...] = (
     _tp("tcp:tcp_retransmit_synack", "NPT_TP_TCP_RETRANSMIT_SYNACK", "4.15",
         "lost handshakes (SYN-ACK retransmits) are not seen",
         ("skaddr", *_SOCK_ADDRS)),
-    # tc (bpf/tc.bpf.c): only with --iface. clsact 4.5 (direct-action 4.4); tcx links 6.6.
+    # tc (bpf/tc.bpf.c): on --iface's devices or those chosen (node/ifchoice.py). clsact 4.5 (direct-action 4.4); tcx links 6.6.
     Hook("tc:ingress", "tc", "tc.bpf.c", ("npt_tc_ingress",), "NPT_WITH_TC", "4.5", False,
          "no wire view: resets sent by iptables REJECT --reject-with tcp-reset are not seen",
          "clsact filters where tcx links are refused (kernel/tc.py); programs without kernel "

@@ -253,6 +253,18 @@ class Probes:
                 ct.memmove(ct.addressof(k.addr), raw, 16)
                 m[k] = ct.c_uint8(1)
 
+    def set_netns_scope(self, inodes) -> int:
+        """Make the kernel's namespace filter (npt_common.h filter_netns: the namespaces NOT
+        reported) hold exactly `inodes`."""
+        m = self.bpf["filter_netns"]
+        want = {int(i) for i in inodes}
+        have = {k.value for k in m.keys()}
+        for i in want - have:
+            m[m.Key(i)] = ct.c_uint8(1)
+        for i in have - want:
+            del m[m.Key(i)]
+        return len(want)
+
     def set_service_ends(self, ends) -> int:
         """Make the kernel's --service gate (npt_common.h filter_svc) hold exactly `ends`,
         (addr, port) as classify/filters.py ServiceSel.kernel_ends() gives them ("" for any

@@ -387,7 +387,22 @@ class TcAttachments:
     def reattach(self, spec: IfaceSpec, ifindex: int, inode: int) -> None:
         """Attach `spec` again at its new (inode, ifindex): a pod restart or a re-created
         VXLAN device took the old device, and its filters and tcx links with it. The old
-        entry is forgotten (its link fds closed) before the new one is made."""
+        entry is forgotten (its link fds closed) before the new one is made. A spec attached
+        nowhere yet (a device the automatic choice just found) is simply attached."""
+        self.forget(spec)
+        if spec not in self.specs:
+            self.specs.append(spec)
+        with self.open_netns(spec.netns) as r:
+            self._attach_one(r, spec, ifindex, inode)
+
+    def remove(self, spec: IfaceSpec) -> None:
+        """Take the programs off `spec` for good (the automatic choice dropped the device)."""
+        self.forget(spec)
+        if spec in self.specs:
+            self.specs.remove(spec)
+
+    def forget(self, spec: IfaceSpec) -> None:
+        """Close `spec`'s tcx links and remove its clsact filters where its device still is."""
         for i, (e, fds) in enumerate(self.links):
             if (e.netns, e.ifname) == (spec.netns, spec.name):
                 for fd in fds:
@@ -397,16 +412,13 @@ class TcAttachments:
         for e in list(self.attached):
             if (e.netns, e.ifname) == (spec.netns, spec.name):
                 self.attached.remove(e)
-                if e.ifindex == ifindex and e.netns_inode == inode:
-                    # the same device: remove what is ours before adding it again
-                    try:
-                        with self.open_netns(e.netns) as r:
+                try:       # _remove_entry leaves a device that is gone or renamed alone
+                    with self.open_netns(e.netns) as r:
+                        if r.inode == e.netns_inode:
                             _remove_entry(r, e, self.pid)
-                    except InterfaceError:
-                        pass
+                except InterfaceError:
+                    pass
         self.state.write(self.attached)
-        with self.open_netns(spec.netns) as r:
-            self._attach_one(r, spec, ifindex, inode)
 
     def detach(self) -> list[str]:
         """Undo, in reverse order. An interface that fails stays in the state file for the

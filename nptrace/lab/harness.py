@@ -94,9 +94,15 @@ def _own_ports(info, i: int) -> None:
                        capture_output=True)
 
 
+def node_namespaces(info) -> list[tuple[str, str]]:
+    """(host, namespace) of a lab's nodes: the hosts whose devices its watch list names."""
+    spaces = {w.split("/", 1)[0] for w in info.watch}
+    return [(h, ns) for h, ns in info.namespaces.items() if ns in spaces]
+
+
 def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: bool = True,
                rounds: int = 1, pause: float = 1.5, wrap: tuple = (), after=None,
-               overlap: bool = False):
+               overlap: bool = False, nodes: bool = False):
     """Several labs up at once (each under its own prefix), one `nptrace run` watching all
     of them, each triggered in turn (``rounds`` times, ``pause`` s apart), then stop and down;
     ``overlap``: the next lab is triggered as soon as the last one's trigger returned, while
@@ -107,7 +113,9 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
     ``after(case)``: called while the tracer is still attached, after the case's last trigger
     and its settle (``Case.observe``, else ``settle``). Returns ([(lab info, attempts, netns
     inodes)] in the cases' order, JSON events of all of them, stderr); scenario_events() tells
-    each case's incidents by its inodes and client ports."""
+    each case's incidents by its inodes and client ports. ``nodes``: the shipped form, as a
+    node runs it: one plain `nptrace run` (no --iface) inside each lab node's namespace, each
+    reporting its node and its pods (node/scope.py), their lines together."""
     from nptrace import lab
     ups: list = []
 
@@ -156,29 +164,37 @@ def trace_labs(cases, count: int, extra_args=(), settle: float = 1.0, watch: boo
                 if failed:
                     raise failed[0]
         with tempfile.TemporaryDirectory(prefix="npt-demo-") as tmp:
-            ready = Path(tmp) / "ready"
-            out = Path(tmp) / "events.json"
-            err = Path(tmp) / "stderr"
-            ifaces = [a for _, info, _ in ups for w in (info.watch if watch else ())
+            ifaces = [a for _, info, _ in ups for w in (info.watch if watch and not nodes else ())
                       for a in ("--iface", w)]
             # the real tier's API, as the DaemonSet's ServiceAccount reads it (lab/real/lab.py)
             env = {**os.environ, **{k: v for _, info, _ in ups for k, v in info.env.items()}}
-            with open(out, "w") as fo, open(err, "w") as fe:
-                proc = subprocess.Popen([*wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file", str(ready),
-                                                          *ifaces, *extra_args],
-                                        stdout=fo, stderr=fe, env=env)
-                try:
+            runs = ([(["ip", "netns", "exec", ns], ["--node-name", host])
+                     for _, info, _ in ups for host, ns in node_namespaces(info)]
+                    if nodes else [((), ())])
+            procs = []
+            try:
+                for i, (enter, args) in enumerate(runs):
+                    ready, out, err = (Path(tmp) / f"{n}{i}" for n in ("ready", "events", "stderr"))
+                    with open(out, "w") as fo, open(err, "w") as fe:
+                        procs.append((subprocess.Popen(
+                            [*enter, *wrap] + _nptrace_cmd() + ["run", "--json", "--ready-file",
+                                                                str(ready), *args, *ifaces,
+                                                                *extra_args],
+                            stdout=fo, stderr=fe, env=env), ready, out, err))
+                for proc, ready, _, err in procs:
                     wait_ready(ready, proc, stderr=err)
-                    if overlap and len(ups) > 1:
-                        with ThreadPoolExecutor(len(ups)) as pool:
-                            waits = [pool.submit(finish, *run_case(*u)) for u in ups]
-                            done = [w.result() for w in waits]
-                    else:
-                        done = [finish(*run_case(*u)) for u in ups]
-                finally:
-                    interrupt(proc)
-            events = [json.loads(l) for l in out.read_text().splitlines() if l.strip()]
-            return done, events, err.read_text()
+                if overlap and len(ups) > 1:
+                    with ThreadPoolExecutor(len(ups)) as pool:
+                        waits = [pool.submit(finish, *run_case(*u)) for u in ups]
+                        done = [w.result() for w in waits]
+                else:
+                    done = [finish(*run_case(*u)) for u in ups]
+            finally:
+                with ThreadPoolExecutor(max(1, len(procs))) as pool:
+                    list(pool.map(interrupt, [p for p, _, _, _ in procs]))
+            events = [json.loads(l) for _, _, out, _ in procs
+                      for l in out.read_text().splitlines() if l.strip()]
+            return done, events, "".join(err.read_text() for _, _, _, err in procs)
     finally:
         # each its own namespaces and state; an up that failed took its half-made lab down
         with ThreadPoolExecutor(max(1, len(ups))) as pool:

@@ -14,10 +14,12 @@ upper bound: the device may have come back up to a poll interval before it was s
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from nptrace.config import IfaceSpec
 from nptrace.kernel.nsenter import host_inode, inode_of, path_of
 from nptrace.node.netns import link_names
 
@@ -109,3 +111,146 @@ class IfaceWatch:
                      f"not traced for {took}")
             if self.on_gap is not None:
                 self.on_gap(gap)
+
+
+# Link, IPv4/IPv6 address and IPv4/IPv6 route announcements (RTMGRP_* of rtnetlink.h).
+_RTMGRP = 0x1 | 0x10 | 0x40 | 0x100 | 0x400
+RECHECK_S = 30.0
+
+
+class LinkEvents:
+    """The kernel's link, address and route announcements in this namespace, unread until
+    asked: changed() says whether any came (or the socket overran, which means some did)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_NETLINK,
+                                  socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
+                                  socket.NETLINK_ROUTE)
+        self.sock.bind((0, _RTMGRP))
+
+    def changed(self) -> bool:
+        got = False
+        for _ in range(10_000):          # bounded: a flood of announcements is one change
+            try:
+                self.sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:              # ENOBUFS: announcements were lost, so some came
+                pass
+            got = True
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def current_choice():
+    from nptrace.kernel.netlink import Rtnl
+    from nptrace.node.ifchoice import choose
+    with Rtnl(None) as r:
+        return choose(r.devices())
+
+
+class AutoIfaces:
+    """No --iface: the devices node/ifchoice.py chooses, followed while running. A device
+    created after start (a CNI's VXLAN device, a new bridge) is attached at the next poll
+    after the kernel announces it (about a second); one that goes has its programs taken off;
+    one re-created under its name is attached again and the gap reported as IfaceWatch does.
+    The choice is read again only when the kernel announced a link, address or route change,
+    and every RECHECK_S besides: a node with hundreds of pod veths costs nothing at rest."""
+
+    def __init__(self, tc, log: Callable[[str], None], *, read=current_choice, events=None,
+                 clock=time.monotonic, on_gap: Callable[[Gap], None] | None = None,
+                 every_s: float = POLL_S, inode: Callable[[], int] = host_inode):
+        self.tc = tc
+        self.log = log
+        self.read = read
+        self.events = events
+        self.clock = clock
+        self.on_gap = on_gap
+        self.every_s = every_s
+        self.inode = inode
+        self.choice = None
+        self.gone: dict[str, float] = {}    # chosen devices seen gone: since when
+        self.gaps: list[Gap] = []
+        self.reattached = 0
+        self.failures = 0
+        self._next = 0.0
+        self._recheck = 0.0
+
+    @property
+    def specs(self) -> list[IfaceSpec]:
+        return list(self.tc.specs)
+
+    def start(self) -> None:
+        """The first choice, attached at once (quietly: the start line says it)."""
+        if self.events is None:
+            self.events = LinkEvents()
+        self._apply(self.clock(), quiet=True)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+
+    def poll(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now < self._next:
+            return
+        self._next = now + self.every_s
+        try:
+            changed = self.events is None or self.events.changed()
+        except OSError:
+            changed = True
+        if force or changed or now >= self._recheck:
+            self._apply(now)
+
+    def _warn(self, msg: str) -> None:
+        self.failures += 1
+        if self.failures <= 20:
+            self.log(f"warning: automatic interfaces: {msg}")
+
+    def _apply(self, now: float, quiet: bool = False) -> None:
+        self._recheck = now + RECHECK_S
+        try:
+            choice = self.read()
+            inode = self.inode()
+        except Exception as e:     # a watcher must never stop the tracer
+            self._warn(f"{type(e).__name__}: {e}")
+            return
+        want = {name: (idx, why) for name, idx, why in choice.chosen}
+        have = {s.name: self.tc.where(s) for s in self.tc.specs if s.netns is None}
+        for name, (idx, why) in want.items():
+            was = have.get(name)
+            if was == (inode, idx):
+                continue
+            try:
+                self.tc.reattach(IfaceSpec(None, name), idx, inode)
+            except Exception as e:
+                self._warn(f"attaching to {name} (ifindex {idx}) failed: {type(e).__name__}: "
+                           f"{e} (retrying)")
+                self._recheck = now + self.every_s
+                continue
+            since = self.gone.pop(name, None)
+            if since is not None or was is not None:
+                gap = Gap(name, since if since is not None else now, now,
+                          seen_gone=since is not None)
+                self.reattached += 1
+                self.gaps = (self.gaps + [gap])[-64:]
+                if self.on_gap is not None:
+                    self.on_gap(gap)
+            if not quiet:
+                self.log(f"interface {name} ({why}): tc programs attached"
+                         + (" again (device re-created)" if since is not None or was else ""))
+        for name in have.keys() - want.keys():
+            try:
+                self.tc.remove(IfaceSpec(None, name))
+            except Exception as e:
+                self._warn(f"taking the programs off {name} failed: {type(e).__name__}: {e}")
+                continue
+            gone = name not in choice.present
+            if gone:
+                self.gone[name] = now
+            self.log(f"interface {name} " + ("disappeared: not traced until it is back"
+                                             if gone else "is no longer one the node's "
+                                             "traffic crosses: tc programs taken off"))
+        self.choice = choice

@@ -110,7 +110,7 @@ def test_plan_on_6_18_like_this_vm():
     assert p.tracepoints == frozenset(hooks.TRACEPOINTS)
     assert not p.kprobes and not p.cfg.kprobes and not choice(p, "kprobe:*").on
     assert p.nf_hook and choice(p, "netfilter:post_routing").on
-    assert not p.tc and "only with --iface" in choice(p, "tc:ingress/egress").why
+    assert not p.tc and "--iface none" in choice(p, "tc:ingress/egress").why
     p.require()
     # one line per choice: each tracepoint, kprobes, tc, netfilter
     assert len(p.lines()) == len(hooks.TRACEPOINTS) + 3

@@ -6,7 +6,8 @@ connection.
         [--form lab --form plain] [--count 10] [--markdown docs/k8s.md] [SCENARIO[/VARIANT] ...]
 
 Forms: ``lab``, the lab's node devices given with -i (the yardstick's form); ``plain``, one
-`nptrace run` in the root namespace with no -i. Per case: the failed connections (the client
+`nptrace run` in the root namespace with no -i; ``node``, the shipped form: one plain
+`nptrace run` in each lab node's namespace, as a node runs it (docs/shipped.md). Per case: the failed connections (the client
 saw anything but ok), how many of them every incident labels with the scenario's cause, how
 many name its Service, incidents per failed connection, and the wall time. A healthy
 scenario's row counts the incidents about its connections (there should be none).
@@ -31,7 +32,7 @@ from ..harness import Case, ports_of, scenario_events, trace_labs
 from ..model import load_scenarios
 from . import releases
 
-FORMS = ("lab", "plain")
+FORMS = ("lab", "plain", "node")
 DEFAULT_MODES = ("iptables", "nft")
 
 
@@ -131,7 +132,8 @@ def run_case(rel: releases.Release, mode: str, form: str, name: str, variant: st
         observe = next(s.observe for s in load_scenarios() if s.name == name)
         done, events, _err = trace_labs([Case(name, mode, variant, observe=observe, real=True,
                                               release=rel.name)], count, settle=observe,
-                                        extra_args=("--max-rate", "0"), watch=form == "lab")
+                                        extra_args=("--max-rate", "0"), watch=form == "lab",
+                                        nodes=form == "node")
         _, attempts, inodes = done[0]
         score(row, service, attempts, events, inodes)
     except NotRunnable as e:
