@@ -124,3 +124,33 @@ def test_a_failed_attach_is_retried_and_never_stops_the_tracer():
     now[0] = 1.0
     w.poll()              # retried at the next poll, no announcement needed
     assert w.failures == 6
+
+
+class V:
+    def __init__(self, netns):
+        self.event = type("E", (), {"netns": netns})()
+
+
+def test_node_scope_keeps_its_namespaces_and_sorts_an_unknown_one_once(monkeypatch):
+    """node/scope.py NodeScope.keep: this node's and its pods' verdicts stay, the other
+    nodes' go; a namespace not sorted yet sorts them again, once."""
+    from nptrace.node import scope
+    monkeypatch.setattr(scope, "host_inode", lambda: 1)
+    world = {"pods": {2: "/run/netns/pod"}, "others": {3}}
+    sorts, filled = [], []
+
+    def sort():
+        sorts.append(1)
+        return dict(world["pods"]), set(world["others"])
+    s = scope.NodeScope(filled.append, lambda _: None, sort=sort, events=Events(),
+                        clock=lambda: 0.0)
+    s.start()
+    assert filled[-1] == {3} and len(sorts) == 1
+    kept = s.keep([V(1), V(2), V(3), V(0)])
+    assert [v.event.netns for v in kept] == [1, 2, 0] and s.dropped == 1 and len(sorts) == 1
+    world["others"] = {3, 4}                 # another node's new pod
+    assert s.keep([V(4)]) == [] and len(sorts) == 2
+    world["pods"] = {2: "/run/netns/pod", 5: "/run/netns/new"}   # this node's new pod
+    assert [v.event.netns for v in s.keep([V(5), V(5)])] == [5, 5] and len(sorts) == 3
+    assert [v.event.netns for v in s.keep([V(6)])] == [6] and len(sorts) == 4
+    assert s.keep([V(6)]) and len(sorts) == 4      # asked once: not sorted again
