@@ -178,7 +178,7 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
         nf_hook, why = False, f"{nf.detail or 'absent'}; fallback: {NF_HOOK.fallback}"
     else:
         nf_hook, why = True, f"{NF_HOOK.bpf_file}, linked at ipv4 and ipv6 POST_ROUTING@101 in " + \
-            ", ".join(ns or "the host namespace" for ns in nf_namespaces(cfg))
+            ", ".join(ns or "the namespace nptrace runs in" for ns in nf_namespaces(cfg))
     choices.append(Choice(NF_HOOK.name, NF_HOOK.probe, nf_hook, why))
 
     eff = dataclasses.replace(cfg, kprobes=True) if kprobes and not cfg.kprobes else cfg

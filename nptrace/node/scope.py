@@ -188,11 +188,17 @@ class NodeScope:
     def keep(self, verdicts) -> list:
         """The verdicts of this node's namespaces. One of a namespace not sorted yet (a pod
         made after the last sort, whose records the kernel lets through) sorts them again
-        first, once per such namespace: another node's new pod is dropped here, not shown."""
+        first, once per such namespace: another node's new pod is dropped here, not shown.
+        One whose record named no namespace is dropped too: it may be any node's."""
         out = []
         for v in verdicts:
             ns = v.event.netns
-            if ns and ns != self.here and ns not in self.pods:
+            if not ns:
+                # the kernel named no namespace (a packet freed with neither device nor
+                # socket): nothing places it on this node rather than on another
+                self.dropped += 1
+                continue
+            if ns != self.here and ns not in self.pods:
                 if ns not in self.others and ns not in self._asked:
                     if len(self._asked) > 4096:
                         self._asked.clear()
