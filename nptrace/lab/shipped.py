@@ -25,7 +25,7 @@ from pathlib import Path
 from .errors import LabError, NotRunnable
 from .harness import Case, trace_labs
 from .model import load_scenarios
-from .real.yardstick import Row, markdown, read_table, score, write_table, _commit
+from .real.yardstick import Row, markdown, read_table, score, write_table, commit
 
 FORMS = ("node", "lab", "plain")
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     if a.rows_json:
         a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     if a.markdown:
-        write_table(a.markdown, markdown(rows, _commit(), read_table(a.markdown)))
+        write_table(a.markdown, markdown(rows, commit(), read_table(a.markdown)))
     bad = [r for r in rows if not r.ok]
     print(f"shipped: {len(rows) - len(bad)} passed, {len(bad)} failed", file=sys.stderr)
     return 1 if bad else 0

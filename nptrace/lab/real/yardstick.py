@@ -160,7 +160,7 @@ def markdown(rows: list[Row], commit: str, earlier: str = "") -> str:
     return "\n".join(lines + list(new.values()) + kept) + "\n"
 
 
-def _commit() -> str:
+def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=releases.K8S_DIR.parent, timeout=10).stdout.strip() or "?"
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     if a.rows_json:
         a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     if a.markdown:
-        write_table(a.markdown, markdown(rows, _commit(), read_table(a.markdown)))
+        write_table(a.markdown, markdown(rows, commit(), read_table(a.markdown)))
     bad = [r for r in rows if not r.ok]
     print(f"yardstick: {len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0
