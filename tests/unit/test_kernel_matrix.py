@@ -120,3 +120,18 @@ def test_the_page_keeps_every_stored_kernel_newest_first(tmp_path: Path):
     (tmp_path / "runs" / "broken" / "result.json").write_text("{")
     assert [r["kernel"] for r in kernels.stored_results(tmp_path)] == \
         ["6.12.0-1-amd64", "6.1.0-50-amd64", "5.10.0-32-amd64"]
+
+
+def test_the_sections_below_the_table_are_kept_and_the_table_is_not():
+    page = ("# Kernel matrix\n\nintro\n\n| kernel |\n|---|\n| 6.1 |\n\n"
+            "## Not booted here (inferred)\n\n| 5.15 |\n\n## Notes\n\n- a note\n")
+    assert kernels.kept_sections(page) == \
+        "## Not booted here (inferred)\n\n| 5.15 |\n\n## Notes\n\n- a note\n"
+    assert kernels.kept_sections("# Kernel matrix\n\n| kernel |\n") == ""
+
+
+def test_the_default_matrix_boots_every_known_suite_newest_first_and_ci_stays_on_6_1():
+    assert sorted(kernels.DEFAULT_KERNELS) == sorted(kernels.SUITES)
+    assert list(kernels.DEFAULT_KERNELS) == sorted(kernels.DEFAULT_KERNELS, key=kernels.release_key,
+                                                   reverse=True)
+    assert kernels.SHORT[0] == "6.1"
