@@ -4,6 +4,9 @@ one run (`make bench`, `make bench-quick`).
 
 Sections, one module each, in the order they run:
   tc_cost      ns per packet of each nptrace tc program beside an empty program (veth, VXLAN)
+  auto_ifaces  no --iface on a node namespace with 200 pods: the interfaces chosen, start, CPU
+               and RSS at rest, CPU of a pod churn and tc ns per packet, beside --iface none
+               and the node's devices named with --iface
   throughput   bulk TCP (iperf3) with nptrace on both veth ends / without, alternated
   connrate     new connections/s through an iptables-DNAT'd NodePort, with / without
   reset_storm  SYNs to a closed port at full speed: nptrace, tcpdump, bcc trace, bcc tcpdrop

@@ -2,7 +2,7 @@
 sections one after another, print one table, and save it under DIR/<timestamp>/ as
 report.json, table.txt, table.md and report.png (the chart needs matplotlib).
 
-Full mode takes about 25 minutes (10 of them the memory churn, 10 the soak), --quick under 4. Targets are
+Full mode takes about 26 minutes (10 of them the memory churn, 10 the soak), --quick under 5. Targets are
 measured, never asserted: the exit status is 0 when every section produced its numbers, 1
 when one failed (its row says why), 2 on bad usage.
 """

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 MET, MISSED, INFO, ERROR = "met", "missed", "-", "error"
 SCHEMA = 1
-SECTIONS = ("tc_cost", "throughput", "connrate", "reset_storm", "pipeline", "startup", "soak")
+SECTIONS = ("tc_cost", "auto_ifaces", "throughput", "connrate", "reset_storm", "pipeline",
+            "startup", "soak")
 
 
 @dataclass

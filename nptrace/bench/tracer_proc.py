@@ -1,7 +1,9 @@
 """`nptrace run` as a black box: launched as a subprocess with a ready file, timed from launch
 to that file, stopped with SIGINT (its normal stop: drain, detach, `stopped: N events decoded,
 M lost` on stderr). Each run gets its own instance lock file, so the benchmark does not queue
-behind (or block) another nptrace on the node."""
+behind (or block) another nptrace on the node. It runs in the root namespace, or with `netns`
+in a namespace of the bench's through `ip netns exec` (which execs: the pid is nptrace's own),
+as the shipped form runs in a node's namespace."""
 from __future__ import annotations
 
 import os
@@ -18,12 +20,14 @@ START_TIMEOUT_S = 90
 
 
 class Nptrace:
-    """One `nptrace run --json` in the root namespace; args add --iface/--host etc."""
+    """One `nptrace run --json` in the root namespace (or `netns`); args add --iface/--host
+    etc."""
 
     def __init__(self, topo: Topology, logdir: Path, tag: str, args: list[str],
                  stdout_path: Path | None = None, stop_wait: float = 15.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, netns: str | None = None):
         self.topo = topo
+        self.netns = netns
         self.env = env or {}
         self.tag = tag
         self.args = args
@@ -51,7 +55,7 @@ class Nptrace:
         argv = [PY, "-m", "nptrace.cli", "run", "--json", "--ready-file", str(self.ready),
                 *self.args]
         t0 = time.monotonic()
-        self.proc = self.topo.spawn(None, argv, stdout=out, stderr=err, env=env)
+        self.proc = self.topo.spawn(self.netns, argv, stdout=out, stderr=err, env=env)
         try:
             wait_for(self.ready.exists, START_TIMEOUT_S, 0.005, f"nptrace ({self.tag}) ready file",
                      self.proc)
