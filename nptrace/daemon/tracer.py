@@ -161,7 +161,8 @@ class Tracer:
             kn.preload(watched)
             kn.start_watch()    # nf_tables commits at once, legacy within 50 ms, IPVS a second
             from nptrace.node.nftrace_live import TracedRules
-            self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log)
+            self.nft = TracedRules(kn, enabled=self.cfg.nft_trace, log=log,
+                                   owns=self.scope.owns if self.scope is not None else None)
             from nptrace.node import kubeapi
             from nptrace.node.pods import PodNames   # API watch or crictl; never blocks
             self.pods = PodNames(self.outputs.node, api=kubeapi.from_env(), log=log).start()

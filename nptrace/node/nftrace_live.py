@@ -279,9 +279,13 @@ class NsTrace:
 class TracedRules:
     """Context.nf_rule that asks nf_tables tracing first, then the ruleset (NodeKnowledge)."""
 
-    def __init__(self, knowledge, *, enabled: bool = True, clock=time.monotonic, log=None):
+    def __init__(self, knowledge, *, enabled: bool = True, clock=time.monotonic, log=None,
+                 owns=None):
         self.kn = knowledge
         self.enabled = enabled
+        # one node of several (node/scope.py NodeScope.owns): no trace table in a namespace
+        # that is not this node's nor its pods' (another node's tracer owns those)
+        self.owns = owns
         self.clock = clock
         self.log = log or (lambda msg: None)
         self._ns: dict[int, NsTrace | str] = {}   # netns inode -> session, or why there is none
@@ -328,6 +332,8 @@ class TracedRules:
     def _no_trace_reason(self, inode: int, smap) -> str | None:
         if not self.enabled:
             return "nft trace off (--no-nft-trace)"
+        if self.owns is not None and not self.owns(inode):
+            return "nft trace: not this node's namespace"
         if self.kn._netns_arg(inode) is False:
             return "nft trace needs a named network namespace (ip netns) and this one has none"
         backends = tuple(getattr(smap, "backends", ()) or ())

@@ -185,29 +185,31 @@ class NodeScope:
                      + (f", {len(added)} new" if added else "")
                      + (f", {len(gone)} gone" if gone else ""))
 
+    def owns(self, ns: int) -> bool:
+        """Whether namespace ``ns`` is this node's or one of its pods'. One not sorted yet (a
+        pod made after the last sort, whose records the kernel lets through) sorts them again
+        first, once per such namespace. A record that names no namespace (0) may be any
+        node's: not this one's."""
+        if not ns:
+            return False
+        if ns == self.here or ns in self.pods:
+            return True
+        if ns not in self.others and ns not in self._asked:
+            if len(self._asked) > 4096:
+                self._asked.clear()
+            self._asked.add(ns)
+            self._refresh()
+        return ns == self.here or ns in self.pods or ns not in self.others
+
     def keep(self, verdicts) -> list:
-        """The verdicts of this node's namespaces. One of a namespace not sorted yet (a pod
-        made after the last sort, whose records the kernel lets through) sorts them again
-        first, once per such namespace: another node's new pod is dropped here, not shown.
-        One whose record named no namespace is dropped too: it may be any node's."""
+        """The verdicts of this node's namespaces (owns): another node's new pod and a
+        packet freed with neither device nor socket are dropped here, not shown."""
         out = []
         for v in verdicts:
-            ns = v.event.netns
-            if not ns:
-                # the kernel named no namespace (a packet freed with neither device nor
-                # socket): nothing places it on this node rather than on another
+            if self.owns(v.event.netns):
+                out.append(v)
+            else:
                 self.dropped += 1
-                continue
-            if ns != self.here and ns not in self.pods:
-                if ns not in self.others and ns not in self._asked:
-                    if len(self._asked) > 4096:
-                        self._asked.clear()
-                    self._asked.add(ns)
-                    self._refresh()
-                if ns in self.others:
-                    self.dropped += 1
-                    continue
-            out.append(v)
         return out
 
     def poll(self) -> None:

@@ -154,3 +154,16 @@ def test_node_scope_keeps_its_namespaces_and_sorts_an_unknown_one_once(monkeypat
     assert [v.event.netns for v in s.keep([V(5), V(5)])] == [5, 5] and len(sorts) == 3
     assert [v.event.netns for v in s.keep([V(6)])] == [6] and len(sorts) == 4
     assert s.keep([V(6)]) and len(sorts) == 4      # asked once: not sorted again
+
+
+def test_nft_trace_arms_no_table_in_another_node_s_namespace():
+    """One node of several: nft tracing (node/nftrace_live.py) never adds its table where the
+    node scope says the namespace is another node's."""
+    from nptrace.node.nftrace_live import TracedRules
+
+    class Kn:
+        def _netns_arg(self, inode):
+            return "npt-other"
+    t = TracedRules(Kn(), owns=lambda ns: ns == 1)
+    assert t._no_trace_reason(2, None) == "nft trace: not this node's namespace"
+    assert t._no_trace_reason(1, None) is None
