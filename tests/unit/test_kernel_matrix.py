@@ -135,3 +135,23 @@ def test_the_default_matrix_boots_every_known_suite_newest_first_and_ci_stays_on
     assert list(kernels.DEFAULT_KERNELS) == sorted(kernels.DEFAULT_KERNELS, key=kernels.release_key,
                                                    reverse=True)
     assert kernels.SHORT[0] == "6.1"
+
+
+def test_a_run_stores_its_time_commit_and_accelerator_for_report_and_merges(tmp_path: Path,
+                                                                            monkeypatch):
+    release = "6.12.0-1-amd64"
+    monkeypatch.setattr(kernels, "CACHE", tmp_path)
+    monkeypatch.setattr(kernels, "ensure_tools", lambda: Path("vng"))
+    monkeypatch.setattr(kernels, "fetch", lambda name: kernels.Kernel(name, "trixie", release,
+                                                                     Path("vmlinuz")))
+    monkeypatch.setattr(kernels, "kvm_works", lambda vng, k: False)
+
+    def boot(vng, k, args, out, kvm, timeout):   # what the guest wrote, and what boot() adds
+        out.mkdir(parents=True)
+        (out / "result.json").write_text(f'{{"kernel": "{release}", "scenarios": []}}')
+        return {"kernel": release, "doctor": {"ok": True}, "scenarios": [], "wall_s": 12.0,
+                "commit": "abc1234"}
+    monkeypatch.setattr(kernels, "boot", boot)
+    assert kernels.main(["--kernel", "6.12"]) == 0
+    stored = kernels.stored_results(tmp_path)
+    assert [(r["wall_s"], r["commit"], r["accel"]) for r in stored] == [(12.0, "abc1234", "TCG")]
