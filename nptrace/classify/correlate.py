@@ -518,7 +518,14 @@ class Classifier:
             else:
                 ordered = tuple(ordered)
         if "{" in hint:
-            hint = fill_hint(hint, ev, iface, service)
+            if root is not None and root.ev is not ev:
+                # the root's hint speaks of the root's packet (its addresses, its interface),
+                # not of the consequence this incident's primary is
+                rev = root.ev
+                hint = fill_hint(hint, rev, ctx.iface_name(rev.netns, rev.ifindex)
+                                 if rev.ifindex else None, service)
+            else:
+                hint = fill_hint(hint, ev, iface, service)
         t = ev.type
         nat = flow.nat
         v = make_verdict(ev, KIND.get(t, "drop"), DIRECTIONS.get(t), HOOKS[ev.hook],

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nptrace.events import Event, F_ENCAP, F_HAS_SOCK, TCP_ACK, TCP_SYN
+from nptrace.events import Event, F_ENCAP, F_HAS_SOCK, TCP_ACK, TCP_RST, TCP_SYN
 from nptrace.text import hostport
 
+from .flowkey import nat_peer_tuple
 from .verdict import (APP_RESETS, D_INGRESS, T_ASYM_IFACE, T_ASYM_SRC, T_DROP, T_ICMP,
-                      T_RST_RECV, T_RST_SENT, T_WIRE_ICMP, T_WIRE_RST, WEAK_DROPS, Context,
+                      T_RST_RECV, T_RST_SENT, T_SYN_RETX, T_WIRE_ICMP, T_WIRE_RST, WEAK_DROPS, Context,
                       Labeled)
 
 Rule = Callable[[Event, str, list, Context], "tuple[str, float, str] | None"]
@@ -179,6 +180,36 @@ def rule_unexpected_reply(ev, rname, history, ctx):
     return None
 
 
+@applies_to(T_DROP)
+@for_reasons(T_DROP, ("NETFILTER_DROP",))
+def rule_client_answers_endpoint(ev, rname, history, ctx):
+    """The node that DNATed a client's connection to an endpoint on another node sees the
+    client address that endpoint directly, from the port of that connection: the endpoint's
+    reply reached the client un-NATed (it left by its own node, not masqueraded), and the
+    client answers it, most often with a reset. This node's conntrack knows no such
+    connection and a rule drops it INVALID (KUBE-FORWARD): the cause is the missing
+    masquerade, seen from the side that DNATed."""
+    # a reset a rule dropped (conntrack INVALID): a storm's other drops never ask the NAT map
+    # (their labels stay memoized, classify/labelmemo.py)
+    if ev.type != T_DROP or rname != "NETFILTER_DROP" or not ev.tcpflags & TCP_RST:
+        return None
+    got = nat_peer_tuple(ctx.nat_peer(ev.daddr, ev.dport, ev.saddr, ev.sport))
+    if got is None or (got[0], got[1]) != (ev.saddr, ev.sport) \
+            or (got[2], got[3]) == (ev.daddr, ev.dport):
+        return None
+    fallback = etp_local_fallback(ctx, ev.daddr, ev.dport)
+    if fallback:
+        return fallback
+    client, ep, front = hostport(ev.saddr, ev.sport), hostport(ev.daddr, ev.dport), hostport(got[2], got[3])
+    return ("snat", 0.85,
+            f"{client} connected to {front}, which this node DNATed to {ep}, and now sends to "
+            f"{ep} itself: the endpoint's reply reached the client with the pod's own address "
+            "(it left by the endpoint's node, not masqueraded), and the client answers that "
+            "reply, which this node's conntrack does not know. Masquerade forwarded NodePort "
+            "traffic (KUBE-POSTROUTING MASQUERADE, externalTrafficPolicy: Cluster) or use "
+            "externalTrafficPolicy: Local")
+
+
 @applies_to(T_ASYM_IFACE)
 def rule_wrong_iface(ev, rname, history, ctx):
     if ev.type != T_ASYM_IFACE:
@@ -191,7 +222,7 @@ def rule_wrong_iface(ev, rname, history, ctx):
         if fallback:
             return fallback
         return ("snat", 0.85,
-                f"the pod {{saddr}}:{{sport}} answers a client whose request arrived on {back} "
+                f"the pod {hostport(ev.saddr, ev.sport)} answers a client whose request arrived on {back} "
                 "(from another node, not masqueraded) and its reply leaves by {iface} with the "
                 "pod's own address: the client never connected to it and resets or drops it. "
                 "Masquerade forwarded NodePort traffic (KUBE-POSTROUTING MASQUERADE, "
@@ -441,6 +472,49 @@ def rule_refused_by_endpoint(ev, rname, history, ctx):
             "names which")
 
 
+@applies_to(T_SYN_RETX)
+def rule_unanswered_syn(ev, rname, history, ctx):
+    """A SYN seen again: nothing answered the first. Where this node DNATs it to an endpoint
+    that another node has, the loss is past this node, and only that node's trace can name it
+    (a policy drop, a dead endpoint): said, with where the endpoint is reached, and left
+    unknown here (a weak label: a cause the flow shows later, such as host unreachable coming
+    back, names the incident instead)."""
+    if ev.type != T_SYN_RETX:
+        return None
+    got = nat_peer_tuple(ctx.nat_peer(ev.saddr, ev.sport, ev.daddr, ev.dport))
+    if got is None or (got[0], got[1]) == (ev.daddr, ev.dport):
+        return None
+    ep = hostport(got[0], got[1])
+    dev = ctx.route_iface(ev.netns, got[0])
+    via = f" by {dev}" if dev else ""
+    return ("unknown", 0.0,
+            f"the SYN {hostport(ev.saddr, ev.sport)} > {hostport(ev.daddr, ev.dport)} was sent "
+            f"again: nothing answered it. This node DNATs it to {ep}, reached{via}; the packet "
+            f"is lost past this node. `nptrace run` on the node that has {got[0]} names the "
+            "drop there (a NetworkPolicy, a pod that is gone); `nptrace merge` of both nodes' "
+            "sessions shows the connection as one story")
+
+
+@applies_to(T_WIRE_RST)
+def rule_endpoint_aborted(ev, rname, history, ctx):
+    """A reset coming in from an endpoint the rules still list, in the middle of a
+    connection (not the answer to a SYN: rule_refused_by_endpoint's): the endpoint's TCP stack
+    aborted an established connection. Seen on the node that forwarded it to a pod on another
+    node, whose own trace tells the application's abort from a lost state; both are the
+    endpoint's doing, not the path's."""
+    if ev.type != T_WIRE_RST or ev.dir != D_INGRESS or (ev.seq == 0 and ev.tcpflags & TCP_ACK):
+        return None
+    service = ctx.endpoint_of(ev.saddr, ev.sport)
+    if not service:
+        return None
+    return ("app_reset", 0.6,
+            f"{hostport(ev.saddr, ev.sport)}, an endpoint of {service}, reset an established "
+            "connection (its reset arrives on {iface}): its application aborted it (close with "
+            "unread data, SO_LINGER 0) or its pod lost the connection's state (a container "
+            "restart); not a network fault. `nptrace run` on the endpoint's node names which; "
+            "look at the app's logs and restarts")
+
+
 @applies_to(T_RST_SENT)
 @for_reasons(T_RST_SENT, APP_RESETS)
 def rule_app_reset(ev, rname, history, ctx):
@@ -506,6 +580,8 @@ def rule_checksum(ev, rname, history, ctx):
             f"tx-checksum-ip-generic off`, or the CNI's setting) and {count}")
 
 
-RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply, rule_wrong_iface,
-                     rule_netfilter, rule_stale_conntrack, rule_stale_endpoint, rule_lost_state,
-                     rule_no_listener, rule_refused_by_endpoint, rule_app_reset, rule_peer_reset]
+RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply,
+                     rule_client_answers_endpoint, rule_wrong_iface, rule_netfilter,
+                     rule_stale_conntrack, rule_stale_endpoint, rule_lost_state, rule_no_listener,
+                     rule_refused_by_endpoint, rule_endpoint_aborted, rule_app_reset,
+                     rule_peer_reset, rule_unanswered_syn]

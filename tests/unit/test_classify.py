@@ -242,8 +242,9 @@ def test_reset_of_a_late_syn_ack_from_the_frontend_is_not_snat():
 def test_a_reset_answering_the_syn_from_a_remote_endpoint_is_no_listener():
     """The node that DNATed a SYN to a pod on another node sees only that pod's reset come in
     (over the overlay): sequence 0 with ACK answers the SYN itself, so the endpoint refused the
-    connection; a mid-connection reset (its own sequence number), or one from an address that
-    is no endpoint, stays a peer's reset."""
+    connection; a mid-connection reset (its own sequence number) is the endpoint aborting an
+    established connection (app_reset: its node's trace tells the app's abort from a lost
+    state); one from an address that is no endpoint stays a peer's reset."""
     ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, iface_name=lambda ns, i: "eth3",
                   endpoint_of=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.10", 8080) else None)
 
@@ -255,5 +256,45 @@ def test_a_reset_answering_the_syn_from_a_remote_endpoint_is_no_listener():
     assert v.cause == "no_listener"
     assert v.hint.startswith("10.244.1.10:8080, an endpoint of default/web:http, refused the connection")
     assert "arriving on eth3" in v.hint
-    assert [v.cause for v in classify([wire(123456)], ctx)] == ["peer_reset"]
+    [mid] = classify([wire(123456)], ctx)
+    assert mid.cause == "app_reset" and "reset an established connection" in mid.hint
+    assert "arrives on eth3" in mid.hint
     assert [v.cause for v in classify([wire(0, saddr="203.0.113.9")], ctx)] == ["peer_reset"]
+
+
+def test_a_client_answering_the_endpoint_directly_is_snat_on_the_node_that_dnated():
+    """missing-snat seen from the node that DNATed to a pod on another node: the client's reset
+    goes to the pod's own address from the port of its NodePort connection (the pod's reply
+    reached it un-NATed), and this node's conntrack drops it INVALID. The NAT map ties the two:
+    snat, not conntrack_invalid."""
+    def nat_peer(sa, sp, da, dp):      # the reply tuple E -> client maps to the original one
+        if (sa, sp, da, dp) == ("10.244.1.10", 8080, "192.168.10.100", 40000):
+            return ("192.168.10.100", 40000, "192.168.10.11", 30080)
+        return None
+    ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, iface_name=CTX.iface_name,
+                  nat_peer=nat_peer,
+                  endpoint_of=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.10", 8080) else None)
+    rst = E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=12, tcpflags=ev.TCP_RST,
+            saddr="192.168.10.100", sport=40000, daddr="10.244.1.10", dport=8080)
+    [v] = classify([rst], ctx)
+    assert v.cause == "snat"
+    assert "192.168.10.100:40000 connected to 192.168.10.11:30080" in v.hint
+    other = E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=12, tcpflags=ev.TCP_RST,
+              saddr="192.168.10.100", sport=40001, daddr="10.244.1.10", dport=8080)
+    assert [v.cause for v in classify([other], ctx)] != ["snat"]
+
+
+def test_an_unanswered_syn_dnated_to_another_node_says_the_loss_is_past_this_node():
+    def nat_peer(sa, sp, da, dp):
+        if (sa, sp, da, dp) == ("192.168.10.100", 40000, "192.168.10.11", 30080):
+            return ("10.244.1.10", 8080, "10.244.0.0", 40000)
+        return None
+    ctx = Context(drop_name=CTX.drop_name, rst_name=CTX.rst_name, nat_peer=nat_peer,
+                  route_iface=lambda ns, a: "flannel.1" if a == "10.244.1.10" else None)
+    retx = E(type=ev.EvType.SYN_RETX, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ifindex=2,
+             tcpflags=ev.TCP_SYN, saddr="192.168.10.100", sport=40000, daddr="192.168.10.11",
+             dport=30080)
+    [v] = classify([retx], ctx)
+    assert v.cause == "unknown"
+    assert "DNATs it to 10.244.1.10:8080, reached by flannel.1" in v.hint
+    assert "past this node" in v.hint
