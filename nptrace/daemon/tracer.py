@@ -134,6 +134,11 @@ class Tracer:
             from nptrace.node.scope import NodeScope
             self.scope = NodeScope(self.probes.set_netns_scope, log)
             log(self.scope.start())
+            for spec in self.cfg.ifaces:
+                if spec.netns and not self.scope.owns(inode_of_netns(spec.netns)):
+                    log(f"warning: --iface {spec} is in another node's namespace: its packets "
+                        "join this node's incidents, but that node's own resets and drops are "
+                        "not reported here (run nptrace in that namespace)")
         check("compile")
         if plan.tc:
             self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)

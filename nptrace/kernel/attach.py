@@ -168,7 +168,8 @@ def plan(features, cfg: Config, *, assume_unknown: bool = False) -> Plan:
                  "the node's devices, chosen at start and followed")
         choices.append(Choice(tc_names, "tc clsact", True, f"{where}; tc mode {mode}"))
     else:
-        choices.append(Choice(tc_names, "tc clsact", False, "--iface none"))
+        choices.append(Choice(tc_names, "tc clsact", False,
+                              "--iface none: no tc programs on any interface"))
 
     # the netfilter-hook view of NATed SYNs (Linux 6.4+)
     nf = _result(features, NF_HOOK.probe)
