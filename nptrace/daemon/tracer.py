@@ -136,9 +136,9 @@ class Tracer:
             log(self.scope.start())
             for spec in self.cfg.ifaces:
                 if spec.netns and not self.scope.owns(inode_of_netns(spec.netns)):
-                    log(f"warning: --iface {spec} is in another node's namespace: its packets "
-                        "join this node's incidents, but that node's own resets and drops are "
-                        "not reported here (run nptrace in that namespace)")
+                    log(f"warning: --iface {spec} is in another node's namespace, whose "
+                        "records this node does not report: nothing seen there will show "
+                        "(run nptrace in that namespace)")
         check("compile")
         if plan.tc:
             self.probes, self.tc = attach.attach_tc(plan, self.probes, kflags, drops, log)
