@@ -494,6 +494,8 @@ class Classifier:
                     break
             if not service:
                 service = service_of(ev, ctx)
+        if not service and cause == "proxy":
+            service = ctx.removed_endpoint(ev.daddr, ev.dport)     # a rollout removed it
         if len(pending) == 1:
             ordered = (primary,) if root is None or root == primary else (root, primary)
         else:

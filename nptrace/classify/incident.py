@@ -30,6 +30,8 @@ def one_verdict(primary: Labeled, events: int, ctx: Context, nat: CtTuples | Non
             service = so(ev[8], ev[9]) or None
     else:
         service = service_of(ev, ctx)
+    if not service and primary[2] == "proxy":
+        service = ctx.removed_endpoint(ev[10], ev[11])          # a rollout removed it
     hint = primary[4]
     if "{" in hint:
         hint = fill_hint(hint, ev, iface, service)

@@ -380,6 +380,20 @@ def rule_stale_endpoint(ev, rname, history, ctx):
                 "that address on the network any more. kube-proxy's rules are stale (endpoint "
                 "deleted, sync failed or lagging). Check kube-proxy's logs and sync metrics, "
                 "and the EndpointSlice of {service}")
+    if gone and (ev.ct is None or not ev.ct.dnat):
+        # No DNAT here, and the rules no longer list the address: another node's conntrack
+        # still steers a connection it DNATed before the rollout removed this endpoint.
+        removed = ctx.removed_endpoint(ev.daddr, ev.dport)
+        if removed:
+            ep = hostport(ev.daddr, ev.dport)
+            return ("proxy", 0.8,
+                    f"{ep} was an endpoint of {removed} until the rules stopped listing it (a "
+                    "rollout), and nobody has that address any more; this packet of an "
+                    f"established connection still goes to it, from {ev.saddr}: the node that "
+                    "DNATed the connection keeps steering it by its conntrack entry, which "
+                    "kube-proxy does not flush for TCP. Drain before deleting pods (graceful "
+                    "termination, a preStop sleep longer than the clients' idle time) or flush "
+                    f"the entries on the node that DNATed: conntrack -D --dst-nat {ev.daddr}")
     return None
 
 

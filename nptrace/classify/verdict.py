@@ -150,6 +150,9 @@ class Context:
     service_of: Callable[[str, int], str | None] = lambda a, p: None
     # (addr, port) -> "ns/svc:port" when addr:port is a Service's endpoint (a pod).
     endpoint_of: Callable[[str, int], str | None] = lambda a, p: None
+    # (addr, port) -> the Service whose endpoint addr:port the node's rules stopped listing
+    # before the record's time (a rollout), or None (node/knowledge.py removed_endpoint)
+    removed_endpoint: Callable[[str, int], str | None] = lambda a, p: None
     # (addr, port) -> {"service", "no_local": [IPVS virtual servers]} when addr:port is an
     # endpoint of an externalTrafficPolicy: Local Service (NodeKnowledge.etp_local), else None.
     etp_local: Callable[[str, int], dict | None] = lambda a, p: None

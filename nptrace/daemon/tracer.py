@@ -177,6 +177,7 @@ class Tracer:
                            peer_tx_csum=names.veth_peer_tx_csum,
                            service_of=kn.service_of,
                            endpoint_of=kn.endpoint_of, etp_local=kn.etp_local,
+                           removed_endpoint=kn.removed_endpoint,
                            nf_rule=self.nft.nf_rule,
                            route_iface=kn.route_iface, nat_peer=self._nat_peer,
                            pod_of=self.pods.pod_of, pod_of_netns=self.pods.pod_of_netns)

@@ -35,6 +35,12 @@ BARRIER_S = 0.6
 # read late from the ring is labeled with the rules its packet met, not newer ones.
 HISTORY = 4
 HISTORY_NS = 30 * 10**9
+# Endpoints a namespace's rules stopped listing, kept this long: a rollout's held connections
+# are steered by another node's conntrack to a removed endpoint for as long as they live, and
+# the node that had the endpoint sees their packets fail with no DNAT of its own to explain
+# them (removed_endpoint). Bounded: the oldest go first.
+REMOVED_KEEP_NS = 15 * 60 * 10**9
+REMOVED_MAX = 4096
 # iptables-legacy announces nothing: its tables' sizes are asked of the kernel this often
 # (node/xtables.py, microseconds), and the barrier waits for a look begun after its batch.
 LEGACY_EVERY_S = 0.05
@@ -58,6 +64,7 @@ class NodeKnowledge:
         # kube-proxy that deletes its table to write it anew), unlike the pods' rule-less ones
         self._ruleful: set[int] = set()
         self._newest_ns = 0                      # the latest of those times
+        self._removed: dict[tuple[str, int], tuple[str, int]] = {}   # removed_endpoint's
         self._asof: int | None = None            # the record time lookups answer for (at())
         self._etp_memo: dict[tuple[str, int], tuple] = {}   # etp_local's answers
         self._checked: dict[int, float] = {}     # when check_changes last saw a map current
@@ -147,6 +154,8 @@ class NodeKnowledge:
         """A namespace's map in force from since_ns (under _lock): the last HISTORY kept, and
         none that stopped being in force more than HISTORY_NS before the newest began."""
         h = self._hist.setdefault(inode, [])
+        if h:
+            self._note_removed(h[-1][1], smap, since_ns)
         h.append((since_ns, smap))
         if smap:
             self._ruleful.add(inode)
@@ -154,6 +163,32 @@ class NodeKnowledge:
             del h[0]
         if since_ns > self._newest_ns:
             self._newest_ns = since_ns
+
+    def _note_removed(self, old, new, since_ns: int) -> None:
+        """Endpoints `old` listed and `new` does not, removed at since_ns (under _lock); one
+        listed again is no longer removed."""
+        before, after = _endpoint_ends(old), _endpoint_ends(new)
+        for end, service in before.items():
+            if end not in after:
+                self._removed.pop(end, None)             # re-inserted last: oldest stays first
+                self._removed[end] = (service, since_ns or time.monotonic_ns())
+        for end in after:
+            self._removed.pop(end, None)
+        while len(self._removed) > REMOVED_MAX:
+            del self._removed[next(iter(self._removed))]
+
+    def removed_endpoint(self, addr: str, port: int) -> str | None:
+        """The Service whose endpoint addr:port was until a namespace's rules stopped listing
+        it, before the record's time (at()) and within REMOVED_KEEP_NS; None when it is listed
+        now (endpoint_of answers) or never was."""
+        hit = self._removed.get((addr, port))
+        if hit is None:
+            return None
+        service, since = hit
+        now = self._asof if self._asof is not None else time.monotonic_ns()
+        if since > now or now - since > REMOVED_KEEP_NS or self.endpoint_of(addr, port):
+            return None
+        return service
 
     def at(self, ts_ns: int | None) -> None:
         """The lookups that follow answer for a record of time ts_ns (its packet's
@@ -514,6 +549,12 @@ class NodeKnowledge:
             self._routes.clear()
         self._routes[key] = (now, dev)
         return dev
+
+
+def _endpoint_ends(smap) -> dict:
+    """A map's endpoints (ServiceMap.endpoint_ends), {} for none or a map that lists none."""
+    ends = getattr(smap, "endpoint_ends", None)
+    return ends() if ends is not None else {}
 
 
 def read_conntrack() -> tuple[int, int, int] | None:

@@ -138,6 +138,10 @@ class ServiceMap:
     def __len__(self) -> int:
         return len(self._infos)
 
+    def endpoint_ends(self) -> dict[tuple[str, int], str]:
+        """{(address, port): the Service (the first of several)} of every endpoint listed."""
+        return {(h, p): names[0] for (h, p, _proto), names in self._ep.items()}
+
     def __bool__(self) -> bool:
         return bool(self._infos or self._chains or self._kp_rules or self.ipvs)
 

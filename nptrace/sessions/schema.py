@@ -301,6 +301,7 @@ LOOKUPS: dict[str, Lookup] = {
     IFACE: Lookup(Tuple(NETNS, U32), Opt(NAME), "names"),
     SERVICE: Lookup(Tuple(ADDR, PORT), Opt(NAME), "services"),
     "endpoint_of": Lookup(Tuple(ADDR, PORT), Opt(NAME)),
+    "removed_endpoint": Lookup(Tuple(ADDR, PORT), Opt(NAME)),
     "etp_local": Lookup(Tuple(ADDR, PORT),
                         Opt(Record({"service": NAME}, {"no_local": ListOf(NAME, 64)}))),
     "route_iface": Lookup(Tuple(NETNS, ADDR), Opt(NAME)),

@@ -43,13 +43,7 @@ CASES = cases(lab.scenarios())
 SCORES = []
 # Cases the lab reproduces and nptrace does not yet label right: strict, so a fix shows up as
 # a failure that asks for the entry to go.
-KNOWN_GAPS: dict = {
-    ("rollout-in-flight", "iptables", "across-nodes"):
-        "a rollout across nodes: node2's NEIGH_FAILED drops of the held connections' data are "
-        "tied to node1's NAT (the client, the Service, proxy) for about a third of them; the rest "
-        "are unknown drops at node2 (measured 7+6 proxy, 13 unknown for 20 connections, on the "
-        "real tier too: docs/k8s.md)",
-}
+KNOWN_GAPS: dict = {}
 
 
 # Cases whose score moves between runs of the same code (to be made deterministic, not

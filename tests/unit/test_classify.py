@@ -298,3 +298,17 @@ def test_an_unanswered_syn_dnated_to_another_node_says_the_loss_is_past_this_nod
     assert v.cause == "unknown"
     assert "DNATs it to 10.244.1.10:8080, reached by flannel.1" in v.hint
     assert "past this node" in v.hint
+
+
+def test_a_drop_to_an_endpoint_a_rollout_removed_is_proxy_on_the_node_that_had_it():
+    """rollout across nodes, seen on the endpoint's node: no DNAT here, the rules no longer
+    list the address, and nobody has it (NEIGH_FAILED): another node's conntrack steers it."""
+    names = {**NAMES, 70: "NEIGH_FAILED"}
+    ctx = Context(drop_name=lambda v: names.get(v, f"REASON_{v}"), rst_name=CTX.rst_name,
+                  removed_endpoint=lambda a, p: "default/web:http" if (a, p) == ("10.244.1.11", 8080) else None)
+    drop = E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=70, tcpflags=ev.TCP_ACK,
+             saddr="10.244.0.0", sport=40000, daddr="10.244.1.11", dport=8080)
+    [v] = classify([drop], ctx)
+    assert v.cause == "proxy" and "was an endpoint of default/web:http" in v.hint
+    assert "conntrack -D --dst-nat 10.244.1.11" in v.hint
+    assert [v.cause for v in classify([drop._replace(daddr="10.244.1.12")], ctx)] == ["unknown"]

@@ -111,3 +111,31 @@ def test_a_reset_is_labeled_with_the_rules_its_packet_met(monkeypatch):
     [before] = classify(reset_at(T - 5_000_000), ctx)
     assert after.cause == "proxy" and f"to {OLD}:8080" in after.hint, after.hint
     assert before.cause == "app_reset", before.hint
+
+
+def _smap(endpoints):
+    svc = Service("default", "web", "http", 80, "10.96.0.10", node_port=30080,
+                  endpoints=tuple(Endpoint(ip, 8080, "node2") for ip in endpoints))
+    return parse_iptables_restore(render_iptables([svc], "node2", "10.244.0.0/16"))
+
+
+def test_the_node_remembers_the_endpoints_a_rollout_removed():
+    """node/knowledge.py removed_endpoint: what a namespace's rules stopped listing, from when
+    they did, until it is listed again; a record older than the removal was still an endpoint's."""
+    from nptrace.node import knowledge as kmod
+    from nptrace.node.netns import Names
+    kn = kmod.NodeKnowledge.__new__(kmod.NodeKnowledge)
+    kmod.NodeKnowledge.__init__(kn, Names())
+    old, new = _smap([OLD]), _smap([NEW])
+    kn._maps = {7: (0.0, new)}
+    kn._keep(7, 0, old)
+    kn._keep(7, 1000, new)
+    kn._snapshot()
+    kn.at(2000)
+    assert kn.removed_endpoint(OLD, 8080) == "default/web:http"
+    assert kn.removed_endpoint(NEW, 8080) is None
+    kn.at(500)                       # before the rollout: it was an endpoint then
+    assert kn.removed_endpoint(OLD, 8080) is None
+    kn.at(None)
+    kn._keep(7, 3000, old)           # listed again
+    assert kn.removed_endpoint(OLD, 8080) is None
