@@ -25,11 +25,12 @@ from typing import Iterable, Iterator
 
 from nptrace import names
 from nptrace.events import IPS_DST_NAT, IPS_SRC_NAT, CtTuples, Event
+from nptrace.text import hostport
 
 from .flowkey import flow_key, flow_keys, nat_mapping, nat_peer_tuple  # noqa: F401 (flow_keys: the package's)
 from .incident import DIRECTIONS, fill_hint, make_verdict, one_verdict, pods_of, service_of, set_natmap
 from .labelmemo import LabelMemo
-from .rules import rules_for, run_rules
+from .rules import GONE_DROPS, rules_for, run_rules
 from .verdict import (EVIDENCE_ONLY, HOOKS, KIND, RANK, T_DROP, T_ICMP, T_RST_RECV, T_RST_SENT,
                       T_WIRE_ICMP, T_WIRE_RST, WEAK_CAUSES, Context, Labeled,
                       Verdict, reason_name)
@@ -89,6 +90,7 @@ class Classifier:
         self.memo: LabelMemo | None = LabelMemo() if memo_labels else None
         self._due_ns = _NEVER_VALID            # tick before any event at or after this time
         self._hs = self._hw = self._hf = None  # heads of strong, weak, flows at that tick
+        self.gone: dict[tuple, int] = {}       # endpoints a proxy incident found gone -> when
 
     # -- correlation state -------------------------------------------------------------
     def _flow_of(self, keys: list) -> tuple[Flow, bool]:
@@ -436,6 +438,42 @@ class Classifier:
         return out
 
     # -- reporting ---------------------------------------------------------------------
+    def _gone_endpoint(self, primary: Labeled, nat) -> Labeled:
+        """Across connections: an endpoint that a proxy incident found gone (host unreachable,
+        a neighbour failure) is remembered for GONE_NS; another connection DNATed to it whose
+        incident names no cause (its SYN sent again and never answered, the endpoint's node
+        rate-limiting its host-unreachable answers) is labeled by it. Returns the primary,
+        relabeled or not."""
+        ev = primary.ev
+        c = ev.ct if ev.ct is not None and ev.ct.dnat else nat
+        if c is not None and c.reply_src:
+            end = (c.reply_src, c.reply_sport)
+        elif primary.cause == "proxy":
+            end = (ev.daddr, ev.dport)           # a drop or host unreachable at the endpoint
+        else:
+            return primary
+        gone = self.gone
+        if primary.cause == "proxy":
+            if not (ev.type == T_DROP and primary.rname in GONE_DROPS) \
+                    and ev.type != T_ICMP and ev.type != T_WIRE_ICMP:
+                return primary                   # not a finding that nobody has the address
+            gone.pop(end, None)
+            gone[end] = ev.ts_ns
+            if len(gone) > 1024:
+                del gone[next(iter(gone))]
+            return primary
+        seen = gone.get(end)
+        if seen is None or not 0 <= ev.ts_ns - seen <= GONE_NS and not 0 <= seen - ev.ts_ns <= GONE_NS:
+            return primary
+        ep = hostport(end[0], end[1])
+        return Labeled(ev, primary.rname, "proxy", 0.6,
+                       f"nothing answered this connection, which this node DNATs to {ep}; "
+                       f"other connections to {ep} found no host having that address (host "
+                       "unreachable, a neighbour failure) moments before or after: the endpoint "
+                       "is gone and the rules still steer to it. Check kube-proxy's sync and "
+                       "the Service's EndpointSlice; `nptrace run` on the endpoint's node shows "
+                       "its drops")
+
     def _report(self, flow: Flow, keep_root: bool = True) -> Verdict | None:
         """The flow's open incident as a Verdict (None if it has no cause). keep_root=False
         when the flow is forgotten right after (evicted): its root cause is then never read."""
@@ -450,6 +488,8 @@ class Classifier:
             if primary.cause is None:
                 return None                      # evidence only: nothing went wrong here
             if flow.root is None:
+                if primary.cause == "unknown" or primary.cause == "proxy":
+                    primary = self._gone_endpoint(primary, flow.nat)
                 if keep_root and primary.cause not in WEAK_CAUSES:
                     flow.root = _rootless(primary)
                 return one_verdict(primary, 1 + extra, self.ctx, flow.nat)
@@ -465,6 +505,8 @@ class Classifier:
                         primary, best = l, r
             if primary is None:
                 return None
+            if flow.root is None and (primary.cause == "unknown" or primary.cause == "proxy"):
+                primary = self._gone_endpoint(primary, flow.nat)
         root = flow.root
         if root is not None:
             # The flow named its root cause in an earlier incident: what follows on the same
@@ -563,6 +605,8 @@ _TYPE_RNAMES = {t: names.type_name(t) for t in names.TYPES
 _NO_ROOTS: dict = {}
 _NEVER = float("inf")
 _NEVER_VALID = float("-inf")     # _due_ns when the noted queue heads may be stale
+# How near in time an endpoint found gone labels another connection's silence (_gone_endpoint)
+GONE_NS = 10 * 10**9
 DIRECTIONS = {T_RST_SENT: "sent", T_RST_RECV: "received", T_WIRE_RST: "forwarded"}
 _object_new = object.__new__
 

@@ -180,18 +180,20 @@ def rule_unexpected_reply(ev, rname, history, ctx):
     return None
 
 
-@applies_to(T_DROP)
+@applies_to(T_DROP, T_WIRE_RST)
 @for_reasons(T_DROP, ("NETFILTER_DROP",))
 def rule_client_answers_endpoint(ev, rname, history, ctx):
     """The node that DNATed a client's connection to an endpoint on another node sees the
     client address that endpoint directly, from the port of that connection: the endpoint's
     reply reached the client un-NATed (it left by its own node, not masqueraded), and the
     client answers it, most often with a reset. This node's conntrack knows no such
-    connection and a rule drops it INVALID (KUBE-FORWARD): the cause is the missing
-    masquerade, seen from the side that DNATed."""
-    # a reset a rule dropped (conntrack INVALID): a storm's other drops never ask the NAT map
-    # (their labels stay memoized, classify/labelmemo.py)
-    if ev.type != T_DROP or rname != "NETFILTER_DROP" or not ev.tcpflags & TCP_RST:
+    connection: a rule drops it INVALID (iptables mode's KUBE-FORWARD), or it is forwarded
+    to the pod (nftables mode). The cause is the missing masquerade, seen from the side that
+    DNATed."""
+    # a reset a rule dropped (conntrack INVALID) or one coming in: a storm's other drops and
+    # the resets it sends never ask the NAT map (their labels stay memoized, labelmemo.py)
+    if not ev.tcpflags & TCP_RST or (ev.type == T_DROP and rname != "NETFILTER_DROP") \
+            or (ev.type == T_WIRE_RST and ev.dir != D_INGRESS):
         return None
     got = nat_peer_tuple(ctx.nat_peer(ev.daddr, ev.dport, ev.saddr, ev.sport))
     if got is None or (got[0], got[1]) != (ev.saddr, ev.sport) \

@@ -282,6 +282,11 @@ def test_a_client_answering_the_endpoint_directly_is_snat_on_the_node_that_dnate
     other = E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=12, tcpflags=ev.TCP_RST,
               saddr="192.168.10.100", sport=40001, daddr="10.244.1.10", dport=8080)
     assert [v.cause for v in classify([other], ctx)] != ["snat"]
+    # nftables mode: no INVALID drop, the reset comes in on its way to the pod
+    wire = E(type=ev.EvType.WIRE_RST, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ifindex=2,
+             tcpflags=ev.TCP_RST, seq=5, saddr="192.168.10.100", sport=40000,
+             daddr="10.244.1.10", dport=8080)
+    assert [v.cause for v in classify([wire], ctx)] == ["snat"]
 
 
 def test_an_unanswered_syn_dnated_to_another_node_says_the_loss_is_past_this_node():
@@ -312,3 +317,35 @@ def test_a_drop_to_an_endpoint_a_rollout_removed_is_proxy_on_the_node_that_had_i
     assert v.cause == "proxy" and "was an endpoint of default/web:http" in v.hint
     assert "conntrack -D --dst-nat 10.244.1.11" in v.hint
     assert [v.cause for v in classify([drop._replace(daddr="10.244.1.12")], ctx)] == ["unknown"]
+
+
+def test_silence_towards_an_endpoint_found_gone_for_another_connection_is_proxy():
+    """stale-endpoint on the node that forwards: the endpoint's node answers a few of the SYNs
+    with host unreachable (rate limited); the other connections' retransmitted SYNs to the
+    same endpoint get the cause those found."""
+    nat = {40000: ("10.244.1.11", 8080), 40001: ("10.244.1.11", 8080), 40002: ("10.244.1.99", 8080)}
+
+    def nat_peer(sa, sp, da, dp):
+        if da == "192.168.10.11" and sp in nat:
+            return (*nat[sp], "10.244.0.0", sp)
+        return None
+    names = {**NAMES, 70: "NEIGH_FAILED"}
+    ctx = Context(drop_name=lambda v: names.get(v, f"R{v}"), rst_name=CTX.rst_name,
+                  nat_peer=nat_peer, hold_ns=10, max_hold_ns=10**9,
+                  service_of=lambda a, p: "default/web:http" if p == 30080 else None)
+    ct = dict(flags=ev.F_HAS_CT, ct_osrc="192.168.10.100", ct_osport=40000, ct_odst="192.168.10.11",
+              ct_odport=30080, ct_rsrc="10.244.1.11", ct_rsport=8080, ct_rdst="10.244.0.0",
+              ct_rdport=40000, ct_status=ev.IPS_DST_NAT)
+    # the first connection's SYN, freed where nobody has the endpoint's address
+    icmp = E(type=ev.EvType.DROP, hook=ev.Hook.KFREE_SKB, reason=70, ts_ns=100,
+             tcpflags=ev.TCP_SYN, saddr="192.168.10.100", sport=40000, daddr="10.244.1.11",
+             dport=8080, **ct)
+    def retx(port, ts):
+        return E(type=ev.EvType.SYN_RETX, hook=ev.Hook.TC_INGRESS, dir=ev.Dir.INGRESS, ts_ns=ts,
+                 tcpflags=ev.TCP_SYN, saddr="192.168.10.100", sport=port, daddr="192.168.10.11",
+                 dport=30080)
+    vs = classify([icmp, retx(40001, 200), retx(40002, 300)], ctx)
+    got = {v.event.sport: v for v in vs}
+    assert got[40000].cause == "proxy"
+    assert got[40001].cause == "proxy" and "found no host having that address" in got[40001].hint
+    assert got[40002].cause == "unknown"       # another endpoint: nothing known of it
