@@ -24,11 +24,13 @@ MESSAGES = {
     "rules_late": "record batches labeled before the rules view had applied an nf_tables "
                   "commit, or looked at the legacy tables, after them (the labeling barrier's "
                   "bound passed)",
+    "stop_unread": "records were still in the kernel ring when the stop's drain bound (2 s) "
+                   "passed: not labeled (about: records of packet bytes are counted as events)",
     "rules_bad_names": "nf_tables tables left out of the rules view: their names are not nft "
                        "identifiers, so nft is never given them (each said once)",
 }
 # stages that count event records (the others count messages or failures)
-RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped"})
+RECORD_STAGES = frozenset({"ring_lost", "undecodable", "recorder_dropped", "stop_unread"})
 
 
 class Ledger:

@@ -63,6 +63,7 @@ class Tracer:
         self.losses = Ledger()         # every user-space loss, for status, metrics, --json
         self.ifwatch = None            # --iface devices re-created, or chosen (node/ifwatch.py)
         self.scope = None              # one node of several: its namespaces (node/scope.py)
+        self.unread_at_stop = 0        # records left in the ring when the stop's drain ended
         self.names = None
         self.prune_every_s = 10.0      # release state of namespaces that went away
         from nptrace.daemon.sdnotify import Notifier
@@ -245,6 +246,7 @@ class Tracer:
         probes = self.probes
         w("ring_lost", lambda: probes.stats().get("lost", 0))
         w("undecodable", lambda: self.bad_records)
+        w("stop_unread", lambda: self.unread_at_stop)
         if self.recorder is not None:
             writer = self.recorder.writer
             w("recorder_dropped", lambda: writer.dropped)
@@ -537,6 +539,10 @@ class Tracer:
             deadline = time.monotonic() + 2.0
             while self._drain(0) and time.monotonic() < deadline:
                 pass
+            pending = getattr(self.reader, "pending_bytes", None)
+            if pending is not None and time.monotonic() >= deadline:
+                from nptrace.kernel.ringbuf import stride_of
+                self.unread_at_stop = pending() // stride_of(ev.SIZE)   # said as a loss
             self._emit(self.classifier.flush())
             self._count_exact(time.monotonic_ns())
             self._flush_sinks()
