@@ -38,8 +38,9 @@ compiled its BPF object (a warm start is compared; the compile stays in the data
   eth0 carried both ways. A packet is an sk_buff (GSO super-packets, as in tc_cost) and
   crosses two traced devices, cni0 and eth0; tc_cost has a program's cost beside an empty one;
 - one re-read of each kind, timed in the node's namespace by the project's own functions in a
-  process of their own: AutoIfaces' (links, addresses and routes, then choose) and the node
-  scope's (which namespaces are pods').
+  process of their own: AutoIfaces' (links, addresses and routes, then choose), the node
+  scope's look at this namespace's veths on a link announcement, and its sort (which
+  namespaces are pods'), made only when those veths changed.
 Ratios are against `--iface none`. These launches stay out of the startup section's figures:
 they start beside 200 pods, not the one veth the others watch.
 """
@@ -212,6 +213,11 @@ def rows(d: dict) -> list[Row]:
                        _ms(u["choice_s"]), f"{_ms(u.get('scope_s'))} the node scope's "
                        "re-read of the pods (every form)", "info", None, u["choice_s"],
                        u.get("scope_s")))
+    if u.get("veths_s") is not None:
+        out.append(Row("auto_ifaces", "the node scope on a link announcement: this namespace's "
+                       f"veths read, {d['pods']} pod veths (every form)", _ms(u["veths_s"]),
+                       f"{_ms(u.get('scope_s'))} the sort, made only when they changed",
+                       "info", None, u["veths_s"], u.get("scope_s")))
     return out
 
 
@@ -375,18 +381,20 @@ def _bulk(n: Nptrace, bulk, node: str, secs: float) -> dict:
 
 # One re-read of each kind, timed in the node's namespace by the project's own functions
 # (a process of its own: the tracer is a black box): AutoIfaces' (the links, addresses and
-# routes through pyroute2, then choose) and the node scope's (which namespaces are pods').
+# routes by raw rtnetlink dumps, then choose), the node scope's look at this namespace's veths
+# on a link announcement, and its sort (which namespaces are pods').
 _UNIT = """
 import json, statistics, time
 from nptrace.node.ifwatch import current_choice
-from nptrace.node.scope import pods_of_here
+from nptrace.node.scope import own_veths, pods_of_here
 def med(fn, n):
     fn()
     xs = []
     for _ in range(n):
         t0 = time.process_time(); fn(); xs.append(time.process_time() - t0)
     return statistics.median(xs)
-print(json.dumps({"choice_s": med(current_choice, 3), "scope_s": med(pods_of_here, 3)}))
+print(json.dumps({"choice_s": med(current_choice, 9), "veths_s": med(own_veths, 9),
+                  "scope_s": med(pods_of_here, 3)}))
 """
 
 

@@ -4,12 +4,13 @@ A pod restart re-creates its veth (same name, new ifindex, often a new namespace
 CNI re-creates its VXLAN device. tc filters and tcx links go with the old device, so without
 this a long-running tracer silently stops seeing the interface it was asked to watch.
 
-`IfaceWatch.poll()` runs from the tracer's loop about once a second: per watched interface,
-one in-process RTM_GETLINK dump in its namespace (node/netns.py link_names: a thread and a
-socket, no fork, no pyroute2) and a stat of the namespace file. Only on a change does it call
-the tc attachments (kernel/tc.py, through pyroute2) to attach again. A gap is reported twice:
-when the device is seen gone, and when it is back with how long tracing was off (the
-upper bound: the device may have come back up to a poll interval before it was seen).
+`IfaceWatch.poll()` runs from the tracer's loop about once a second: per namespace of the
+watched interfaces (not per interface), one in-process RTM_GETLINK dump (node/netns.py
+link_names: a thread and a socket, no fork, no pyroute2) and a stat of the namespace file.
+Only on a change does it call the tc attachments (kernel/tc.py, through pyroute2) to attach
+again. A gap is reported twice: when the device is seen gone, and when it is back with how
+long tracing was off (the upper bound: the device may have come back up to a poll interval
+before it was seen).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable
 
 from nptrace.config import IfaceSpec
 from nptrace.kernel.nsenter import host_inode, inode_of, path_of
-from nptrace.node.netns import link_names
+from nptrace.node.netns import link_names, node_devices
 
 POLL_S = 1.0
 
@@ -38,29 +39,34 @@ class Gap:
         return None if self.ended is None else self.ended - self.since
 
 
-def where_now(spec) -> tuple[int, int] | None:
-    """(netns inode, ifindex) of the interface `spec` names now, None when it is not there."""
+def where_now(spec, seen: dict | None = None) -> tuple[int, int] | None:
+    """(netns inode, ifindex) of the interface `spec` names now, None when it is not there.
+    `seen` keeps each namespace's inode and links between calls (one poll's interfaces)."""
     path = path_of(spec.netns)
-    try:
-        inode = host_inode() if path is None else inode_of(path)
-        links = link_names(path)
-    except OSError:
-        return None
-    for idx, name in links.items():
-        if name == spec.name:
-            return inode, idx
-    return None
+    ns = None if seen is None else seen.get(path)
+    if ns is None:
+        try:
+            inode = host_inode() if path is None else inode_of(path)
+            ns = inode, {name: idx for idx, name in link_names(path).items()}
+        except OSError:
+            ns = 0, {}
+        if seen is not None:
+            seen[path] = ns
+    inode, index = ns
+    idx = index.get(spec.name)
+    return None if idx is None else (inode, idx)
 
 
 class IfaceWatch:
     def __init__(self, specs, tc, log: Callable[[str], None], *, clock=time.monotonic,
-                 lookup=where_now, on_gap: Callable[[Gap], None] | None = None,
+                 lookup=None, on_gap: Callable[[Gap], None] | None = None,
                  every_s: float = POLL_S):
         self.specs = list(specs)
         self.tc = tc
         self.log = log
         self.clock = clock
-        self.lookup = lookup
+        self.lookup = lookup or self._where     # where_now: one link dump per namespace a poll
+        self._seen: dict = {}
         self.on_gap = on_gap
         self.every_s = every_s
         self.open: dict[str, Gap] = {}     # str(spec) -> the gap still open
@@ -75,6 +81,7 @@ class IfaceWatch:
         if not force and now < self._next:
             return
         self._next = now + self.every_s
+        self._seen = {}
         for spec in self.specs:
             key = str(spec)
             try:
@@ -111,22 +118,29 @@ class IfaceWatch:
                      f"not traced for {took}")
             if self.on_gap is not None:
                 self.on_gap(gap)
+        self._seen = {}
+
+    def _where(self, spec) -> tuple[int, int] | None:
+        return where_now(spec, self._seen)
 
 
-# Link, IPv4/IPv6 address and IPv4/IPv6 route announcements (RTMGRP_* of rtnetlink.h).
-_RTMGRP = 0x1 | 0x10 | 0x40 | 0x100 | 0x400
+# Announcement groups (RTMGRP_* of rtnetlink.h): links; links, IPv4/IPv6 addresses and
+# IPv4/IPv6 routes (what the automatic choice depends on).
+RTMGRP_LINK = 0x1
+RTMGRP_LINK_ADDR_ROUTE = RTMGRP_LINK | 0x10 | 0x40 | 0x100 | 0x400
 RECHECK_S = 30.0
 
 
 class LinkEvents:
-    """The kernel's link, address and route announcements in this namespace, unread until
-    asked: changed() says whether any came (or the socket overran, which means some did)."""
+    """The kernel's announcements of `groups` in this namespace (by default link, address and
+    route ones), unread until asked: changed() says whether any came (or the socket overran,
+    which means some did)."""
 
-    def __init__(self):
+    def __init__(self, groups: int = RTMGRP_LINK_ADDR_ROUTE):
         self.sock = socket.socket(socket.AF_NETLINK,
                                   socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
                                   socket.NETLINK_ROUTE)
-        self.sock.bind((0, _RTMGRP))
+        self.sock.bind((0, groups))
 
     def changed(self) -> bool:
         got = False
@@ -145,10 +159,8 @@ class LinkEvents:
 
 
 def current_choice():
-    from nptrace.kernel.netlink import Rtnl
     from nptrace.node.ifchoice import choose
-    with Rtnl(None) as r:
-        return choose(r.devices())
+    return choose(node_devices(None))
 
 
 class AutoIfaces:

@@ -123,19 +123,33 @@ RESCAN_S = 10.0
 MIN_GAP_S = 0.2
 
 
+def own_veths() -> dict[int, tuple] | None:
+    """veths(None), or None when it cannot be read (then the namespaces are sorted)."""
+    try:
+        return veths(None)
+    except OSError:
+        return None
+
+
 class NodeScope:
     """Keeps the kernel's namespace filter (bpf/npt_common.h filter_netns) at the namespaces
     that are not this node's nor its pods'. A pod's veth appearing or going here is announced
-    by the kernel (a link change): poll(), called at every turn of the tracer's loop, reads
-    the announcements (one non-blocking recv) and sorts the namespaces again at once; other
-    nodes' new namespaces are found by a rescan every RESCAN_S (until then they pass: see
-    npt_common.h)."""
+    by the kernel (a link change; addresses and routes are not asked for): poll(), called at
+    every turn of the tracer's loop, reads the announcements (one non-blocking recv) and, at
+    most every MIN_GAP_S, this namespace's veths (one link dump, 3-4 ms with 200 of them);
+    only when those differ from the last sort's are the namespaces sorted again (a sort reads
+    /proc and dumps every linked namespace's links: 50-70 ms with 200 pods). A bridge port
+    starting to forward, a device going up or down, announce a link change too and sort
+    nothing. Other nodes' new namespaces are found by a rescan every RESCAN_S (until then
+    they pass: see npt_common.h)."""
 
     def __init__(self, fill: Callable[[set[int]], int], log: Callable[[str], None], *,
-                 sort=split, events=None, clock=time.monotonic, rescan_s: float = RESCAN_S):
+                 sort=split, events=None, clock=time.monotonic, rescan_s: float = RESCAN_S,
+                 snapshot: Callable[[], dict | None] = own_veths):
         self.fill = fill
         self.log = log
         self.sort = sort
+        self.snapshot = snapshot
         self.events = events
         self.clock = clock
         self.rescan_s = rescan_s
@@ -149,12 +163,14 @@ class NodeScope:
         self.dropped = 0                   # verdicts of other nodes' namespaces keep() dropped
         self.failures = 0
         self.sorts = 0
+        self.unchanged = 0                 # announcements whose veths were the last sort's
+        self._veths: dict | None = None    # this namespace's veths when last sorted
 
     def start(self) -> str:
         if self.events is None:
-            from nptrace.node.ifwatch import LinkEvents
-            self.events = LinkEvents()
-        self._refresh(quiet=True)
+            from nptrace.node.ifwatch import RTMGRP_LINK, LinkEvents
+            self.events = LinkEvents(RTMGRP_LINK)
+        self._refresh(quiet=True, seen=self.snapshot())
         names = sorted(os.path.basename(p) if p.startswith(str(RUN_NETNS)) else str(i)
                        for i, p in self.pods.items())
         return (f"node scope: this network namespace ({self.here}) is not the initial one: "
@@ -166,11 +182,16 @@ class NodeScope:
         if self.events is not None:
             self.events.close()
 
-    def _refresh(self, quiet: bool = False) -> None:
+    def _refresh(self, quiet: bool = False, seen: dict | None = None) -> None:
+        """Sort the namespaces; `seen`: this namespace's veths, read just before (a veth
+        changed during the sort is announced, and differs at the next look)."""
         self._next = self.clock() + self.rescan_s
+        if seen is not None:
+            self._veths = seen
         try:
             pods, others = self.sort()
         except OSError as e:
+            self._veths = None
             self.failures += 1
             if self.failures <= 5:
                 self.log(f"warning: node scope: sorting the namespaces: {e}")
@@ -219,8 +240,16 @@ class NodeScope:
             changed = True
         now = self.clock()
         self._pending = self._pending or changed
-        # a churn of announcements sorts at most every MIN_GAP_S (a sort reads /proc)
-        if (self._pending and now >= self._last + MIN_GAP_S) or now >= self._next:
+        if now >= self._next:                  # the rescan: other nodes' new namespaces
             self._pending = False
             self._last = now
             self._refresh()
+        # a churn of announcements is looked at at most every MIN_GAP_S
+        elif self._pending and now >= self._last + MIN_GAP_S:
+            self._pending = False
+            self._last = now
+            veths = self.snapshot()
+            if veths is not None and veths == self._veths:
+                self.unchanged += 1
+            else:
+                self._refresh(seen=veths)

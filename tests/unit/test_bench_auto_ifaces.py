@@ -134,3 +134,12 @@ def test_status_bytes_and_the_rss_row_compares_the_anonymous_part():
     d["forms"]["auto"].update(rss=140 << 20, rss_anon=77 << 20)
     row = [r for r in ai.rows(d) if r.metric == "RSS at rest, anonymous (VmRSS): no --iface"][0]
     assert row.nptrace == "77 MiB (140 MiB)" and abs(row.ratio - 1.1) < 1e-9
+
+
+def test_the_node_scope_s_veths_row_beside_its_sort():
+    d = _data()
+    assert not any("veths read" in r.metric for r in ai.rows(d))     # older data: no row
+    d["unit"]["veths_s"] = 0.0031
+    row = [r for r in ai.rows(d) if "veths read" in r.metric][0]
+    assert row.nptrace == "3.1 ms" and row.value == 0.0031 and row.base_value == 0.06
+    assert "60.0 ms the sort, made only when they changed" == row.baseline
