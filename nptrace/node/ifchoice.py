@@ -14,7 +14,7 @@ dummy devices (kube-ipvs0 holds every ClusterIP and carries no packets); and dev
 packets do not start with an Ethernet header (IPIP, GRE, WireGuard), which nptrace's tc parser
 needs: their packets are seen encapsulated on the underlay device.
 
-`choose` is pure (tests give it devices); kernel/netlink.py Rtnl.devices reads them.
+`choose` is pure (tests give it devices); node/netns.py node_devices reads them.
 """
 from __future__ import annotations
 

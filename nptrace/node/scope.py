@@ -119,7 +119,7 @@ def pods_of_here(proc: Path = Path("/proc")) -> dict[int, str]:
     return split(proc)[0]
 
 
-RESCAN_S = 10.0
+RESCAN_S = 60.0
 MIN_GAP_S = 0.2
 
 

@@ -378,11 +378,11 @@ def test_node_scope_sorts_again_only_when_this_namespace_s_veths_changed(monkeyp
     now[0] = 2.3
     s.poll()
     assert len(sorts) == 2 and s.unchanged == 2
-    now[0] = 12.0 + 0.1                          # the rescan sorts whatever the veths say
+    now[0] = 2.0 + scope.RESCAN_S + 0.1       # the rescan sorts whatever the veths say
     s.poll()
     assert len(sorts) == 3
     s.snapshot = lambda: None                    # veths unreadable: sorted
-    s.events.pending, now[0] = True, 13.0
+    s.events.pending, now[0] = True, 3.0 + scope.RESCAN_S
     s.poll()
     assert len(sorts) == 4
 
