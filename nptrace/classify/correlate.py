@@ -451,7 +451,12 @@ class Classifier:
         elif primary.cause == "proxy":
             end = (ev.daddr, ev.dport)           # a drop or host unreachable at the endpoint
         else:
-            return primary
+            # a retransmitted SYN seen before the DNAT (the NodePort's own device): the NAT
+            # map names where it goes
+            got = nat_peer_tuple(self.ctx.nat_peer(ev.saddr, ev.sport, ev.daddr, ev.dport))
+            if got is None or (got[0], got[1]) == (ev.daddr, ev.dport):
+                return primary
+            end = (got[0], got[1])
         gone = self.gone
         if primary.cause == "proxy":
             if not (ev.type == T_DROP and primary.rname in GONE_DROPS) \

@@ -25,7 +25,8 @@ from pathlib import Path
 from .errors import LabError, NotRunnable
 from .harness import Case, trace_labs
 from .model import load_scenarios
-from .real.yardstick import Row, markdown, read_table, score, write_table, commit
+from .real.yardstick import (Row, commit, lab_namespaces, markdown, masq_ports, read_table, score,
+                             write_table)
 
 FORMS = ("node", "lab", "plain")
 
@@ -35,11 +36,13 @@ def run_case(sc, form: str, count: int) -> Row:
     row = Row("generated", backend, platform.release(), sc.name, form, sc.cause or "none")
     t0 = time.monotonic()
     try:
+        alias: dict[int, int] = {}
         done, events, _ = trace_labs([Case(sc.name, backend, observe=sc.observe)], count,
                                      settle=sc.observe, extra_args=("--max-rate", "0"),
-                                     watch=form == "lab", nodes=form == "node")
+                                     watch=form == "lab", nodes=form == "node",
+                                     after=lambda c: alias.update(masq_ports(lab_namespaces(c))))
         _, attempts, inodes = done[0]
-        score(row, sc.service, attempts, events, inodes)
+        score(row, sc.service, attempts, events, inodes, alias)
     except NotRunnable as e:
         row.error = f"not runnable: {e}"
     except (LabError, RuntimeError) as e:

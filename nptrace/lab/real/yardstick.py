@@ -9,7 +9,9 @@ Forms: ``lab``, the lab's node devices given with -i (the yardstick's form); ``p
 `nptrace run` in the root namespace with no -i; ``node``, the shipped form: one plain
 `nptrace run` in each lab node's namespace, as a node runs it (docs/shipped.md). Per case: the failed connections (the client
 saw anything but ok), how many of them every incident labels with the scenario's cause, how
-many name its Service, incidents per failed connection, and the wall time. A healthy
+many name its Service, incidents per failed connection, and the wall time. A line is about a
+connection when it shows the client's port, or a port the lab's conntrack tables say a
+masquerade gave that connection (--random-fully: the endpoint's node sees that port alone). A healthy
 scenario's row counts the incidents about its connections (there should be none).
 Exit 0 when every row is 100%, 1 otherwise, 2 when the release is not built.
 """
@@ -101,13 +103,47 @@ def _ports(e: dict) -> set[int]:
     return ports
 
 
-def score(row: Row, service: str, attempts, events, inodes: dict) -> Row:
+def lab_namespaces(case) -> list[str]:
+    """The namespaces of an up lab (its nodes' conntrack tables are among them)."""
+    from nptrace import lab
+    return list((lab.status(prefix=case.prefix) or {}).get("namespaces", []))
+
+
+def masq_ports(namespaces) -> dict[int, int]:
+    """{port a masquerade gave: the client's port} from the conntrack tables of the lab's
+    nodes (read while the lab is up). A node's tracer sees a connection another node
+    masqueraded (--random-fully picks a new port) by that port alone: the scorer ties it to its
+    client with the kernel's own table, as an SRE would with conntrack -L."""
+    out: dict[int, int] = {}
+    for ns in namespaces:
+        r = subprocess.run(["ip", "netns", "exec", ns, "conntrack", "-L", "-p", "tcp"],
+                           capture_output=True, text=True)
+        for line in r.stdout.splitlines():
+            kv = [w.split("=", 1) for w in line.split() if "=" in w]
+            vals = [v for k, v in kv if k in ("src", "dst", "sport", "dport")]
+            if len(vals) < 8:
+                continue
+            (osrc, odst, osport, _), (_, rdst, _, rdport) = vals[0:4], vals[4:8]
+            if rdst != osrc and rdport.isdigit() and osport.isdigit():
+                out[int(rdport)] = int(osport)
+    return out
+
+
+def score(row: Row, service: str, attempts, events, inodes: dict,
+          alias: dict[int, int] | None = None) -> Row:
     mine = scenario_events(attempts, events, set(inodes.values()))
+    if alias:                # a node's lines about connections another node masqueraded
+        known = {id(e) for e in mine}
+        ports = {a.sport for a in attempts}
+        mine += [e for e in events if id(e) not in known
+                 and any(alias.get(p) in ports for p in _ports(e) if p)
+                 and e.get("netns") in set(inodes.values())]
     failed = {a.sport for a in attempts if a.outcome != "ok"}
     row.connections, row.failed = len(attempts), len(failed)
     by_port: dict[int, list[dict]] = {p: [] for p in failed}
     for e in mine:
-        hit = _ports(e) & failed
+        seen = _ports(e)
+        hit = (seen | {alias[p] for p in seen if alias and p in alias}) & failed
         if not hit:
             row.stray += 1
         for p in hit:
@@ -130,12 +166,14 @@ def run_case(rel: releases.Release, mode: str, form: str, name: str, variant: st
     t0 = time.monotonic()
     try:
         observe = next(s.observe for s in load_scenarios() if s.name == name)
+        alias: dict[int, int] = {}
         done, events, _err = trace_labs([Case(name, mode, variant, observe=observe, real=True,
                                               release=rel.name)], count, settle=observe,
                                         extra_args=("--max-rate", "0"), watch=form == "lab",
-                                        nodes=form == "node")
+                                        nodes=form == "node", after=lambda c: alias.update(
+                                            masq_ports(lab_namespaces(c))))
         _, attempts, inodes = done[0]
-        score(row, service, attempts, events, inodes)
+        score(row, service, attempts, events, inodes, alias)
     except NotRunnable as e:
         row.error = f"not runnable: {e}"
     except (LabError, RuntimeError) as e:
