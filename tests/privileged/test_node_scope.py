@@ -93,3 +93,32 @@ def test_two_plain_runs_one_per_node_each_report_their_own_node(two_nodes, root_
     mine = [e for e in lines["a"] if e.get("dport") == 9 or e.get("sport") == 9]
     assert mine and all(e["cause"] == "no_listener" for e in mine), lines["a"]
     assert not [e for e in lines["b"] if 9 in (e.get("dport"), e.get("sport"))], lines["b"]
+
+
+def test_a_vxlan_device_made_after_start_is_attached_within_a_second(two_nodes, root_and_bcc, tmp_path):
+    """No --iface: the node's devices are followed; one created while tracing is attached
+    about a second after the kernel announces it, and its deletion is said."""
+    err = tmp_path / "err"
+    p = subprocess.Popen(["ip", "netns", "exec", f"{P}-a", sys.executable, "-m", "nptrace.cli",
+                          "run", "--json", "--ready-file", str(tmp_path / "ready")],
+                         stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert p.poll() is None, err.read_text()[-500:]
+            assert time.monotonic() < end, "did not attach"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        sh("ip", "-n", f"{P}-a", "link", "add", "vx9", "type", "vxlan", "id", "9", "dstport", "4789")
+        while "interface vx9 (vxlan overlay): tc programs attached" not in err.read_text():
+            assert time.monotonic() - t0 < 3, err.read_text()[-800:]
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        sh("ip", "-n", f"{P}-a", "link", "del", "vx9")
+        while "interface vx9 disappeared" not in err.read_text():
+            assert time.monotonic() - t0 < 6, err.read_text()[-800:]
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+    assert took < 2.0, took
