@@ -423,6 +423,18 @@ class Tracer:
         self._flush_sinks()
         return n
 
+    def _drain_at_stop(self, bound_s: float = 2.0, clock=time.monotonic) -> None:
+        """Drain what arrived before the stop, for a bounded time: under a reset storm the ring
+        never empties, and a stop must still stop. What the bound leaves in the ring is a loss
+        (stop_unread), said in the stop line and as a loss line, not silently dropped."""
+        deadline = clock() + bound_s
+        while self._drain(0) and clock() < deadline:
+            pass
+        pending = getattr(self.reader, "pending_bytes", None)
+        if pending is not None and clock() >= deadline:
+            from nptrace.kernel.ringbuf import stride_of
+            self.unread_at_stop = pending() // stride_of(ev.SIZE)
+
     def _take_packets(self, batch: list) -> list:
         """The event records of batch; its packet-bytes records (bpf/npt_packet.h) go to the
         sinks that take them (the pcapng one), before the events they belong to, and to the
@@ -534,15 +546,7 @@ class Tracer:
                         if hasattr(sink, "reopen"):
                             sink.reopen()
                     log("SIGHUP: reopened output files")
-            # Drain what arrived before the stop, for a bounded time: under a reset storm the
-            # ring never empties, and a stop must still stop.
-            deadline = time.monotonic() + 2.0
-            while self._drain(0) and time.monotonic() < deadline:
-                pass
-            pending = getattr(self.reader, "pending_bytes", None)
-            if pending is not None and time.monotonic() >= deadline:
-                from nptrace.kernel.ringbuf import stride_of
-                self.unread_at_stop = pending() // stride_of(ev.SIZE)   # said as a loss
+            self._drain_at_stop()
             self._emit(self.classifier.flush())
             self._count_exact(time.monotonic_ns())
             self._flush_sinks()
