@@ -100,6 +100,28 @@ static __always_inline u8 npt_kp_tcpflags(void *skb)
 	return fl;
 }
 
+/* A NATed connection's first SYN, as the NAT or IPVS hook saw it with its conntrack entry:
+ * its two tuples into conn_slots (npt_common.h npt_nat_store_pair), as the netfilter-hook
+ * program stores nf_nat's. */
+static __always_inline void npt_kp_nat_store(const struct npt_event *e)
+{
+#if NPT_NAT_VIEW
+	if (!(e->flags & NPT_F_HAS_CT) || (e->tcpflags & 0x12) != 0x02 ||
+	    !(e->ct_status & (NPT_IPS_SRC_NAT | NPT_IPS_DST_NAT)))
+		return;
+	struct npt_nat_key orig = {}, reply = {};
+	__builtin_memcpy(orig.src, e->ct_osrc, 16);
+	__builtin_memcpy(orig.dst, e->ct_odst, 16);
+	orig.sport = e->ct_osport;
+	orig.dport = e->ct_odport;
+	__builtin_memcpy(reply.src, e->ct_rsrc, 16);
+	__builtin_memcpy(reply.dst, e->ct_rdst, 16);
+	reply.sport = e->ct_rsport;
+	reply.dport = e->ct_rdport;
+	npt_nat_store_pair(&orig, &reply);
+#endif
+}
+
 /* ---- NAT ---------------------------------------------------------------------------- */
 /* The packet a NAT function was handed, if it is a SYN or RST: aux names the function,
  * aux2 its two small arguments. */
@@ -113,6 +135,9 @@ static __always_inline int npt_kp_nat_view(void *skb, u32 kfunc, u32 hi, u32 lo)
 		return 0;
 	e.aux = kfunc;
 	e.aux2 = (hi & 0xff) << 8 | (lo & 0xff);
+#if !NPT_WITH_NF_HOOK
+	npt_kp_nat_store(&e);       /* where no netfilter-hook program stores it (before 6.4) */
+#endif
 	npt_emit(&e);
 	return 0;
 }
@@ -244,6 +269,7 @@ static __always_inline int npt_kp_ipvs_ret(struct pt_regs *ctx, u32 slot)
 	if ((s->e.flags & NPT_F_HAS_CT) &&
 	    (rs[0] != od[0] || rs[1] != od[1] || s->e.ct_rsport != s->e.ct_odport))
 		s->e.ct_status |= NPT_IPS_DST_NAT;
+	npt_kp_nat_store(&s->e);    /* IPVS's NAT: no netfilter-hook program sees it as NAT */
 	npt_emit(&s->e);
 	return 0;
 }

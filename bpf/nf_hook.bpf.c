@@ -93,35 +93,8 @@ static __always_inline u8 npt_nf_tcpflags(void *skb)
 }
 
 #if NPT_NF_NAT_ONLY
-/* conn_slots, its slots and hash: npt_common.h (the storm sampler reads them too) */
-
-/* Store the pair (orig, reply) in the set of the end addr:port: into the slot of orig (tc's
- * for its SYN, or ours from an earlier packet), else over the empty or older one. */
-static __always_inline void npt_nat_store(const u8 *addr, u16 port, const struct npt_nat_key *orig,
-					  const struct npt_nat_key *reply, u64 now)
-{
-	u32 i = npt_conn_set_of(addr, port);
-	struct npt_conn_set *c = conn_slots.lookup(&i);
-	if (!c)
-		return;
-	int w;
-	if (npt_nat_key_eq(&c->way[0].key, orig)) {
-		w = 0;
-	} else if (npt_nat_key_eq(&c->way[1].key, orig)) {
-		w = 1;
-	} else {
-		w = c->way[0].syn_ns <= c->way[1].syn_ns ? 0 : 1;
-		struct npt_conn_slot *s = &c->way[w];
-		s->key = *orig;
-		s->netns = 0;       /* no SYN tc saw: tc's lookups pass it by */
-		s->syn_ns = now;
-		s->family = 0;
-		s->syns = 0;
-		s->reported = 0;
-	}
-	c->nat[w].peer = *reply;
-	c->way[w].nat = 1;
-}
+/* conn_slots, its slots, hash and store: npt_common.h (the storm sampler and the kprobes use
+ * them too) */
 
 /* skb->_nfct carries enum ip_conntrack_info in its low 3 bits (include/linux/skbuff.h
  * NFCT_INFOMASK): a connection's first packet is NEW, or RELATED for an expected one; every
@@ -220,15 +193,7 @@ static __always_inline void npt_nf_nat_record(void *skb, u8 *th)
 	__builtin_memcpy(reply.dst, t1 + NPT_OFF_nf_conntrack_tuple__dst_u3, 16);
 	reply.sport = bpf_ntohs(*(u16 *)(t1 + NPT_OFF_nf_conntrack_tuple__src_u_all));
 	reply.dport = bpf_ntohs(*(u16 *)(t1 + NPT_OFF_nf_conntrack_tuple__dst_u_all));
-	u64 now = bpf_ktime_get_ns();
-	npt_nat_store(orig.src, orig.sport, &orig, &reply, now);
-	const u64 *c = (const u64 *)orig.src, *r = (const u64 *)reply.dst;
-	if (orig.sport != reply.dport || c[0] != r[0] || c[1] != r[1])
-		npt_nat_store(reply.dst, reply.dport, &orig, &reply, now);
-	u32 zero = 0;
-	u64 *used = nat_used.lookup(&zero);
-	if (used && !*used)
-		*used = 1;
+	npt_nat_store_pair(&orig, &reply);
 #endif
 }
 #endif

@@ -100,8 +100,12 @@ static __always_inline void npt_count(struct npt_event *e)
 #ifndef NPT_NF_NAT_ONLY
 #define NPT_NF_NAT_ONLY 1
 #endif
-/* The netfilter-hook program (nf_hook.bpf.c, -DNPT_WITH_NF_HOOK) adds NAT tuples to conn_slots */
-#define NPT_NAT_VIEW (NPT_WITH_NF_HOOK && NPT_NF_NAT_ONLY)
+/* The netfilter-hook program (nf_hook.bpf.c, -DNPT_WITH_NF_HOOK) adds NAT tuples to
+ * conn_slots; so do the NAT and IPVS kprobes (kprobes.bpf.c): IPVS connections, which carry
+ * no nf_nat status the hook looks for, and every NAT where the kernel has no netfilter-hook
+ * programs (before 6.4). The node that DNATs a connection to another node then still ties
+ * the client's packets to the endpoint's (classify/rules.py). */
+#define NPT_NAT_VIEW ((NPT_WITH_NF_HOOK || NPT_WITH_KPROBES) && NPT_NF_NAT_ONLY)
 #ifndef NPT_FLOW_TABLE_SIZE
 #define NPT_FLOW_TABLE_SIZE 65536      /* slots for tc's flows (--iface) */
 #endif
@@ -204,6 +208,50 @@ static __always_inline const struct npt_nat_key *npt_nat_find(const struct npt_n
 {
 	const struct npt_nat_key *p = npt_nat_match_set(npt_conn_set_of(k->src, k->sport), k);
 	return p ? p : npt_nat_match_set(npt_conn_set_of(k->dst, k->dport), k);
+}
+
+/* Store the pair (orig, reply) in the set of the end addr:port: into the slot of orig (tc's
+ * for its SYN, or ours from an earlier packet), else over the empty or older one. */
+static __always_inline void npt_nat_store(const u8 *addr, u16 port, const struct npt_nat_key *orig,
+					  const struct npt_nat_key *reply, u64 now)
+{
+	u32 i = npt_conn_set_of(addr, port);
+	struct npt_conn_set *c = conn_slots.lookup(&i);
+	if (!c)
+		return;
+	int w;
+	if (npt_nat_key_eq(&c->way[0].key, orig)) {
+		w = 0;
+	} else if (npt_nat_key_eq(&c->way[1].key, orig)) {
+		w = 1;
+	} else {
+		w = c->way[0].syn_ns <= c->way[1].syn_ns ? 0 : 1;
+		struct npt_conn_slot *s = &c->way[w];
+		s->key = *orig;
+		s->netns = 0;       /* no SYN tc saw: tc's lookups pass it by */
+		s->syn_ns = now;
+		s->family = 0;
+		s->syns = 0;
+		s->reported = 0;
+	}
+	c->nat[w].peer = *reply;
+	c->way[w].nat = 1;
+}
+
+/* The pair in the set of the client end, and in the set of the SNAT address too when SNAT
+ * moved the client end of the reply tuple; then the flag that lets lookups start. */
+static __always_inline void npt_nat_store_pair(const struct npt_nat_key *orig,
+					       const struct npt_nat_key *reply)
+{
+	u64 now = bpf_ktime_get_ns();
+	npt_nat_store(orig->src, orig->sport, orig, reply, now);
+	const u64 *c = (const u64 *)orig->src, *r = (const u64 *)reply->dst;
+	if (orig->sport != reply->dport || c[0] != r[0] || c[1] != r[1])
+		npt_nat_store(reply->dst, reply->dport, orig, reply, now);
+	u32 zero = 0;
+	u64 *used = nat_used.lookup(&zero);
+	if (used && !*used)
+		*used = 1;
 }
 #endif /* NPT_NAT_VIEW */
 

@@ -352,7 +352,9 @@ class Tracer:
                     w(rows)
 
     def _nat_peer(self, saddr, sport, daddr, dport):
-        if self.nf_links is None or self.probes is None:
+        # filled by the netfilter-hook program, or by the NAT and IPVS kprobes (the loader
+        # answers None where the object holds no such map)
+        if self.probes is None:
             return None
         peer = self.probes.nat_peer(saddr, sport, daddr, dport)
         return list(peer) if peer else None    # lists: what msgpack gives back in replay
