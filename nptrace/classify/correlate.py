@@ -499,14 +499,16 @@ class Classifier:
                     flow.root = _rootless(primary)
                 return one_verdict(primary, 1 + extra, self.ctx, flow.nat)
         else:
-            # the labeled event of the best RANK, then the earliest (min over (rank, ts_ns),
-            # the first of equals), in one pass without a key call per event
+            # the labeled event of the best RANK, then the surest (a pod's own reset over
+            # what the wire shows of it), then the earliest (the first of equals), in one pass
+            # without a key call per event
             primary = None
             for l in pending:
                 c = l[2]
                 if c is not None:
                     r = RANK[c]
-                    if primary is None or r < best or (r == best and l[0][0] < primary[0][0]):
+                    if primary is None or r < best or (r == best and (
+                            l[3] > primary[3] or (l[3] == primary[3] and l[0][0] < primary[0][0]))):
                         primary, best = l, r
             if primary is None:
                 return None

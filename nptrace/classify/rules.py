@@ -309,8 +309,11 @@ def rule_netfilter(ev, rname, history, ctx):
     if tag == "other" and got.get("to_pod"):
         return ("policy_drop", 0.85,
                 f"a netfilter rule dropped traffic from {{saddr}} to the pod {{daddr}}:{{port}} "
-                f"({rule}). If it is a NetworkPolicy, add an ingress rule with ipBlock "
-                f"{ev.saddr}/32 (or the client range) for port {ev.dport}")
+                f"({rule}). If it is a NetworkPolicy, allow the clients it should admit on "
+                f"port {ev.dport}: {ev.saddr} is the source the pod sees, a client's own "
+                "address or, for NodePort traffic another node forwarded with masquerade, that "
+                "node's (an ipBlock for it admits every client through that node; "
+                "externalTrafficPolicy: Local keeps the clients' addresses to allow by ipBlock)")
     if tag == "other":
         return ("netfilter_reject", 0.75, f"netfilter dropped or rejected the packet at {rule}")
     return ("netfilter_reject", 0.5,
@@ -527,8 +530,9 @@ def rule_endpoint_aborted(ev, rname, history, ctx):
             f"{hostport(ev.saddr, ev.sport)}, an endpoint of {service}, reset an established "
             "connection (its reset arrives on {iface}): its application aborted it (close with "
             "unread data, SO_LINGER 0) or its pod lost the connection's state (a container "
-            "restart); not a network fault. `nptrace run` on the endpoint's node names which; "
-            "look at the app's logs and restarts")
+            "restart); not a network fault. The pod's own reset, in the evidence where it runs "
+            "on this node (else in `nptrace run` on its node), tells which; look at the app's "
+            "logs and restarts")
 
 
 @applies_to(T_RST_SENT)

@@ -195,7 +195,14 @@ class Tracer:
             from nptrace.kernel.hooks import TRACEPOINTS
             from nptrace.sinks import health
             probes = self.probes
-            self.metrics.watch_kernel(lambda: (probes.counts(), probes.stats()),
+            scope = self.scope
+
+            def counts():
+                got = probes.counts()
+                # one node of several: a namespace sorted since the kernel's filter was filled
+                # (another lab's new one) or none at all is not this node's to count
+                return got if scope is None else {k: v for k, v in got.items() if scope.owns(k[4])}
+            self.metrics.watch_kernel(lambda: (counts(), probes.stats()),
                                       iface_name=names.iface, drop_name=drops.name,
                                       rst_name=rsts.name, flows=lambda: len(self.classifier.flows),
                                       probes=lambda: health.probe_states(
@@ -337,7 +344,11 @@ class Tracer:
             return
         if self.knowledge is not None:
             self.knowledge.at(None)     # a key's label: the rules now, not a last record's
-        rows = self.exact.update(self.probes.cause_counts(), now_ns)
+        counts = self.probes.cause_counts()
+        if self.scope is not None:
+            owns = self.scope.owns
+            counts = {k: v for k, v in counts.items() if k is None or owns(k.netns)}
+        rows = self.exact.update(counts, now_ns)
         if now_ns >= self._next_idle_ns:
             # keep the bounded map for the keys in use: delete those idle for a minute
             self._next_idle_ns = now_ns + 10_000_000_000
