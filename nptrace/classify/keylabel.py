@@ -60,6 +60,10 @@ def event_of(key: CauseKey, typ: int | None = None, hook: int | None = None,
         else:
             cli, srv, sport = key.saddr, key.daddr, key.dport
         odst, oport = (key.odst, key.oport) if key.ct_bits & CK_DNAT else (srv, sport)
+        if key.ct_bits & CK_DNAT and (srv, sport) == (odst, oport):
+            # the packet's server end is the frontend (the reply, translated back): the key
+            # does not say which endpoint the connection went to
+            srv, sport = "", 0
         ct = CtTuples(cli, 0, odst, oport, srv, sport, cli, 0, status)
     fl = key.tcpflags if tcpflags is None else tcpflags
     aux = fl if t == T_RST_SENT else 0

@@ -418,8 +418,8 @@ def rule_stale_conntrack(ev, rname, history, ctx):
     address the rules no longer list as one of its Service's endpoints; either nobody has the
     address (neighbour failure, host unreachable) or a new pod has it and resets."""
     c = ev.ct
-    if c is None or not c.dnat or not c.orig_dport:
-        return None
+    if c is None or not c.dnat or not c.orig_dport or not c.reply_src:
+        return None        # no endpoint known (a cause key's translated-back reply)
     if ev.type == T_DROP:
         if rname not in GONE_DROPS:
             return None

@@ -139,3 +139,16 @@ def test_the_node_remembers_the_endpoints_a_rollout_removed():
     kn.at(None)
     kn._keep(7, 3000, old)           # listed again
     assert kn.removed_endpoint(OLD, 8080) is None
+
+
+def test_a_cause_key_of_a_reply_translated_back_is_not_taken_for_a_stale_endpoint():
+    """The reset a node sends the client for its pod (tc egress, source the NodePort again):
+    the cause key does not carry the endpoint, so the exact counts must not call it proxy."""
+    from nptrace.classify.keylabel import event_of, label_event
+    from nptrace.kernel.causekeys import CauseKey
+    key = CauseKey(type=int(ev.EvType.WIRE_RST), hook=int(ev.Hook.TC_EGRESS), reason=0,
+                   netns=1, ifindex=2, dir=int(ev.Dir.EGRESS), saddr=NODE, sport=30080,
+                   daddr=CLIENT, dport=0, family=2, flags=ev.F_HAS_CT, tcpflags=ev.TCP_RST,
+                   ct_bits=0x02, odst=NODE, oport=30080)
+    e = event_of(key)
+    assert e.ct.reply_src == "" and label_event(e, ctx_for([NEW]))[0] != "proxy"
