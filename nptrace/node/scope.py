@@ -175,7 +175,7 @@ class NodeScope:
                        for i, p in self.pods.items())
         return (f"node scope: this network namespace ({self.here}) is not the initial one: "
                 f"nptrace is one node of several on this kernel and reports its namespace and "
-                f"its {len(self.pods)} pods' ({', '.join(names) or 'none yet'}) alone, not the "
+                f"its pods' ({len(self.pods)}: {', '.join(names) or 'none yet'}) alone, not the "
                 f"{len(self.others)} other namespaces'")
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ def test_two_plain_runs_one_per_node_each_report_their_own_node(two_nodes, root_
     errs = {n: err.read_text() for n, _, _, err in procs}
     for n in ("a", "b"):
         assert "node scope:" in errs[n] and "interfaces chosen automatically" in errs[n], errs[n]
-    assert f"its 1 pods' ({P}-a-pod)" in errs["a"]
+    assert f"its pods' (1: {P}-a-pod)" in errs["a"]
     mine = [e for e in lines["a"] if e.get("dport") == 9 or e.get("sport") == 9]
     assert mine and all(e["cause"] == "no_listener" for e in mine), lines["a"]
     assert not [e for e in lines["b"] if 9 in (e.get("dport"), e.get("sport"))], lines["b"]
