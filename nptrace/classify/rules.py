@@ -472,23 +472,32 @@ def rule_no_listener(ev, rname, history, ctx):
 
 
 @applies_to(T_WIRE_RST)
-def rule_refused_by_endpoint(ev, rname, history, ctx):
-    """A reset coming in from a Service's endpoint that answers the connection attempt itself
-    (sequence number 0 with ACK: what a TCP stack sends back for a SYN, RFC 9293 3.10.7.1):
-    the endpoint's node refused it, most often nothing listening on the port. Seen on the node
-    that forwarded the SYN to a pod on another node; that node's own trace names it exactly
-    (no listener, or a reject rule)."""
-    if ev.type != T_WIRE_RST or ev.dir != D_INGRESS or ev.seq != 0 or not ev.tcpflags & TCP_ACK:
+def rule_reset_from_endpoint(ev, rname, history, ctx):
+    """A reset coming in from an endpoint the rules list, seen on the node that forwarded the
+    connection to a pod on another node; that node's own trace names it exactly. Sequence
+    number 0 with ACK answers the connection attempt itself (what a TCP stack sends back for
+    a SYN, RFC 9293 3.10.7.1): the endpoint refused it, most often nothing listening on the
+    port. Any other is the endpoint's TCP stack aborting an established connection: its
+    application's abort or a lost state, the endpoint's doing either way, not the path's."""
+    if ev.type != T_WIRE_RST or ev.dir != D_INGRESS:
         return None
     service = ctx.endpoint_of(ev.saddr, ev.sport)
     if not service:
         return None
-    return ("no_listener", 0.7,
-            f"{hostport(ev.saddr, ev.sport)}, an endpoint of {service}, refused the connection "
-            "(its reset answers the SYN, arriving on {iface}): nothing listens on that port in "
-            "the pod, or a reject rule on its node. Compare {service}'s targetPort with the port "
-            "the container listens on (ss -ltn in the pod); `nptrace run` on the endpoint's node "
-            "names which")
+    ep = hostport(ev.saddr, ev.sport)
+    if ev.seq == 0 and ev.tcpflags & TCP_ACK:
+        return ("no_listener", 0.7,
+                f"{ep}, an endpoint of {service}, refused the connection (its reset answers the "
+                "SYN, arriving on {iface}): nothing listens on that port in the pod, or a reject "
+                f"rule on its node. Compare {service}'s targetPort with the port the container "
+                "listens on (ss -ltn in the pod); `nptrace run` on the endpoint's node names "
+                "which")
+    return ("app_reset", 0.6,
+            f"{ep}, an endpoint of {service}, reset an established connection (its reset "
+            "arrives on {iface}): its application aborted it (close with unread data, SO_LINGER "
+            "0) or its pod lost the connection's state (a container restart); not a network "
+            "fault. The pod's own reset, in the evidence where it runs on this node (else in "
+            "`nptrace run` on its node), tells which; look at the app's logs and restarts")
 
 
 @applies_to(T_SYN_RETX)
@@ -512,27 +521,6 @@ def rule_unanswered_syn(ev, rname, history, ctx):
             f"is lost past this node. `nptrace run` on the node that has {got[0]} names the "
             "drop there (a NetworkPolicy, a pod that is gone); `nptrace merge` of both nodes' "
             "sessions shows the connection as one story")
-
-
-@applies_to(T_WIRE_RST)
-def rule_endpoint_aborted(ev, rname, history, ctx):
-    """A reset coming in from an endpoint the rules still list, in the middle of a
-    connection (not the answer to a SYN: rule_refused_by_endpoint's): the endpoint's TCP stack
-    aborted an established connection. Seen on the node that forwarded it to a pod on another
-    node, whose own trace tells the application's abort from a lost state; both are the
-    endpoint's doing, not the path's."""
-    if ev.type != T_WIRE_RST or ev.dir != D_INGRESS or (ev.seq == 0 and ev.tcpflags & TCP_ACK):
-        return None
-    service = ctx.endpoint_of(ev.saddr, ev.sport)
-    if not service:
-        return None
-    return ("app_reset", 0.6,
-            f"{hostport(ev.saddr, ev.sport)}, an endpoint of {service}, reset an established "
-            "connection (its reset arrives on {iface}): its application aborted it (close with "
-            "unread data, SO_LINGER 0) or its pod lost the connection's state (a container "
-            "restart); not a network fault. The pod's own reset, in the evidence where it runs "
-            "on this node (else in `nptrace run` on its node), tells which; look at the app's "
-            "logs and restarts")
 
 
 @applies_to(T_RST_SENT)
@@ -603,5 +591,5 @@ def rule_checksum(ev, rname, history, ctx):
 RULES: list[Rule] = [rule_checksum, rule_rp_filter, rule_unexpected_reply,
                      rule_client_answers_endpoint, rule_wrong_iface, rule_netfilter,
                      rule_stale_conntrack, rule_stale_endpoint, rule_lost_state, rule_no_listener,
-                     rule_refused_by_endpoint, rule_endpoint_aborted, rule_app_reset,
-                     rule_peer_reset, rule_unanswered_syn]
+                     rule_reset_from_endpoint, rule_app_reset, rule_peer_reset,
+                     rule_unanswered_syn]

@@ -14,8 +14,6 @@ every row is right, 1 otherwise, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import platform
 import sys
@@ -25,8 +23,7 @@ from pathlib import Path
 from .errors import LabError, NotRunnable
 from .harness import Case, trace_labs
 from .model import load_scenarios
-from .real.yardstick import (Row, commit, lab_namespaces, markdown, masq_ports, read_table, score,
-                             write_table)
+from .real.yardstick import Row, finish, lab_namespaces, masq_ports, rows_in_guest, score, show
 
 FORMS = ("node", "lab", "plain")
 
@@ -49,26 +46,6 @@ def run_case(sc, form: str, count: int) -> Row:
         row.error = str(e).splitlines()[0][:120]
     row.seconds = time.monotonic() - t0
     return row
-
-
-def guest_rows(kernel: str, a) -> list[Row]:
-    """The same cases run by this module inside Debian's ``kernel`` under qemu: its rows."""
-    from .kernels import CACHE, MatrixError, run_in_guest
-    out = CACHE / "runs" / f"shipped-{kernel}"
-    args = ["nptrace.lab.shipped", "--in-guest", "--rows-json", str(out / "rows.json"),
-            "--count", str(a.count), *[x for f in a.form or () for x in ("--form", f)],
-            *a.scenarios]
-    (out / "rows.json").unlink(missing_ok=True)
-    print(f"== kernel {kernel} under qemu", file=sys.stderr, flush=True)
-    try:
-        run_in_guest(kernel, " ".join(args), out)
-    except MatrixError as e:
-        return [Row("generated", "-", kernel, "-", "-", "-", error=f"not runnable: {e}")]
-    if not (out / "rows.json").exists():
-        return [Row("generated", "-", kernel, "-", "-", "-", error=f"no rows: see {out}/guest.log")]
-    keep = {f.name for f in dataclasses.fields(Row)}
-    return [Row(**{k: v for k, v in r.items() if k in keep})
-            for r in json.loads((out / "rows.json").read_text())]
 
 
 def main(argv=None) -> int:
@@ -96,23 +73,15 @@ def main(argv=None) -> int:
         prepare_guest()
     rows: list[Row] = []
     if a.kernel and not a.in_guest:
+        forms = [x for f in a.form or () for x in ("--form", f)]
         for k in a.kernel:
-            rows += guest_rows(k, a)
+            rows += rows_in_guest(k, "nptrace.lab.shipped", f"shipped-{k}",
+                                  ["--count", str(a.count), *forms, *a.scenarios])
     else:
         for name in a.scenarios or list(known):
             for form in a.form or ("node",):
-                row = run_case(known[name], form, a.count)
-                rows.append(row)
-                print("  ".join(row.cells()), flush=True)
-                for p, incs in row.examples:
-                    print(f"    port {p}: {incs}", flush=True)
-    if a.rows_json:
-        a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
-    if a.markdown:
-        write_table(a.markdown, markdown(rows, commit(), read_table(a.markdown)))
-    bad = [r for r in rows if not r.ok]
-    print(f"shipped: {len(rows) - len(bad)} passed, {len(bad)} failed", file=sys.stderr)
-    return 1 if bad else 0
+                rows.append(show(run_case(known[name], form, a.count)))
+    return finish(rows, a, "shipped")
 
 
 if __name__ == "__main__":

@@ -247,33 +247,50 @@ def main(argv=None) -> int:
                 for name, variant, expected, service, backends in cases:
                     if mode != "ipvs" and mode not in backends:
                         continue
-                    row = run_case(rel, mode, form, name, variant, expected, service, a.count)
-                    rows.append(row)
-                    print("  ".join(row.cells()), flush=True)
-                    for p, incs in row.examples:
-                        print(f"    port {p}: {incs}", flush=True)
+                    rows.append(show(run_case(rel, mode, form, name, variant, expected,
+                                              service, a.count)))
+    return finish(rows, a, "yardstick")
+
+
+def show(row: Row) -> Row:
+    """A row's line, and the incidents of up to three connections it got wrong."""
+    print("  ".join(row.cells()), flush=True)
+    for p, incs in row.examples:
+        print(f"    port {p}: {incs}", flush=True)
+    return row
+
+
+def finish(rows: list[Row], a, name: str) -> int:
+    """The rows to --rows-json (a guest's answer) and --markdown; 0 when every row is ok."""
     if a.rows_json:
         a.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     if a.markdown:
         write_table(a.markdown, markdown(rows, commit(), read_table(a.markdown)))
     bad = [r for r in rows if not r.ok]
-    print(f"yardstick: {len(rows) - len(bad)} passed, {len(bad)} failed")
+    print(f"{name}: {len(rows) - len(bad)} passed, {len(bad)} failed", file=sys.stderr)
     return 1 if bad else 0
 
 
 def guest_rows(kernel: str, a) -> list[Row]:
     """The same cases run by this module inside Debian's ``kernel`` under qemu: its rows."""
-    from ..kernels import CACHE, MatrixError, run_in_guest
-    out = CACHE / "runs" / f"real-{kernel}"
-    args = ["nptrace.lab.real.yardstick", "--in-guest", "--rows-json", str(out / "rows.json"),
-            "--count", str(a.count)]
+    args = ["--count", str(a.count)]
     for opt, vals in (("--release", a.release), ("--mode", a.mode), ("--form", a.form)):
         for v in vals or ():
             args += [opt, v]
+    return rows_in_guest(kernel, "nptrace.lab.real.yardstick", f"real-{kernel}", [*args, *a.cases])
+
+
+def rows_in_guest(kernel: str, module: str, run: str, args: list[str]) -> list[Row]:
+    """``python -m module --in-guest --rows-json ... args`` in Debian's ``kernel`` under qemu
+    (lab/kernels.py; output in its runs/``run``): the rows it wrote, or one row saying why
+    there are none."""
+    from ..kernels import CACHE, MatrixError, run_in_guest
+    out = CACHE / "runs" / run
     (out / "rows.json").unlink(missing_ok=True)
-    print(f"== kernel {kernel} under qemu: {' '.join(args[1:])}", file=sys.stderr, flush=True)
+    print(f"== kernel {kernel} under qemu: {module} {' '.join(args)}", file=sys.stderr, flush=True)
     try:
-        release, accel = run_in_guest(kernel, " ".join([*args, *a.cases]), out)
+        release, _accel = run_in_guest(
+            kernel, " ".join([module, "--in-guest", "--rows-json", str(out / "rows.json"), *args]), out)
     except MatrixError as e:
         return [Row("-", "-", kernel, "-", "-", "-", error=f"not runnable: {e}")]
     if not (out / "rows.json").exists():
@@ -283,8 +300,7 @@ def guest_rows(kernel: str, a) -> list[Row]:
     rows = []
     for d in json.loads((out / "rows.json").read_text()):
         d.pop("examples", None)
-        rows.append(Row(**d))
-        print("  ".join(rows[-1].cells()), flush=True)
+        rows.append(show(Row(**d)))
     return rows
 
 
